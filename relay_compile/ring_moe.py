@@ -1,0 +1,185 @@
+"""``ring_moe``: the functional RelayMoE block, for code that does not go through torch.compile.
+
+    y = ring_moe(x_TH, topk_ids_TK, topk_scores_TK, w1, w2, w3, group=ep_group)
+
+computes the same ``y`` as an all-to-all EP MoE block (``relay_compile.reference.a2a_moe``) without ever
+building the top-k-expanded ``[T*K, H]`` buffers: expert partitions (or token partitions) circulate around the
+EP group and each hop computes only the pairs that meet there. Differentiable to ``x``, the scores and the
+weights through the ``relaymoe`` custom ops, so it composes with torch.compile and aot_autograd.
+
+Legend: T local tokens, H hidden, K top-k, E experts in the group, E_l = E / N local experts, F FFN width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_fn
+from relay_compile.routing import ROUTINGS
+from relay_compile.runtime.ops import RingSpec, register_spec
+
+_FFN_FNS: dict[tuple[str, bool | None], ExpertFn] = {}
+_CUSTOM_FN_NAMES: dict[int, str] = {}
+
+
+def _group_name(group: dist.ProcessGroup | str | None) -> str:
+    """Name of the EP group; ``""`` (a ring of one) when torch.distributed is not initialized."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def _group_size(name: str) -> int:
+    if not name:
+        return 1
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_world_size(_resolve_process_group(name))
+
+
+def _check_routing_args(x: Tensor, topk_ids: Tensor, topk_scores: Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"ring_moe: x must be (T, H) local tokens, got shape {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"ring_moe: topk_ids must be (T, K) with T = x.shape[0] = {x.shape[0]}, got {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise ValueError(f"ring_moe: topk_ids must hold integer expert ids, got dtype {topk_ids.dtype}")
+    if topk_scores.shape != topk_ids.shape:
+        raise ValueError(
+            f"ring_moe: topk_scores must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_scores.shape)}"
+        )
+    if not topk_scores.dtype.is_floating_point:
+        raise ValueError(f"ring_moe: topk_scores must be floating point, got {topk_scores.dtype}")
+
+
+def _check_ffn_weights(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"ring_moe: activation={activation!r} is not one of {ACTIVATIONS}")
+    if w1.dim() != 3 or w1.shape[2] != x.shape[1]:
+        raise ValueError(f"ring_moe: w1 must be (E_local, F, H={x.shape[1]}), got {tuple(w1.shape)}")
+    e_l, f, h = w1.shape
+    if tuple(w2.shape) != (e_l, h, f):
+        raise ValueError(f"ring_moe: w2 must be (E_local, H, F) = {(e_l, h, f)}, got {tuple(w2.shape)}")
+    if (activation == "swiglu") != (w3 is not None):
+        raise ValueError(f"ring_moe: w3 is needed by swiglu and only by it (activation={activation!r})")
+    if w3 is not None and w3.shape != w1.shape:
+        raise ValueError(f"ring_moe: w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        if w is not None and (w.dtype != x.dtype or w.device != x.device):
+            raise ValueError(
+                f"ring_moe: {name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; they must agree"
+            )
+
+
+def _check_options(routing: str, max_hop_rows: int | None, experts_per_rank: int, group_name: str) -> None:
+    if routing not in ROUTINGS:
+        raise ValueError(f"ring_moe: routing={routing!r} is not one of {ROUTINGS}")
+    if max_hop_rows is not None and max_hop_rows < 1:
+        raise ValueError(f"ring_moe: max_hop_rows must be a positive row count or None, got {max_hop_rows}")
+    if experts_per_rank < 1:
+        raise ValueError(f"ring_moe: each rank must hold at least one expert, got {experts_per_rank}")
+
+
+def ring_moe_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_scores: Tensor,
+    weights: Sequence[Tensor],
+    *,
+    expert_fn: ExpertFn,
+    experts_per_rank: int,
+    group: dist.ProcessGroup | str | None = None,
+    routing: str = "auto",
+    overlap: bool = True,
+    remat: bool = True,
+    max_hop_rows: int | None = None,
+    name: str | None = None,
+) -> Tensor:
+    """``ring_moe`` with any expert function (``relay_compile.experts`` gives its contract).
+
+    Args:
+        weights: this rank's partition, leading dimension ``experts_per_rank`` by convention; every rank
+            passes tensors of the same shapes.
+        expert_fn: ``F(x_SH, counts_NL, splits_N, weights) -> out_SH``, called per hop (or chunk).
+        name: a stable name for ``expert_fn`` in the op's spec string (default: its qualified name).
+    """
+    _check_routing_args(x, topk_ids, topk_scores)
+    group_name = _group_name(group)
+    _check_options(routing, max_hop_rows, experts_per_rank, group_name)
+    fn_name = name or _CUSTOM_FN_NAMES.setdefault(
+        id(expert_fn), f"{getattr(expert_fn, '__qualname__', 'expert_fn')}#{len(_CUSTOM_FN_NAMES)}"
+    )
+    spec = RingSpec(
+        expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, routing=routing,
+        overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
+    )
+    key = register_spec(
+        f"{fn_name}|group={group_name}|E_l={experts_per_rank}|routing={routing}|overlap={int(overlap)}"
+        f"|remat={int(remat)}|max_hop_rows={max_hop_rows}",
+        spec,
+    )
+    return torch.ops.relaymoe.ring_moe(x, topk_ids, topk_scores, list(weights), key)
+
+
+def ring_moe(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_scores: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | str | None = None,
+    routing: str = "auto",
+    activation: Activation = "swiglu",
+    overlap: bool = True,
+    remat: bool = True,
+    max_hop_rows: int | None = None,
+    use_grouped_mm: bool | None = None,
+) -> Tensor:
+    """The RelayMoE block: ``y[t] = sum_k topk_scores[t, k] * FFN_{topk_ids[t, k]}(x[t])``.
+
+    Args:
+        x: local tokens ``(T, H)``.
+        topk_ids: global expert ids ``(T, K)``; expert ``e`` lives on group rank ``e // E_local``.
+        topk_scores: router weights ``(T, K)``.
+        w1, w3: this rank's experts ``(E_local, F, H)`` (w3 for swiglu only); w2: ``(E_local, H, F)``.
+        group: the EP group (default: the world group; none initialized: a ring of one).
+        routing: ``"expert"`` circulates weights, ``"token"`` circulates tokens, ``"auto"`` picks the one
+            with less traffic per hop, from shapes only (so every rank agrees).
+        overlap: post each hop's transfer before its compute (False: the sequential ring, for ablation).
+        remat: backward hops recompute their activations and release them (False: replay the whole block
+            first and keep every hop's activations, as whole-block checkpointing would; for ablation).
+        max_hop_rows: bound the rows of one expert call; hops with more pairs run in chunks, so peak memory
+            stops growing with tokens (None: one call per hop).
+        use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
+
+    Returns:
+        ``(T, H)`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or options that disagree (names the argument), expert count not a
+            multiple of the group size, weights that differ in shape across ranks (first call).
+        RingInputError: expert ids outside ``[0, E)`` on any rank; raised on every rank before any hop.
+    """
+    _check_routing_args(x, topk_ids, topk_scores)
+    _check_ffn_weights(x, w1, w2, w3, activation)
+    fn = _FFN_FNS.get((activation, use_grouped_mm))
+    if fn is None:
+        fn = _FFN_FNS[(activation, use_grouped_mm)] = ffn_expert_fn(activation, use_grouped_mm)
+    weights = [w1, w2] if w3 is None else [w1, w2, w3]
+    return ring_moe_experts(
+        x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group,
+        routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
+        name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
+    )

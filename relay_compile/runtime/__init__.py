@@ -1,0 +1,1 @@
+"""Runtime of the ring: custom ops, per-hop compute, P2P transport."""
