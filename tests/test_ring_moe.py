@@ -1,0 +1,153 @@
+"""``ring_moe`` against the all-to-all reference layer on real gloo process groups.
+
+Every rank runs the same cases; inputs depend on the rank, weights are slices of one seeded set, and the
+expectation is ``a2a_moe`` run on the same group (itself checked against a dense loop in test_reference.py).
+fp32 cases hold to 1e-5 relative: ring and a2a run the same per-pair math, only summation orders differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.testing._internal.common_utils import run_tests
+
+from relay_compile import RingInputError, ring_moe
+from relay_compile.reference import a2a_moe, moe_weights
+from tests.distributed import DistributedTestCase
+
+H, F, K = 16, 8, 3
+ROUTINGS = ("random", "one_expert", "one_rank", "duplicates", "uneven")
+
+
+def routed_inputs(case: str, rank: int, world: int, num_experts: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``x (T, H)``, ``topk_ids (T, K)``, ``topk_scores (T, K)`` of one routing case on one rank."""
+    gen = torch.Generator().manual_seed(seed * 97 + rank)
+    tokens = 7 + 5 * rank if case == "uneven" else 12
+    x = torch.randn(tokens, H, generator=gen)
+    scores = torch.rand(tokens, K, generator=gen)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:K] for _ in range(tokens)])
+    if case == "one_expert":  # every token's first choice is the last expert: one hop gets all of them
+        ids = torch.stack([torch.tensor([num_experts - 1, *range(K - 1)]) for _ in range(tokens)])
+    elif case == "one_rank":  # only rank 0's experts: every other hop is empty
+        e_l = num_experts // world
+        ids = torch.randint(0, e_l, (tokens, K), generator=gen)
+    elif case == "duplicates":  # all K slots on one expert: a token repeats inside one segment
+        ids = torch.full((tokens, K), num_experts // 2)
+    return x, ids, scores
+
+
+def local_weights(rank: int, e_l: int, world: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    w = moe_weights(0, H, F, e_l * world, experts=range(rank * e_l, (rank + 1) * e_l), dtype=dtype)
+    return [w["w1"], w["w2"], w["w3"]]
+
+
+def assert_close_rel(got: Tensor, want: Tensor, rel: float, msg: str = "") -> None:
+    """Elementwise within ``rel`` of the tensor's scale: entries near zero carry the rounding of the large ones."""
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale, msg=(lambda m: f"{msg}: {m}") if msg else None)
+
+
+def forward_backward(fn, x: Tensor, ids: Tensor, scores: Tensor, weights: list[Tensor], grad_seed: int, **kw):
+    """Output and gradients to ``(x, scores, *weights)`` of ``fn``, for a fixed random output gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, scores, *weights)]
+    y = fn(leaves[0], ids, leaves[1], *leaves[2:], **kw)
+    grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed)).to(y.dtype)
+    return [y.detach(), *torch.autograd.grad(y, leaves, grad_y)]
+
+
+class RingMoEMatchesAllToAll(DistributedTestCase):
+    e_l = 2
+
+    def assert_matches_a2a(self, case: str, **ring_kw) -> None:
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs(case, self.rank, world, self.e_l * world, seed=len(case))
+        weights = local_weights(self.rank, self.e_l, world)
+        want = forward_backward(a2a_moe, x, ids, scores, weights, self.rank)
+        got = forward_backward(ring_moe, x, ids, scores, weights, self.rank, **ring_kw)
+        for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
+            assert_close_rel(g, w, 1e-5, f"{case} {ring_kw} {name}")
+
+    def test_both_routings_match_a2a_for_every_routing_case_overlap_on_and_off(self) -> None:
+        self.init_pg()
+        for routing in ("expert", "token"):
+            for case in ROUTINGS:
+                for overlap in (True, False):
+                    self.assert_matches_a2a(case, routing=routing, overlap=overlap)
+
+    def test_bounded_hops_replay_sgd_steps_and_bf16_match_a2a(self) -> None:
+        self.init_pg()
+        for routing in ("expert", "token"):
+            for case in ("random", "one_expert"):
+                self.assert_matches_a2a(case, routing=routing, max_hop_rows=5)
+                self.assert_matches_a2a(case, routing=routing, remat=False, max_hop_rows=7)
+        self.check_sgd_steps_track_a2a()
+        self.check_bf16_matches_a2a_to_bf16_rounding()
+
+    def check_sgd_steps_track_a2a(self) -> None:
+        # Weights updated from the ring's gradients stay with those updated from a2a's, step after step.
+        world = dist.get_world_size()
+        for routing in ("expert", "token"):
+            w_ring = local_weights(self.rank, self.e_l, world)
+            w_a2a = [w.clone() for w in w_ring]
+            for step in range(3):
+                x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=step)
+                got = forward_backward(ring_moe, x, ids, scores, w_ring, step, routing=routing)
+                want = forward_backward(a2a_moe, x, ids, scores, w_a2a, step)
+                assert_close_rel(got[0], want[0], 1e-5, f"{routing} step {step}")
+                w_ring = [w - 0.1 * g for w, g in zip(w_ring, got[3:])]
+                w_a2a = [w - 0.1 * g for w, g in zip(w_a2a, want[3:])]
+            for a, b in zip(w_ring, w_a2a):
+                assert_close_rel(a, b, 1e-5, routing)
+
+    def check_bf16_matches_a2a_to_bf16_rounding(self) -> None:
+        # Weight gradients: the ring sums per-source bf16 partials where a2a sums inside one GEMM.
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=5)
+        weights = local_weights(self.rank, self.e_l, world, torch.bfloat16)
+        x, scores = x.bfloat16(), scores.bfloat16()
+        want = forward_backward(a2a_moe, x, ids, scores, weights, 0)
+        for routing in ("expert", "token"):
+            got = forward_backward(ring_moe, x, ids, scores, weights, 0, routing=routing)
+            for g, w in zip(got, want):
+                self.assertEqual(g.dtype, torch.bfloat16)
+                assert_close_rel(g, w, 2e-2, routing)
+
+    def test_bad_inputs_raise_on_every_rank_without_hanging(self) -> None:
+        self.init_pg()
+        self.check_bad_expert_ids_on_one_rank()
+        self.check_weights_of_different_shapes_across_ranks()
+
+    def check_bad_expert_ids_on_one_rank(self) -> None:
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=1)
+        weights = local_weights(self.rank, self.e_l, world)
+        if self.rank == world - 1:
+            ids[0, 0] = self.e_l * world
+        for routing in ("expert", "token"):
+            mine = "outside" if self.rank == world - 1 else "another rank"
+            with self.assertRaisesRegex(RingInputError, mine):
+                ring_moe(x, ids, scores, *weights, routing=routing)
+        # The group is still usable: nothing was left posted.
+        ids[0, 0] = 0
+        ring_moe(x, ids, scores, *weights, routing="expert")
+
+    def check_weights_of_different_shapes_across_ranks(self) -> None:
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=1)
+        wide = F + 4 * (self.rank == 0)
+        w = moe_weights(0, H, wide, self.e_l * world, experts=range(self.rank * self.e_l, (self.rank + 1) * self.e_l))
+        with self.assertRaisesRegex(ValueError, "weight shapes .* differ from rank"):
+            ring_moe(x, ids, scores, w["w1"], w["w2"], w["w3"], routing="expert", max_hop_rows=3)
+
+
+class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
+    e_l = 1
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+
+if __name__ == "__main__":
+    run_tests()
