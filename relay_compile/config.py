@@ -1,0 +1,49 @@
+"""Options of the relaymoe backend.
+
+Set them per call, ``torch.compile(model, backend="relaymoe", options={"routing": "token"})``, process-wide
+(``relay_compile.config.routing = "token"``, or ``with relay_compile.config.patch(routing="token"):``), or from
+the environment (``RELAYMOE_ROUTING=token``). Per-call options win over the module values, which start from the
+environment. ``relay_compile.options.resolve`` validates them: an unknown name or a bad value raises
+``ValueError`` listing the valid ones.
+
+This module holds only the values (``install_config_module`` turns each into a config entry).
+"""
+
+import sys
+
+from torch.utils._config_module import Config, install_config_module
+
+# Which side of the ring moves: "expert" circulates expert weights (tokens stay), "token" circulates tokens
+# with their routing (experts stay), "auto" picks the one with less traffic per hop from the shapes of all
+# ranks at the first call (paper Table 2), identically on every rank.
+# (Typed str, not Literal: torch config entries read from the environment must be bool or str.)
+routing: str = Config(default="auto", env_name_default="RELAYMOE_ROUTING")
+
+# Post each hop's transfer before the hop's compute and wait as late as possible. False gives the sequential
+# ring, for ablation.
+overlap: bool = Config(default=True, env_name_default="RELAYMOE_OVERLAP")
+
+# Backward hops recompute their expert activations, consume and release them within the hop. False replays
+# the whole block first and keeps every hop's activations (what checkpointing the block would do), for ablation.
+remat: bool = Config(default=True, env_name_default="RELAYMOE_REMAT")
+
+# Rows of one expert call: hops with more (token, expert) pairs run in chunks, so the block's peak memory stops
+# growing with tokens. 0 leaves hops whole. (RELAYMOE_MAX_HOP_ROWS is read by ``options.resolve``: torch
+# config entries read from the environment must be bool or str.)
+max_hop_rows: int = 0
+
+# What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
+# eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
+inner_compiler: str = Config(
+    default="inductor", env_name_default="RELAYMOE_INNER_COMPILER"
+)
+
+# Directory for debugging dumps: per compiled graph, the graph before and after each pass, the ring programs,
+# and report.json. Empty: no dumps.
+dump_dir: str = Config(default="", env_name_default="RELAYMOE_DUMP_DIR")
+
+# Run the original graph beside the rewritten one at the first call and raise if their outputs differ.
+verify: bool = Config(default=False, env_name_default="RELAYMOE_VERIFY")
+
+
+install_config_module(sys.modules[__name__])
