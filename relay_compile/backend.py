@@ -1,0 +1,208 @@
+"""The ``relaymoe`` torch.compile backend: all-to-all MoE regions become RelayMoE rings.
+
+    model = torch.compile(model, backend="relaymoe", options={"routing": "auto"})
+
+Registered through the ``torch_dynamo_backends`` entry point, so the name works without importing the
+package. Dynamo must see each MoE block whole: with data-dependent split sizes (``.tolist()``) that takes
+``torch._dynamo.config.capture_scalar_outputs = True`` (a refused region's reason says so when it is missing).
+
+Per Dynamo graph:
+
+    find_moe_regions      (passes.match)    regions + refusals, from static information only
+    rewrite_moe_region    (passes.rewrite)  each region -> one relaymoe::ring_moe call; its ring programs
+                                            (remat, overlap) are built on first use
+    inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph
+    verify                (option)          the first call also runs the original graph and compares
+
+Options are ``relay_compile.config`` values overridden per call (``relay_compile.options``). Every graph's
+report (``relay_compile.report``) goes to the log, to ``<dump_dir>/.../report.json`` with readable code of
+the graph before and after the rewrite and of the ring programs, and to ``trace_structured`` (tlparse).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._logging import trace_structured
+
+from relay_compile.options import Options, resolve
+from relay_compile.passes.match import MoERegion, RefusedRegion, find_moe_regions
+from relay_compile.passes.rewrite import rewrite_moe_region
+from relay_compile.report import BlockShape, GraphDump, GraphReport, RegionReport
+from relay_compile.ring_program import schedule_for
+from relay_compile.runtime.ops import ring_program
+
+log = logging.getLogger(__name__)
+
+# `torch._logging.set_logs(relaymoe=logging.DEBUG)` turns on this package's logs (TORCH_LOGS="+relay_compile"
+# works too: TORCH_LOGS is parsed when torch is imported, before this registration).
+torch._logging.register_log("relaymoe", "relay_compile")
+
+_GRAPH_COUNTER = itertools.count()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _size(v: Any) -> int:
+    """A size as an int (the hint of a symbolic one; 0 when it has none)."""
+    if isinstance(v, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import has_hint, hint_int
+
+        return hint_int(v) if has_hint(v) else 0
+    return int(v)
+
+
+def _value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def block_shape(region: MoERegion) -> BlockShape:
+    """Static sizes of a region, from its nodes' example values."""
+    x, ids = _value(region.x), _value(region.topk_ids)
+    weights = [_value(w) for w in region.weights]
+    hidden = _size(x.shape[1])
+    weight_elems = sum(_size(w.numel()) for w in weights) // region.experts_per_rank
+    return BlockShape(
+        tokens=_size(x.shape[0]), hidden=hidden, top_k=_size(ids.shape[1]),
+        ffn=weight_elems // max(1, hidden * len(weights)),  # F of 2-3 (F, H) matrices per expert
+        experts_per_rank=region.experts_per_rank, group_size=region.group_size,
+        elem_bytes=x.element_size(), expert_bytes=weight_elems * weights[0].element_size(),
+    )
+
+
+def _ring_programs_text(region: MoERegion, routing: str, opts: Options) -> dict[str, str]:
+    """Readable code of the region's ring programs after the passes, for the routings it may take."""
+    routings = ("expert", "token") if routing == "auto" else (routing,)
+    out = {}
+    for mode in routings:
+        for direction in ("forward", "backward"):
+            sched = schedule_for(direction, mode, region.group_size, len(region.weights))
+            out[f"ring_{mode}_{direction}.py"] = ring_program(sched, opts.overlap, opts.remat).code
+    return out
+
+
+def _inner_compiler(name: str) -> Callable:
+    if name == "eager":
+        return lambda gm, example_inputs: gm.forward
+    return torch._dynamo.lookup_backend(name)
+
+
+def _compare_outputs(got: Sequence[Any], want: Sequence[Any], graph: str) -> None:
+    """Raise if a tensor output of the rewritten graph differs from the original beyond its dtype's rounding."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            continue
+        tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
+        err = ((g.detach().float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-12)).item()
+        if not err <= tol:
+            raise RuntimeError(
+                f"relaymoe verify: output {i} of {graph} differs from the original graph: max relative error "
+                f"{err:.3e} > {tol:.0e}. Run with options={{'dump_dir': ...}} and compare the dumped graphs; "
+                "report it with the dump"
+            )
+
+
+def _verifying(compiled: Callable, original: fx.GraphModule, graph: str) -> Callable:
+    """``compiled``, whose first call also runs ``original`` on the same inputs and compares outputs."""
+    pending = [True]
+
+    def run(*args: Any) -> Any:
+        out = compiled(*args)
+        if pending:
+            pending.clear()
+            with torch.no_grad():
+                want = original(*args)
+            _compare_outputs(
+                out if isinstance(out, (list, tuple)) else [out],
+                want if isinstance(want, (list, tuple)) else [want], graph,
+            )
+            log.info("relaymoe verify: %s matches the original graph", graph)
+        return out
+
+    return run
+
+
+def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> GraphReport:
+    """Match (and with ``rewrite``, rewrite) ``gm``'s MoE regions in place; the report of what happened."""
+    report = GraphReport(graph=graph, rank=_rank(), options=dataclasses.asdict(opts))
+    dump = GraphDump(opts.dump_dir, graph, report.rank)
+    dump.write("0_dynamo_graph.py", gm.print_readable(False), header="Dynamo graph, before relaymoe")
+    # Step 1: match.
+    start = time.perf_counter()
+    regions, refused = find_moe_regions(gm)
+    report.pass_seconds["match"] = time.perf_counter() - start
+    for i, r in enumerate(refused):
+        report.regions.append(RegionReport(index=i, status="refused", anchor=r.node.name, reason=r.reason))
+    # Step 2: rewrite, one region at a time (records hold nodes of the graph being rewritten).
+    start = time.perf_counter()
+    for i, region in enumerate(regions, start=len(refused)):
+        entry = RegionReport.rewritten(
+            i, region.dispatch.name, region.group_name, block_shape(region), opts.routing, opts.max_hop_rows
+        )
+        if rewrite:
+            node = rewrite_moe_region(
+                gm, region, routing=opts.routing, overlap=opts.overlap, remat=opts.remat,
+                max_hop_rows=opts.max_hop_rows or None,
+            )
+            entry.ring_op = str(node.args[-1])
+            for name, code in _ring_programs_text(region, opts.routing, opts).items():
+                dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
+        report.regions.append(entry)
+    report.pass_seconds["rewrite"] = time.perf_counter() - start
+    if rewrite:
+        dump.write("1_rewritten_graph.py", gm.print_readable(False),
+                   header=f"after relaymoe rewrite ({report.pass_seconds['rewrite']:.3f} s)")
+    report.dumps = dump.files + ([str(dump.dir / "report.json")] if dump.dir else [])
+    dump.write("report.json", report.to_json())
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "relaymoe_report", "encoding": "json"},
+        payload_fn=report.to_json,
+    )
+    log.info("%s", report.summary())
+    return report
+
+
+def relaymoe_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
+) -> Callable:
+    """The Dynamo backend (see the module docstring)."""
+    opts = resolve(options)
+    graph = f"graph{next(_GRAPH_COUNTER)}"
+    original = copy.deepcopy(gm) if opts.verify else None
+    report = analyze(gm, opts, graph, rewrite=True)
+    compiled = _inner_compiler(opts.inner_compiler)(gm, example_inputs)
+    if original is not None and any(r.status == "rewritten" for r in report.regions):
+        return _verifying(compiled, original, graph)
+    return compiled
+
+
+def explain(model: Callable, *inputs: Any, **options: Any) -> list[GraphReport]:
+    """What ``backend="relaymoe"`` would do to ``model(*inputs)``, without rewriting or training.
+
+    Runs ``model`` once (without gradients) under Dynamo with a backend that only matches, and returns one
+    report per graph: every region found, rewritten or refused and why, the routing it would take with the
+    per-hop volumes, and the predicted per-rank peak memory of a2a and ring. ``options`` are backend options.
+    Collective calls run as in the model: call it on every rank.
+    """
+    opts = resolve(options)
+    reports: list[GraphReport] = []
+
+    def match_only(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        reports.append(analyze(gm, opts, f"explain{len(reports)}", rewrite=False))
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=match_only, fullgraph=False)(*inputs)
+    return reports
