@@ -12,7 +12,8 @@ An expert function ``F`` is the block of an all-to-all dispatcher that runs betw
 - ``weights``: the visiting partition's tensors, in the order the caller passed them.
 
 ``F`` must be a pure function of its inputs (the backward recomputes it per hop) and differentiable with
-respect to ``x_SH`` and ``weights``.
+respect to ``x_SH`` and ``weights``. It may carry a fused backward, ``F.vjp`` (see ``ExpertVJP``), which the
+ring then uses instead of autograd.
 
 Legend: S rows of a segment, H hidden, F expert FFN width, N ranks in the EP group, E_l experts per rank.
 """
@@ -27,6 +28,11 @@ import torch.nn.functional as nnf
 from torch import Tensor
 
 ExpertFn = Callable[[Tensor, Tensor, list[int], Sequence[Tensor]], Tensor]
+# ``vjp(x_SH, counts_NL, splits_N, weights, dy_SH, score_S) -> (dx_SH, d_score_S, d_weights)`` of
+# ``out_SH * score_S[:, None]``: ``dx``/``d_weights`` include the score, ``d_score = <dy, out>`` per row.
+ExpertVJP = Callable[
+    [Tensor, Tensor, list[int], Sequence[Tensor], Tensor, Tensor], tuple[Tensor, Tensor, list[Tensor]]
+]
 Activation = Literal["swiglu", "silu", "gelu"]
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "silu", "gelu")
 
@@ -44,6 +50,57 @@ def _grouped_linear(x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, count
     assert counts_E is not None
     chunks = torch.split(x_SD, counts_E)
     return torch.cat([c @ w_EOD[e].T for e, c in enumerate(chunks)], dim=0)
+
+
+def _grouped_weight_grad(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: list[int] | None) -> Tensor:
+    """``dw[e] = dy_e.T @ x_e`` over the row groups ``(E, O, I)``: the weight gradient of ``_grouped_linear``."""
+    if offsets_E is not None:
+        return torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E)
+    assert counts_E is not None
+    return torch.stack([d.t() @ x for d, x in zip(torch.split(dy_SO, counts_E), torch.split(x_SI, counts_E))])
+
+
+def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weights: Tensor):
+    """Device offsets for ``torch._grouped_mm``, or host counts for the loop over experts."""
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(x_SH, *weights)
+    if use_grouped_mm:
+        return torch.cumsum(counts_L, 0, dtype=torch.int32), None
+    return None, counts_L.tolist()  # NOTE: device-to-host sync (the loop path only)
+
+
+def expert_ffn_swiglu_vjp(
+    x_SH: Tensor, counts_L: Tensor, w1_LFH: Tensor, w2_LHF: Tensor, w3_LFH: Tensor, dy_SH: Tensor,
+    score_S: Tensor, *, use_grouped_mm: bool | None = None,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Fused backward of ``score * expert_ffn(x)`` (swiglu), recomputing only what it needs.
+
+    ``d_score = <dy, out> = <dy @ w2, act>`` per row, so the output GEMM is not recomputed: two recomputed
+    GEMMs (``h1``, ``h3``) and six gradient GEMMs, where autograd over a recomputed forward runs nine.
+
+    Returns:
+        ``dx (S, H)``, ``d_score (S,)`` fp32, ``[dw1, dw2, dw3]`` like the weights.
+    """
+    offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
+    h1_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
+    h3_SF = _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
+    sig_SF = torch.sigmoid(h1_SF)
+    silu_SF = h1_SF * sig_SF
+    act_SF = silu_SF * h3_SF
+    g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
+    d_score_S = (g_SF.float() * act_SF.float()).sum(-1)
+    score_S1 = score_S.to(dy_SH.dtype)[:, None]
+    g_SF = g_SF * score_S1
+    dw2 = _grouped_weight_grad(dy_SH * score_S1, act_SF, offsets_L, counts_host)
+    del act_SF
+    dh3_SF = g_SF * silu_SF
+    dh1_SF = g_SF * h3_SF * (sig_SF * (1 + h1_SF * (1 - sig_SF)))
+    del g_SF, h3_SF, sig_SF, silu_SF, h1_SF
+    dx_SH = _grouped_linear(dh1_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
+    dx_SH += _grouped_linear(dh3_SF, w3_LFH.transpose(-2, -1), offsets_L, counts_host)
+    dw1 = _grouped_weight_grad(dh1_SF, x_SH, offsets_L, counts_host)
+    dw3 = _grouped_weight_grad(dh3_SF, x_SH, offsets_L, counts_host)
+    return dx_SH, d_score_S, [dw1, dw2, dw3]
 
 
 def expert_ffn(
@@ -70,12 +127,7 @@ def expert_ffn(
     Returns:
         ``(S, H)``: ``w2 @ act(w1 @ x) [* (w3 @ x)]`` per row, with its own expert's weights.
     """
-    if use_grouped_mm is None:
-        use_grouped_mm = grouped_mm_supported(x_SH, w1_LFH, w2_LHF)
-    if use_grouped_mm:
-        offsets_L, counts_host = torch.cumsum(counts_L, 0, dtype=torch.int32), None
-    else:
-        offsets_L, counts_host = None, counts_L.tolist()
+    offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
     h_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
     if activation == "swiglu":
         assert w3_LFH is not None, "swiglu needs w3"
@@ -100,4 +152,12 @@ def ffn_expert_fn(activation: Activation = "swiglu", use_grouped_mm: bool | None
         )
 
     ffn.__qualname__ = f"expert_ffn[{activation}]"
+    if activation == "swiglu":
+
+        def vjp(x_SH, counts_NL, splits_N, weights, dy_SH, score_S):
+            return expert_ffn_swiglu_vjp(
+                x_SH, counts_NL.sum(0), *weights, dy_SH, score_S, use_grouped_mm=use_grouped_mm
+            )
+
+        ffn.vjp = vjp  # type: ignore[attr-defined]
     return ffn

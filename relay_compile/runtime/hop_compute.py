@@ -129,10 +129,22 @@ def segment_backward(
     x_TH: Tensor, scores_P: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
     dx_TH: Tensor, ds_P: Tensor, dw: list[Tensor],
 ) -> None:
-    """Per chunk of ``owner``'s pairs: recompute, vector-Jacobian product, accumulate, release."""
+    """Per chunk of ``owner``'s pairs: recompute, vector-Jacobian product, accumulate, release.
+
+    Uses the expert function's fused ``vjp`` where it has one, else autograd over a recomputed forward.
+    """
+    fused = getattr(cfg.expert_fn, "vjp", None)
     for c0, c1 in routing.chunks(owner, cfg.max_hop_rows):
-        chunk = _recompute_chunk(cfg, routing, owner, src, c0, c1, x_TH, weights)
-        _chunk_vjp(chunk, scores_P, dy_TH, dx_TH, ds_P, dw)
+        if fused is None:
+            _chunk_vjp(_recompute_chunk(cfg, routing, owner, src, c0, c1, x_TH, weights), scores_P, dy_TH, dx_TH,
+                       ds_P, dw)
+            continue
+        pos_C, tok_C, counts_NL, splits_N = _chunk_inputs(cfg, routing, owner, src, c0, c1)
+        dx_CH, ds_C, dws = fused(x_TH[tok_C], counts_NL, splits_N, weights, dy_TH[tok_C], scores_P[pos_C])
+        ds_P.index_copy_(0, pos_C, ds_C.to(ds_P.dtype))
+        dx_TH.index_add_(0, tok_C, dx_CH.to(dx_TH.dtype))
+        for acc, g in zip(dw, dws, strict=True):
+            acc.add_(g)
 
 
 def _fp32_zeros(tensors: Sequence[Tensor]) -> list[Tensor]:
