@@ -1,0 +1,263 @@
+"""Peak memory of a region on this rank, above the level at entry, and memory over time for figures.
+
+    with PeakMemory(x.device) as mem:
+        model(x).sum().backward()
+    print(mem.peak_bytes, mem.end_bytes)
+
+- CUDA: ``torch.cuda.reset_peak_memory_stats`` at entry, ``max_memory_allocated`` at exit (after a
+  synchronize), minus ``memory_allocated`` at entry. Exact for the caching allocator's allocated bytes.
+- CPU, ``cpu_method="profiler"`` (default, nothing to build): ``torch.profiler`` with ``profile_memory=True``
+  records every allocation and free of the CPU allocator made on the profiled thread; ``[memory]`` events
+  carry signed ``nbytes()`` (positive allocates, negative frees). Their running sum from entry, in time order,
+  is the level above entry; its maximum is the peak. Missed: frees of blocks allocated before the profiler
+  started (it warns "Memory block of unknown size"), and whatever other threads do. A gloo worker thread
+  sometimes drops the last reference to an all-to-all's buffer, freeing it unseen: the level then drifts up
+  (an upper bound). Allocations on other threads would be an under-estimate; with the reference layer over
+  gloo, the profiler's peaks matched the counting allocator's whenever no free was missed.
+- CPU, ``cpu_method="allocator"``: a counting CPU allocator (``c10::SetCPUAllocator``, built once with
+  ``load_inline``, about a minute; cached after) counts every thread's allocations exactly, like the CUDA
+  allocator's statistics. Installed process-wide on first use; blocks allocated before that are freed unseen,
+  so call ``install_counting_cpu_allocator()`` before building the model.
+
+One profiler at a time: a CPU profiler measurement cannot nest inside another, nor run under
+``torch.profiler``. CUDA and allocator measurements reset the peak: an outer one's peak is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeakMemory", "measure_peak", "memory_timeline", "install_counting_cpu_allocator", "CpuMethod"]
+
+R = TypeVar("R")
+DeviceLike = torch.device | str | int | None
+# How CPU memory is measured: "profiler" (this thread's allocator events; an upper bound when other threads
+# free) or "allocator" (the counting CPU allocator; exact, needs a C++ compiler once).
+CpuMethod = Literal["profiler", "allocator"]
+CPU_METHODS: tuple[str, ...] = ("profiler", "allocator")
+
+# ----------------------------------------------------------------------------------------------------------
+# Counting CPU allocator
+# ----------------------------------------------------------------------------------------------------------
+
+# Wraps the CPU allocator: keeps each block's size, the current total and its peak. Blocks stay "simple"
+# (context == data), so copy-on-write and raw deleters behave as before.
+_COUNTING_ALLOCATOR_CPP = r"""
+#include <torch/extension.h>
+#include <c10/core/CPUAllocator.h>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+std::mutex mu;
+std::unordered_map<void*, size_t> sizes;
+int64_t current = 0, peak = 0;
+c10::DeleterFnPtr base_deleter = nullptr;
+
+void counting_delete(void* ptr) {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = sizes.find(ptr);
+    if (it != sizes.end()) { current -= it->second; sizes.erase(it); }
+  }
+  base_deleter(ptr);
+}
+
+struct CountingAllocator final : c10::Allocator {
+  c10::Allocator* base;
+  explicit CountingAllocator(c10::Allocator* b) : base(b) {}
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr d = base->allocate(n);
+    void* ptr = d.get();
+    if (ptr == nullptr) return d;
+    TORCH_CHECK(d.get_context() == ptr && d.get_deleter() == base_deleter,
+                "counting allocator: the CPU allocator returned a block with its own context");
+    d.release_context();
+    {
+      std::lock_guard<std::mutex> g(mu);
+      sizes[ptr] = n;
+      current += n;
+      if (current > peak) peak = current;
+    }
+    return c10::DataPtr(ptr, ptr, &counting_delete, d.device());
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    base->copy_data(dest, src, count);
+  }
+};
+CountingAllocator* instance = nullptr;
+}  // namespace
+
+bool install() {
+  if (instance) return false;
+  c10::Allocator* base = c10::GetCPUAllocator();
+  base_deleter = base->raw_deleter();
+  TORCH_CHECK(base_deleter != nullptr, "counting allocator: the CPU allocator has no raw deleter");
+  instance = new CountingAllocator(base);  // never freed: its blocks may outlive any Python object
+  c10::SetCPUAllocator(instance, /*priority=*/100);
+  return true;
+}
+std::vector<int64_t> stats() { std::lock_guard<std::mutex> g(mu); return {current, peak}; }
+void reset_peak() { std::lock_guard<std::mutex> g(mu); peak = current; }
+"""
+
+_counting_allocator: Any = None
+
+
+def install_counting_cpu_allocator() -> Any:
+    """Build (once, cached by torch's extension cache) and install the counting CPU allocator; idempotent.
+
+    Returns the extension module: ``stats() -> [current_bytes, peak_bytes]``, ``reset_peak()``.
+    """
+    global _counting_allocator
+    if _counting_allocator is None:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(
+            "relay_compile_counting_cpu_allocator",
+            cpp_sources=_COUNTING_ALLOCATOR_CPP,
+            functions=["install", "stats", "reset_peak"],
+        )
+        if module.install():
+            log.info("memory: counting CPU allocator installed")
+        _counting_allocator = module
+    return _counting_allocator
+
+
+def _resolve_device(device: DeviceLike) -> torch.device:
+    """``device``, or the current CUDA device when CUDA is available, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _profiler(device: torch.device) -> profile:
+    """A memory-recording profiler for ``device``'s allocations (CUDA ones need the CUDA activity)."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities, profile_memory=True)
+
+
+def _memory_deltas(prof: profile, device: torch.device) -> list[tuple[int, int]]:
+    """``(start_ns, nbytes)`` of ``device``'s allocator events in time order; nbytes < 0 for frees."""
+    device_type = torch._C._autograd.DeviceType.CUDA if device.type == "cuda" else torch._C._autograd.DeviceType.CPU
+    deltas = []
+    for event in prof.profiler.kineto_results.events():
+        if event.name() != "[memory]" or event.device_type() != device_type:
+            continue
+        if device.type == "cuda" and event.device_index() != device.index:
+            continue
+        deltas.append((event.start_ns(), event.nbytes()))
+    deltas.sort(key=lambda d: d[0])
+    return deltas
+
+
+def _running_levels(deltas: list[tuple[int, int]]) -> list[int]:
+    """Bytes above entry after each event."""
+    levels, level = [], 0
+    for _, nbytes in deltas:
+        level += nbytes
+        levels.append(level)
+    return levels
+
+
+class PeakMemory:
+    """Context manager: ``peak_bytes`` and ``end_bytes`` allocated on ``device`` above the level at entry.
+
+    Args:
+        device: a CUDA device (allocator statistics) or the CPU; None picks the current CUDA device when CUDA
+            is available, else the CPU.
+        cpu_method: how the CPU is measured (see ``CpuMethod``).
+    """
+
+    def __init__(self, device: DeviceLike = None, cpu_method: CpuMethod = "profiler") -> None:
+        if cpu_method not in CPU_METHODS:
+            raise ValueError(f"PeakMemory: cpu_method={cpu_method!r} is not one of {CPU_METHODS}")
+        self.device = _resolve_device(device)
+        self.cpu_method = cpu_method
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self._base_bytes = 0
+        self._prof: profile | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu" and self.cpu_method == "allocator":
+            counter = install_counting_cpu_allocator()
+            counter.reset_peak()
+            self._base_bytes = counter.stats()[0]
+        elif self.device.type == "cpu":
+            self._prof = _profiler(self.device)
+            self._prof.__enter__()
+        else:
+            raise ValueError(f"PeakMemory: device {self.device} is neither 'cuda' nor 'cpu'; pass one of those")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base_bytes
+            self.end_bytes = torch.cuda.memory_allocated(self.device) - self._base_bytes
+            return
+        if self.cpu_method == "allocator":
+            current, peak = install_counting_cpu_allocator().stats()
+            self.peak_bytes, self.end_bytes = peak - self._base_bytes, current - self._base_bytes
+            return
+        assert self._prof is not None, "PeakMemory: __exit__ without __enter__"
+        self._prof.__exit__(exc_type, exc, tb)
+        levels = _running_levels(_memory_deltas(self._prof, self.device))
+        self.peak_bytes = max([0, *levels])
+        self.end_bytes = levels[-1] if levels else 0
+        self._prof = None
+        log.debug("PeakMemory(%s): peak %d B, end %d B above entry", self.device, self.peak_bytes, self.end_bytes)
+
+
+def measure_peak(
+    fn: Callable[..., R], *args: Any, device: DeviceLike = None, cpu_method: CpuMethod = "profiler", **kwargs: Any
+) -> tuple[R, int]:
+    """Run ``fn(*args, **kwargs)``; return its result and the peak bytes above entry on ``device``."""
+    with PeakMemory(device, cpu_method) as mem:
+        result = fn(*args, **kwargs)
+    return result, mem.peak_bytes
+
+
+def memory_timeline(
+    fn: Callable[..., Any], *args: Any, device: DeviceLike = None, **kwargs: Any
+) -> tuple[list[float], list[int]]:
+    """Memory on ``device`` over one run of ``fn(*args, **kwargs)``, for plots (paper Figures 4 and 7).
+
+    Profiler events on both devices (CPU: this thread's, with the caveats of ``cpu_method="profiler"``).
+
+    Returns:
+        times_s: seconds since the profiler started, one point at 0.0, then one per allocation or free.
+        bytes: allocated bytes above the level at entry after each point (a step function).
+    """
+    device = _resolve_device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with _profiler(device) as prof:
+        fn(*args, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    deltas = _memory_deltas(prof, device)
+    start_ns = prof.profiler.kineto_results.trace_start_ns()
+    times_s = [0.0] + [(t - start_ns) / 1e9 for t, _ in deltas]
+    return times_s, [0] + _running_levels(deltas)
