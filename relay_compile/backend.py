@@ -43,10 +43,6 @@ from relay_compile.runtime.ops import ring_program
 
 log = logging.getLogger(__name__)
 
-# `torch._logging.set_logs(relaymoe=logging.DEBUG)` turns on this package's logs (TORCH_LOGS="+relay_compile"
-# works too: TORCH_LOGS is parsed when torch is imported, before this registration).
-torch._logging.register_log("relaymoe", "relay_compile")
-
 _GRAPH_COUNTER = itertools.count()
 
 
@@ -147,7 +143,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     # Step 2: rewrite, one region at a time (records hold nodes of the graph being rewritten).
     start = time.perf_counter()
     for i, region in enumerate(regions, start=len(refused)):
-        entry = RegionReport.rewritten(
+        entry = RegionReport.matched(
             i, region.dispatch.name, region.group_name, block_shape(region), opts.routing, opts.max_hop_rows
         )
         if rewrite:
@@ -155,7 +151,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
                 gm, region, routing=opts.routing, overlap=opts.overlap, remat=opts.remat,
                 max_hop_rows=opts.max_hop_rows or None,
             )
-            entry.ring_op = str(node.args[-1])
+            entry.status, entry.ring_op = "rewritten", str(node.args[-1])
             for name, code in _ring_programs_text(region, opts.routing, opts).items():
                 dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
         report.regions.append(entry)

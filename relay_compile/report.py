@@ -61,7 +61,7 @@ class RegionReport:
     """One MoE region: what was found, what was decided, and the numbers behind it."""
 
     index: int
-    status: str  # "rewritten" or "refused"
+    status: str  # "rewritten", "matched" (explain: would be rewritten) or "refused"
     anchor: str  # the node the region was found at (the token all-to-all)
     reason: str = ""
     group_name: str = ""
@@ -74,14 +74,14 @@ class RegionReport:
     ring_op: str = ""
 
     @staticmethod
-    def rewritten(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
-                  max_hop_rows: int) -> RegionReport:
+    def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
+                max_hop_rows: int) -> RegionReport:
         volume_args = dict(
             tokens=shape.tokens, hidden=shape.hidden, top_k=shape.top_k,
             experts_per_rank=shape.experts_per_rank, expert_bytes=shape.expert_bytes, elem_bytes=shape.elem_bytes,
         )
         return RegionReport(
-            index=index, status="rewritten", anchor=anchor, group_name=group_name, group_size=shape.group_size,
+            index=index, status="matched", anchor=anchor, group_name=group_name, group_size=shape.group_size,
             routing_option=routing,
             routing_predicted=choose_routing(**volume_args) if routing == "auto" else routing,
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
@@ -113,7 +113,7 @@ class GraphReport:
                 continue
             peak = r.predicted_peak_bytes
             lines.append(
-                f"  region {r.index} at {r.anchor}: rewritten, EP={r.group_size}, routing {r.routing_option}"
+                f"  region {r.index} at {r.anchor}: {r.status}, EP={r.group_size}, routing {r.routing_option}"
                 f" -> {r.routing_predicted}, predicted peak a2a {peak['a2a'] / 2**20:.1f} MiB, ring "
                 f"{peak['ring'] / 2**20:.1f} MiB ({peak['a2a'] / max(1, peak['ring']):.1f}x)"
             )
