@@ -1,0 +1,443 @@
+"""Simulated expert parallelism on one device: rank 0 of an N-rank group whose peers are stand-ins.
+
+    group = standin_group(8)                     # this process is rank 0 of 8
+    y = ring_moe(x, ids, scores, w1, w2, w3, group=group)
+    y_ref = a2a_moe(x, ids, scores, w1, w2, w3, group=group)
+
+**The model: every peer is a copy of this rank.** Peers hold the same tokens, the same routing and the same
+expert weights as rank r, so every message a peer would send is one this rank can produce itself:
+
+- send/recv (ring shifts, ``batch_isend_irecv``): a receive from ``src`` takes what this rank sent to
+  ``(2r - src) mod N`` with the same tag. For a ring shift (send to r+1, receive from r-1) that is the tensor
+  just sent: the data is copied into the receive buffer, which the caller allocated as it would for a peer.
+- all-to-all: output chunk ``s`` is this rank's input chunk ``(2r - s) mod N`` (the same rule); the splits
+  must agree with it, which they do when the split sizes came from an all-to-all of counts on this group.
+- all-gather: this rank's input, N times. all-reduce: SUM multiplies by N; MAX, MIN, AVG, BAND, BOR keep
+  the value. reduce-scatter: this rank's chunk of its input (times N for SUM). broadcast, barrier: no-ops.
+
+What follows for MoE (tested in tests/test_bench.py), with E = N * E_l experts whose weights repeat this rank's
+partition (``W[e] = W_local[e mod E_l]``, the stand-in returns this rank's weights as every partition's):
+
+- ``a2a_moe`` and ``ring_moe(routing="expert")`` compute exactly ``dense_moe`` over the E experts, forward and
+  backward, with the weight gradient summed over the N copies of each partition (tied weights).
+- ``ring_moe(routing="token")`` computes ``N * Y_0``, where ``Y_0`` takes only the pairs on this rank's experts
+  (``ids < E_l``): each hop revisits this rank's own tokens with its own experts. The work per hop (about
+  ``T*K/N`` pairs under balanced routing) and the buffers are those of a real ring; the numbers are not.
+
+Memory and compute on this rank are exact; link time is not simulated (copies run on the compute stream at
+device memory bandwidth, with no overlap), there are no NCCL buffers, and routing is perfectly symmetric.
+Report link time separately from a stated model (``relay_compile.bench.single_layer``).
+
+How it is built (DESIGN.md section 6; shown on torch 2.13 CPU and torch 2.11 CUDA): a Python subclass of
+``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed from Python), registered with
+``dist.Backend.register_backend`` and started with ``init_process_group(BACKEND, rank=0, ..., store=HashStore())``.
+It keeps its group name in Python, implements the collectives under their torch 2.13 names and the older ones,
+and returns completed works, so functional collectives (which find the group by name from C++) reach it too.
+A ``FakeProcessGroup`` is attached as its C++ backend for the few paths with no Python override.
+
+Every size gets its own subgroup of one stand-in world (``dist.new_group``), cached for the process: group
+names stay unique, so per-group caches elsewhere (ring specs) never see a stale group under a reused name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict, deque
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BACKEND", "StandinGroup", "StandinError", "standin_group", "drop_pending_messages", "destroy_standin_groups",
+]
+
+# The name the stand-in backend is registered under (torch upper-cases it in its plugin table).
+BACKEND = "relaymoe_standin"
+
+# Size of the stand-in world: a namespace for subgroups only, never used for collectives itself.
+_WORLD_SIZE = 1 << 12
+
+_GROUPS: dict[int, dist.ProcessGroup] = {}
+# Group names handed out so far in this process: a restarted world continues the count (see _ensure_world).
+_names_used = 0
+
+
+class StandinError(RuntimeError):
+    """A collective the stand-in model cannot answer (for example all-to-all splits that are not symmetric)."""
+
+
+def _completed(result: Any = None) -> dist.Work:
+    fut: Future = Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class _PendingRecvWork(dist.Work):
+    """A receive posted before its matching send: completes when the send arrives; waiting earlier is a bug."""
+
+    def __init__(self, tensors: list[Tensor], src: int, tag: int) -> None:
+        super().__init__()
+        self.tensors, self.src, self.tag = tensors, src, tag
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if not self.done:
+            raise StandinError(
+                f"stand-in group: a receive from rank {self.src} (tag {self.tag}) was waited on before this rank "
+                "posted the send it mirrors; post sends before waiting (batch_isend_irecv does)"
+            )
+        return True
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        fut.set_result(self.tensors)
+        return fut
+
+
+class _PendingSendWork(dist.Work):
+    """A send posted before its matching receive. ``wait`` snapshots the data, so the sender may reuse it."""
+
+    def __init__(self, entry: list[Tensor]) -> None:
+        super().__init__()
+        self.entry = entry  # the queued message itself: emptied when a receive takes it
+        self.snapshotted = False
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self.entry and not self.snapshotted:
+            # Still unmatched: keep a private copy (costs memory only for blocking send-then-recv patterns).
+            self.entry[:] = [t.clone() for t in self.entry]
+            self.snapshotted = True
+        return True
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        fut.set_result(self.entry)
+        return fut
+
+
+def _reduce_in_place(t: Tensor, op: Any, world: int) -> None:
+    """``t`` becomes the reduction of ``world`` copies of itself."""
+    kind = getattr(op, "op", op)  # a ReduceOp object from the options, or a bare RedOpType
+    ops = dist.ReduceOp
+    if kind == ops.SUM:
+        t.mul_(world)
+    elif kind == ops.PRODUCT:
+        t.pow_(world)
+    elif kind == ops.BXOR:
+        if world % 2 == 0:
+            t.zero_()
+    elif not any(kind == keep for keep in (ops.MAX, ops.MIN, ops.AVG, ops.BAND, ops.BOR)):
+        raise StandinError(
+            f"stand-in group: reduce op {kind} is not modeled; use SUM, AVG, MAX, MIN, PRODUCT or a bitwise op"
+        )
+
+
+class StandinGroup(dist.ProcessGroup):
+    """Rank ``rank`` of a ``size``-rank group whose peers are copies of this rank (module docstring).
+
+    Each collective takes the arguments of ``torch.distributed.ProcessGroup``'s method of that name and returns
+    a completed ``Work``.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._name = ""
+        self._desc = ""
+        # (peer, tag) -> queued messages: sends waiting for the receive that mirrors them, and receives
+        # waiting for their send. A receive from src mirrors the send to (2r - src) mod N.
+        self._sends: dict[tuple[int, int], deque[list[Tensor]]] = defaultdict(deque)
+        self._recvs: dict[tuple[int, int], deque[_PendingRecvWork]] = defaultdict(deque)
+
+    # --- identity -------------------------------------------------------------------------------------
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        return f"StandinGroup(rank={self._rank}, size={self._size}, name={self._name!r})"
+
+    def drop_pending(self) -> int:
+        """Forget unmatched sends and receives (after a failure mid-transfer); how many there were."""
+        n = sum(len(q) for q in self._sends.values()) + sum(len(q) for q in self._recvs.values())
+        self._sends.clear()
+        self._recvs.clear()
+        return n
+
+    def _mirror(self, peer: int) -> int:
+        """The peer whose message to this rank equals this rank's message to ``peer``'s mirror."""
+        return (2 * self._rank - peer) % self._size
+
+    # --- point to point -------------------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def send(self, tensors: list[Tensor], dst: int, tag: int = 0) -> dist.Work:
+        key = (dst, tag)
+        if self._recvs[key]:
+            pending = self._recvs[key].popleft()
+            for out, t in zip(pending.tensors, tensors, strict=True):
+                out.copy_(t)
+            pending.done = True
+            return _completed(tensors)
+        entry = list(tensors)
+        self._sends[key].append(entry)
+        return _PendingSendWork(entry)
+
+    @torch.compiler.disable
+    def recv(self, tensors: list[Tensor], src: int, tag: int = 0) -> dist.Work:
+        key = (self._mirror(src), tag)
+        if self._sends[key]:
+            sent = self._sends[key].popleft()
+            for out, t in zip(tensors, sent, strict=True):
+                out.copy_(t)
+            sent.clear()
+            return _completed(tensors)
+        work = _PendingRecvWork(list(tensors), src, tag)
+        self._recvs[key].append(work)
+        return work
+
+    def recv_anysource(self, tensors: list[Tensor], tag: int = 0) -> dist.Work:
+        raise StandinError("stand-in group: receive from any source is not modeled; name the source rank")
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        pass
+
+    def _end_coalescing(self, device: torch.device) -> dist.Work:
+        return _completed()
+
+    # --- all-to-all -----------------------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def all_to_all_single(
+        self, output: Tensor, input: Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        n = self._size
+        out_splits = list(output_split_sizes) or [output.shape[0] // n] * n
+        in_splits = list(input_split_sizes) or [input.shape[0] // n] * n
+        mirror = [self._mirror(s) for s in range(n)]
+        if any(out_splits[s] != in_splits[mirror[s]] for s in range(n)):
+            raise StandinError(
+                f"stand-in group {self._name!r}: all-to-all output splits {out_splits} do not mirror input splits "
+                f"{in_splits} (output chunk s is input chunk (2r - s) mod N); take the output splits from an "
+                "all-to-all of the counts on this group"
+            )
+        outs = output.split(out_splits)
+        ins = input.split(in_splits)
+        for s in range(n):
+            if outs[s].numel():
+                outs[s].copy_(ins[mirror[s]])
+        return _completed([output])
+
+    alltoall_base = all_to_all_single
+
+    @torch.compiler.disable
+    def alltoall(self, output_tensors: list[Tensor], input_tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        for s, out in enumerate(output_tensors):
+            out.copy_(input_tensors[self._mirror(s)])
+        return _completed(output_tensors)
+
+    # --- gathers and reductions -----------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
+        output.view(self._size, -1).copy_(input.reshape(1, -1))
+        return _completed([output])
+
+    _allgather_base = all_gather_single
+
+    @torch.compiler.disable
+    def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self.all_gather_single(out, inp)
+        return _completed(outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    @torch.compiler.disable
+    def allgather(self, output_tensors: list[list[Tensor]], input_tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+            for out in outs:
+                out.copy_(inp)
+        return _completed(output_tensors)
+
+    @torch.compiler.disable
+    def allgather_coalesced(
+        self, output_lists: list[list[Tensor]], input_list: list[Tensor], opts: Any = None
+    ) -> dist.Work:
+        return self.allgather(output_lists, input_list, opts)
+
+    @torch.compiler.disable
+    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:
+            _reduce_in_place(t, op, self._size)
+        return _completed(tensors)
+
+    @torch.compiler.disable
+    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        return self.allreduce(tensors, opts)
+
+    @torch.compiler.disable
+    def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
+        output.copy_(input.reshape(self._size, *output.shape)[self._rank])
+        _reduce_in_place(output, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self._size)
+        return _completed([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @torch.compiler.disable
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+    ) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self.reduce_scatter_single(out, inp, opts)
+        return _completed(outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    @torch.compiler.disable
+    def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for out, inputs in zip(outputs, input_lists, strict=True):
+            out.copy_(inputs[self._rank])
+            _reduce_in_place(out, op, self._size)
+        return _completed(outputs)
+
+    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        return _completed(tensors)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return _completed()
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _attach_fake_backend(pg: StandinGroup, rank: int, size: int) -> None:
+    """C++ paths with no Python override (``*_out`` variants, coalescing) land on a ``FakeProcessGroup``."""
+    try:
+        from torch._C._distributed_c10d import FakeProcessGroup
+
+        create = getattr(FakeProcessGroup, "_create_internal", None)
+        fake = create(rank, size) if create is not None else FakeProcessGroup(rank, size)
+        for device in ("cpu", "cuda"):
+            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, fake)
+    except Exception as e:  # only a convenience: the Python overrides carry everything the bench uses
+        log.debug("stand-in group: no FakeProcessGroup backend attached: %s", e)
+
+
+def _create(store: Any, rank: int, size: int, timeout: Any) -> StandinGroup:
+    pg = StandinGroup(rank, size)
+    _attach_fake_backend(pg, rank, size)
+    return pg
+
+
+def _ensure_world() -> None:
+    """Register the backend and start the stand-in world (rank 0) once per process."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    if dist.is_initialized():
+        world = dist.group.WORLD
+        if not isinstance(world, StandinGroup):
+            raise StandinError(
+                f"standin_group: torch.distributed is already initialized with {type(world).__name__}; the stand-in "
+                "needs a process of its own (call it before init_process_group, or destroy that group first)"
+            )
+        return
+    dist.init_process_group(BACKEND, rank=0, world_size=_WORLD_SIZE, store=dist.HashStore())
+    # torch names groups by a counter that restarts with the world; caches keyed by group name (ring specs)
+    # must never meet a reused name with another size, so a restarted stand-in world continues the count.
+    world_state = dist.distributed_c10d._world
+    world_state.group_count = max(world_state.group_count, _names_used)
+
+
+def standin_group(size: int) -> dist.ProcessGroup:
+    """The stand-in EP group of ``size`` ranks in which this process is rank 0 (cached per size).
+
+    Raises:
+        ValueError: ``size`` outside ``[1, 4096]``.
+        StandinError: torch.distributed already runs another backend in this process.
+    """
+    if not 1 <= size <= _WORLD_SIZE:
+        raise ValueError(f"standin_group: size must be in [1, {_WORLD_SIZE}], got {size}")
+    group = _GROUPS.get(size)
+    if group is None:
+        _ensure_world()
+        group = dist.new_group(ranks=list(range(size)), backend=BACKEND)
+        assert isinstance(group, StandinGroup), f"standin_group: new_group returned {type(group).__name__}"
+        _GROUPS[size] = group
+        log.debug("stand-in group of %d ranks: %r", size, group)
+    return group
+
+
+def drop_pending_messages() -> int:
+    """``drop_pending`` on every stand-in group: call after an error (an out-of-memory inside a ring leaves
+    a posted send without its receive, which a later run would otherwise take). Returns how many were dropped."""
+    return sum(g.drop_pending() for g in _GROUPS.values() if isinstance(g, StandinGroup))
+
+
+def destroy_standin_groups() -> None:
+    """Tear down the stand-in world and its groups, so ``dist.is_initialized()`` is False again.
+
+    A later ``standin_group`` starts a new world whose groups get names not used before in this process.
+    """
+    global _names_used
+    if dist.is_initialized() and isinstance(dist.group.WORLD, StandinGroup):
+        _names_used = max(_names_used, dist.distributed_c10d._world.group_count)
+        dist.destroy_process_group()
+    _GROUPS.clear()
