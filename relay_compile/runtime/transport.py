@@ -84,7 +84,9 @@ def all_gather_rows(ring: RingGroup, row_R: Tensor) -> Tensor:
         return row_R[None]
     # Flat output: gloo's all-gather rejects a 2-D output tensor.
     out = row_R.new_empty(ring.size * row_R.numel())
-    dist.all_gather_into_tensor(out, row_R.contiguous(), group=ring.group)  # 2.11 has no all_gather_single
+    # all_gather_single is 2.13's name; 2.11 (our GPU machines) only has all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    gather(out, row_R.contiguous(), group=ring.group)
     return out.view(ring.size, -1)
 
 
