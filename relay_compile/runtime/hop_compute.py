@@ -12,7 +12,8 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
 
 Per chunk, forward: ``y[t] += score * F(x[t])``; backward recomputes ``F`` on the chunk, takes its
 vector-Jacobian product and releases everything before the next chunk (hop-scoped rematerialization).
-Accumulators local to a rank are fp32; accumulators that travel keep the dtype of what they accumulate.
+Accumulators keep the dtype of what they accumulate (bf16 sums like the all-to-all layer's combine and
+its autograd, at half the bytes of fp32); the per-pair score gradients are reduced in fp32.
 
 Legend: T tokens, H hidden, K top-k, P = T*K pairs, C rows of a chunk, N ranks, E experts, E_l = E / N.
 """
@@ -30,6 +31,7 @@ from relay_compile.experts import ExpertFn
 from relay_compile.routing import PairRouting
 from relay_compile.runtime.transport import RingGroup, all_gather_rows, all_reduce_max
 
+# Dtype of the per-pair score-gradient reductions (a dot product over H per pair).
 ACC_DTYPE = torch.float32
 
 
@@ -119,9 +121,7 @@ def _chunk_vjp(
             out_CH, [x_CH, *w_leaves], dy_CH * scores_P[pos_C, None].to(dy_CH.dtype), allow_unused=True
         )
     dx_TH.index_add_(0, tok_C, grads[0].to(dx_TH.dtype))
-    for acc, g in zip(dw, grads[1:], strict=True):
-        if g is not None:
-            acc.add_(g)
+    _accumulate(dw, grads[1:])
 
 
 def segment_backward(
@@ -143,12 +143,19 @@ def segment_backward(
         dx_CH, ds_C, dws = fused(x_TH[tok_C], counts_NL, splits_N, weights, dy_TH[tok_C], scores_P[pos_C])
         ds_P.index_copy_(0, pos_C, ds_C.to(ds_P.dtype))
         dx_TH.index_add_(0, tok_C, dx_CH.to(dx_TH.dtype))
-        for acc, g in zip(dw, dws, strict=True):
-            acc.add_(g)
+        _accumulate(dw, dws)
 
 
-def _fp32_zeros(tensors: Sequence[Tensor]) -> list[Tensor]:
-    return [torch.zeros(t.shape, dtype=ACC_DTYPE, device=t.device) for t in tensors]
+def _accumulate(dw: list[Tensor | None], grads: Sequence[Tensor | None]) -> None:
+    """``dw[i] += grads[i]``, where ``None`` is zero (the first chunk's gradients are taken as they are)."""
+    for i, g in enumerate(grads):
+        if g is not None:
+            dw[i] = g if dw[i] is None else dw[i].add_(g)
+
+
+def _weight_grads(dw: list[Tensor | None], weights: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The accumulated gradients in the weights' dtype; zeros for a weight no pair touched (an empty hop)."""
+    return tuple(torch.zeros_like(w) if g is None else g.to(w.dtype) for g, w in zip(dw, weights, strict=True))
 
 
 class ExpertRoutingStep:
@@ -170,9 +177,9 @@ class ExpertRoutingStep:
         _raise_if_bad(cfg, local_bad, any_bad)
         self.routing = PairRouting.build(topk_ids_TK, counts_E, counts_host, e_l)
         if grad_y_TH is None:
-            self.y_TH = torch.zeros(x_TH.shape, dtype=ACC_DTYPE, device=x_TH.device)
+            self.y_TH = torch.zeros_like(x_TH)
         else:
-            self.dx_TH = torch.zeros(x_TH.shape, dtype=ACC_DTYPE, device=x_TH.device)
+            self.dx_TH = torch.zeros_like(x_TH)
             self.ds_P = torch.zeros(self.scores_P.shape, dtype=ACC_DTYPE, device=x_TH.device)
 
     def initial_circulating(self) -> list[Tensor]:
@@ -193,13 +200,13 @@ class ExpertRoutingStep:
         return ()
 
     def backward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw = _fp32_zeros(weights)
+        dw: list[Tensor | None] = [None] * len(weights)
         assert self.grad_y_TH is not None
         segment_backward(
             self.cfg, self.routing, self._owner(hop), self.cfg.ring.rank, self.x_TH, self.scores_P, weights,
             self.grad_y_TH, self.dx_TH, self.ds_P, dw,
         )
-        return tuple(g.to(w.dtype) for g, w in zip(dw, weights, strict=True))
+        return _weight_grads(dw, weights)
 
     def recompute_hop(self, hop: int, *weights: Tensor) -> HopActivations:
         owner, rank = self._owner(hop), self.cfg.ring.rank
@@ -209,18 +216,18 @@ class ExpertRoutingStep:
         ])
 
     def vjp_hop(self, hop: int, acts: HopActivations, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw = _fp32_zeros(weights)
+        dw: list[Tensor | None] = [None] * len(weights)
         assert self.grad_y_TH is not None
         for chunk in acts.chunks:
             _chunk_vjp(chunk, self.scores_P, self.grad_y_TH, self.dx_TH, self.ds_P, dw)
         acts.chunks.clear()
-        return tuple(g.to(w.dtype) for g, w in zip(dw, weights, strict=True))
+        return _weight_grads(dw, weights)
 
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         if self.grad_y_TH is None:
-            return (self.y_TH.to(self.x_TH.dtype),)
+            return (self.y_TH,)
         ds_TK = self.ds_P.to(self.scores_P.dtype).view(self.x_TH.shape[0], -1)
-        return (self.dx_TH.to(self.x_TH.dtype), ds_TK, *trailing)
+        return (self.dx_TH, ds_TK, *trailing)
 
 
 class TokenRoutingStep:
@@ -234,7 +241,7 @@ class TokenRoutingStep:
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
         if grad_y_TH is not None:
             self.circulating.append(grad_y_TH)
-            self.dw = _fp32_zeros(weights)
+            self.dw: list[Tensor | None] = [None] * len(weights)
         self.backward = grad_y_TH is not None
         # One small collective per step: every rank learns every partition's size and per-expert counts,
         # so receive buffers and segments are sized on the host without syncing in the hop loop.
@@ -277,23 +284,23 @@ class TokenRoutingStep:
         )
 
     def forward_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> tuple[Tensor, ...]:
-        y_TH = torch.zeros(x_TH.shape, dtype=ACC_DTYPE, device=x_TH.device)
+        y_TH = torch.zeros_like(x_TH)
         segment_forward(
             self.cfg, self._routing(hop, ids_TK), self.cfg.ring.rank, self._source(hop), x_TH,
             scores_TK.reshape(-1), self.weights, y_TH,
         )
-        return (y_TH.to(x_TH.dtype),)
+        return (y_TH,)
 
     def backward_hop(
         self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
-        dx_TH = torch.zeros(x_TH.shape, dtype=ACC_DTYPE, device=x_TH.device)
+        dx_TH = torch.zeros_like(x_TH)
         ds_P = torch.zeros(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
         segment_backward(
             self.cfg, self._routing(hop, ids_TK), self.cfg.ring.rank, self._source(hop), x_TH,
             scores_TK.reshape(-1), self.weights, dy_TH, dx_TH, ds_P, self.dw,
         )
-        return dx_TH.to(x_TH.dtype), ds_P.to(scores_TK.dtype).view(scores_TK.shape)
+        return dx_TH, ds_P.to(scores_TK.dtype).view(scores_TK.shape)
 
     def recompute_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> HopActivations:
         routing, rank, src = self._routing(hop, ids_TK), self.cfg.ring.rank, self._source(hop)
@@ -305,17 +312,17 @@ class TokenRoutingStep:
     def vjp_hop(
         self, hop: int, acts: HopActivations, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
-        dx_TH = torch.zeros(x_TH.shape, dtype=ACC_DTYPE, device=x_TH.device)
+        dx_TH = torch.zeros_like(x_TH)
         ds_P = torch.zeros(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
         for chunk in acts.chunks:
             _chunk_vjp(chunk, scores_TK.reshape(-1), dy_TH, dx_TH, ds_P, self.dw)
         acts.chunks.clear()
-        return dx_TH.to(x_TH.dtype), ds_P.to(scores_TK.dtype).view(scores_TK.shape)
+        return dx_TH, ds_P.to(scores_TK.dtype).view(scores_TK.shape)
 
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         if not self.backward:
             return trailing
-        return (*trailing, *(g.to(w.dtype) for g, w in zip(self.dw, self.weights, strict=True)))
+        return (*trailing, *_weight_grads(self.dw, self.weights))
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep
