@@ -39,9 +39,7 @@ On CUDA, PeakMemory reads the caching allocator's statistics.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import math
 import os
 import queue as queue_module
@@ -51,7 +49,7 @@ import sys
 import time
 import traceback
 import unittest.mock
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # moe_transformer.py, 
 
 from moe_transformer import MoEModelConfig, MoETransformer  # noqa: E402
 
+from relay_compile.backend import compiled_reports  # noqa: E402
 from relay_compile.memory import PeakMemory, memory_timeline  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
 
@@ -245,37 +244,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _RegionReports(logging.Handler):
-    """Collects the backend's per-graph region summaries from its log (``relay_compile.backend`` logs each
-    graph's ``GraphReport.summary()`` at INFO when it compiles it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.summaries: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "MoE region(s)" in message:
-            self.summaries.append(message)
-
-    def rewritten(self) -> int:
-        """Regions rewritten over all graphs compiled so far (summary lines ``region i at n: rewritten, ...``)."""
-        return sum(": rewritten," in line for summary in self.summaries for line in summary.splitlines())
-
-    @contextlib.contextmanager
-    def attached(self) -> Iterator[_RegionReports]:
-        logger = logging.getLogger("relay_compile.backend")
-        level = logger.level
-        # INFO records must be created for the handler to see them; nothing prints them unless TORCH_LOGS asks.
-        logger.setLevel(logging.INFO)
-        logger.addHandler(self)
-        try:
-            yield self
-        finally:
-            logger.removeHandler(self)
-            logger.setLevel(level)
-
-
 def _appending(out: list[Tensor], fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], None]:
     """``fn`` that appends its result to ``out`` (``memory_timeline`` drops results)."""
     return lambda tokens: out.append(fn(tokens))
@@ -316,9 +284,11 @@ def train(rank: int, world: int, args: argparse.Namespace, device: torch.device)
     ).to(device)
 
     peak_step, timeline_step = args.steps - MEASURED_STEPS, args.steps - MEASURED_STEPS + 1
-    with _RegionReports().attached() as reports:
-        train_steps(rank, args, trainers, batch, peak_step, timeline_step, result)
-    result.regions, result.regions_rewritten = reports.summaries, reports.rewritten()
+    seen = len(compiled_reports())
+    train_steps(rank, args, trainers, batch, peak_step, timeline_step, result)
+    reports = compiled_reports()[seen:]
+    result.regions = [report.summary() for report in reports]
+    result.regions_rewritten = sum(r.status == "rewritten" for report in reports for r in report.regions)
     measure_block(rank, args, cfg, group, device, dtype, options, result)
     return result
 

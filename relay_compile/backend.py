@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch._logging import trace_structured
 
 from relay_compile.options import Options, resolve
-from relay_compile.passes.match import MoERegion, RefusedRegion, find_moe_regions
+from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.rewrite import rewrite_moe_region
 from relay_compile.report import BlockShape, GraphDump, GraphReport, RegionReport
 from relay_compile.ring_program import schedule_for
@@ -44,6 +44,13 @@ from relay_compile.runtime.ops import ring_program
 log = logging.getLogger(__name__)
 
 _GRAPH_COUNTER = itertools.count()
+# Reports of the graphs this process compiled with the backend, oldest first (``compiled_reports``).
+_REPORTS: list[GraphReport] = []
+
+
+def compiled_reports() -> list[GraphReport]:
+    """The report of every graph this process compiled with ``backend="relaymoe"``, oldest first."""
+    return list(_REPORTS)
 
 
 def _rank() -> int:
@@ -178,6 +185,7 @@ def relaymoe_backend(
     graph = f"graph{next(_GRAPH_COUNTER)}"
     original = copy.deepcopy(gm) if opts.verify else None
     report = analyze(gm, opts, graph, rewrite=True)
+    _REPORTS.append(report)
     compiled = _inner_compiler(opts.inner_compiler)(gm, example_inputs)
     if original is not None and any(r.status == "rewritten" for r in report.regions):
         return _verifying(compiled, original, graph)
