@@ -1,0 +1,272 @@
+"""rewrite: replace one matched all-to-all MoE region by one call of the ``relaymoe::ring_moe`` op.
+
+Contract:
+    Consumes a graph and one of its ``MoERegion`` records from ``find_moe_regions`` (the graph unchanged
+    since, apart from the rewrite of other regions of the same graph). Guarantees: the region's output is
+    computed by ``torch.ops.relaymoe.ring_moe.default(x, topk_ids, topk_scores, [weights], key)``, the autograd
+    boundary of the ring; every node of ``region.nodes`` is gone (both token all-to-alls, F, the counts
+    exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), nothing else is touched; the
+    graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process whose expert
+    function runs a copy of the region's F eagerly at every hop; nothing data-dependent is baked into the
+    graph, so new routings do not recompile. Raises ``ValueError`` (naming the region and node) when the record
+    no longer describes the graph or an option is invalid; never leaves a half-rewritten graph behind for
+    those (all checks run before the first mutation).
+
+Pseudo-code:
+    # Step 1: check options and that the record still describes gm.
+    # Step 2: wrap region.expert_fn as an ExpertFn; register a RingSpec under a stable key.
+    # Step 3: insert ring_moe(x, topk_ids, topk_scores, [weights], key) before the output, with a fake value.
+    # Step 4: route the output's uses to the ring; erase the region's nodes, last first.
+    # Step 5: lint, recompile, check that no node of the region is left.
+
+Legend: T tokens, H hidden, K top-k, N ranks, E_l experts per rank, S segment rows, R received rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from relay_compile.passes.match import ExpertFnBinding, MoERegion, RefusedRegion, _is_mutator, find_moe_regions
+from torch import Tensor
+
+# The module, not its names: relay_compile.runtime.ops imports this package while it initializes.
+import relay_compile.runtime.ops as _ops
+from relay_compile.routing import ROUTINGS
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RegionExpertFn", "moe_ring_pass", "region_spec_key", "rewrite_moe_region"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The expert function of a region
+# ----------------------------------------------------------------------------------------------------------
+
+
+class RegionExpertFn:
+    """The ring's ``ExpertFn`` over a region's F: ``(x_SH, counts_NL, splits_N, weights) -> out_SH``.
+
+    Maps the ring's inputs onto F's placeholders (``ExpertFnBinding``) and runs F eagerly. Split SymInts get
+    plain ints: per source from ``splits_N``, per (source, expert) from ``counts_NL`` read on the host.
+    Two adapters are equal when their F has the same code and binding, so re-registering the same region
+    (a recompile, or identical layers) reuses one spec.
+    """
+
+    def __init__(self, fn: fx.GraphModule, binding: ExpertFnBinding) -> None:
+        self.fn = fn
+        self.binding = binding
+        self.num_inputs = len(fn.graph.find_nodes(op="placeholder"))
+        # F with constants of its own (get_attr) is only equal to itself.
+        constants = () if not fn.graph.find_nodes(op="get_attr") else (id(fn),)
+        self._identity = (fn.code, binding, constants)
+        self.__qualname__ = f"RegionExpertFn[{self.digest()}]"
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self._identity).encode()).hexdigest()[:12]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RegionExpertFn) and other._identity == self._identity
+
+    def __hash__(self) -> int:
+        return hash(self._identity)
+
+    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
+        b = self.binding
+        args: list[object] = [None] * self.num_inputs
+        args[b.rows] = x_SH
+        if b.counts is not None:
+            assert b.counts_shape is not None
+            args[b.counts] = counts_NL.reshape(b.counts_shape)
+        if b.split_kind == "source":
+            for s, (pos,) in enumerate(b.splits):
+                if pos is not None:
+                    args[pos] = int(splits_N[s])
+        else:
+            counts_host = counts_NL.tolist()  # NOTE: device-to-host sync (F splits rows per (source, expert))
+            for s, row in enumerate(b.splits):
+                for e, pos in enumerate(row):
+                    if pos is not None:
+                        args[pos] = counts_host[s][e]
+        if len(weights) != len(b.weights):
+            raise ValueError(f"rewrite: {self.__qualname__} takes {len(b.weights)} weights, got {len(weights)}")
+        for pos, w in zip(b.weights, weights):
+            args[pos] = w
+        return self.fn(*args)
+
+
+def region_spec_key(
+    region: MoERegion, fn: RegionExpertFn, *, routing: str, overlap: bool, remat: bool, max_hop_rows: int | None
+) -> str:
+    """A key for the region's ``RingSpec``: the same region and options give the same key in every process."""
+    weights = [(tuple(v.shape), str(v.dtype)) for v in (w.meta.get("val", w.meta.get("example_value"))
+                                                        for w in region.weights) if isinstance(v, Tensor)]
+    digest = hashlib.sha256(repr((fn.digest(), weights)).encode()).hexdigest()[:12]
+    return (
+        f"fx_region[{digest}]|group={region.group_name}|E_l={region.experts_per_rank}|routing={routing}"
+        f"|overlap={int(overlap)}|remat={int(remat)}|max_hop_rows={max_hop_rows}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rewrite
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_record(gm: fx.GraphModule, region: MoERegion) -> None:
+    """Step 1: every node the record names is alive in ``gm``, and the dying nodes are used only by each other."""
+    named = {"x": region.x, "topk_ids": region.topk_ids, "topk_scores": region.topk_scores, "output": region.output}
+    named |= {f"weights[{i}]": w for i, w in enumerate(region.weights)}
+    for role, n in [*named.items(), *(("region node", n) for n in region.nodes)]:
+        if n.graph is not gm.graph or getattr(n, "_erased", False):
+            raise ValueError(
+                f"rewrite: the region of dispatch {region.dispatch.name} names {role} {n.name}, which is not in "
+                "this graph any more; match again with find_moe_regions(gm) after changing the graph"
+            )
+    for n in region.nodes:
+        if n is region.output:
+            continue
+        outside = [u.name for u in n.users if u not in region.nodes]
+        if outside:
+            raise ValueError(
+                f"rewrite: {n.name} of the region of dispatch {region.dispatch.name} is now also used by "
+                f"{', '.join(outside)}; match again with find_moe_regions(gm)"
+            )
+
+
+def _fake_output(region: MoERegion) -> object:
+    """The ring's fake value: what its fake kernel returns, ``empty_like(x)``, in ``x``'s fake mode."""
+    x = region.x.meta.get("val", region.x.meta.get("example_value"))
+    fake_mode = getattr(x, "fake_mode", None)
+    if fake_mode is None:
+        return region.output.meta.get("val", region.output.meta.get("example_value"))
+    with fake_mode:
+        return torch.empty_like(x)
+
+
+def _erase_unused_pure(candidates: set[fx.Node]) -> None:
+    """Dead-code elimination limited to ``candidates`` and what they read: pure nodes left without users."""
+    todo = list(candidates)
+    while todo:
+        n = todo.pop()
+        if n.users or n.op not in ("call_function", "call_method") or n.is_impure() or _is_mutator(n):
+            continue
+        todo.extend(n.all_input_nodes)
+        n.graph.erase_node(n)
+
+
+def rewrite_moe_region(
+    gm: fx.GraphModule,
+    region: MoERegion,
+    *,
+    routing: str = "auto",
+    overlap: bool = True,
+    remat: bool = True,
+    max_hop_rows: int | None = None,
+) -> fx.Node:
+    """Replace ``region`` of ``gm`` by one ``relaymoe::ring_moe`` call; returns the new node.
+
+    Before (torchtitan's graph, abridged; the reference and Megatron-style layers differ in the details)::
+
+        x_TH = ...; ids_TK = ...; scores_TK = ...
+        order_P = torch.argsort(ids_TK.view(-1), stable=True)
+        send_PH = x_TH[order_P // K]
+        counts = torch.ops._c10d_functional.all_to_all_single(local_counts.view(N, -1), [1, 1], [1, 1], g)
+        counts_NL = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.wait_tensor(counts))
+        u0, u1, u2, u3 = (split.item() for split in ...)          # + aten._assert_scalar checks
+        recv = torch.ops._c10d_functional.all_to_all_single(send_PH, [u2, u3], [u0, u1], g)
+        recv_RH = torch.ops._c10d_functional.wait_tensor(recv)
+        out_RH = <F: permute, torch._grouped_mm x3 on w1.to_local() ..., setitem unpermute>
+        back = torch.ops._c10d_functional.all_to_all_single(out_RH, [u0, u1], [u2, u3], g)
+        back_PH = torch.ops._c10d_functional.wait_tensor(back)
+        weighted_PH = back_PH * scores_TK.view(-1)[order_P].reshape(-1, 1)
+        y_TH = torch.ops.torchtitan.deterministic_scatter_add.default(
+            torch.zeros_like(x_TH), (order_P // K).reshape(-1, 1).expand(-1, H), weighted_PH)
+
+    After::
+
+        x_TH = ...; ids_TK = ...; scores_TK = ...
+        y_TH = torch.ops.relaymoe.ring_moe.default(
+            x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
+            "fx_region[<digest>]|group=g|E_l=4|routing=auto|overlap=1|remat=1|max_hop_rows=None")
+
+    Args:
+        routing, overlap, remat, max_hop_rows: the ring's options (``relay_compile.ring_moe``).
+
+    Raises:
+        ValueError: an unknown option, or a record that no longer describes ``gm``.
+    """
+    # Step 1: options and record.
+    if routing not in ROUTINGS:
+        raise ValueError(f"rewrite: routing={routing!r} is not one of {ROUTINGS}")
+    if max_hop_rows is not None and (not isinstance(max_hop_rows, int) or max_hop_rows < 1):
+        raise ValueError(f"rewrite: max_hop_rows must be a positive row count or None, got {max_hop_rows!r}")
+    _check_record(gm, region)
+
+    # Step 2: the expert function and its spec.
+    fn = RegionExpertFn(region.expert_fn, region.binding)
+    key = region_spec_key(region, fn, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows)
+    spec = _ops.RingSpec(
+        expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, routing=routing,
+        overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
+    )
+    _ops.register_spec(key, spec)
+
+    # Step 3: the ring call, right before the output (every input of the ring is upstream of the output).
+    fake = _fake_output(region)
+    graph = gm.graph
+    with graph.inserting_before(region.output):
+        ring = graph.create_node(
+            "call_function",
+            torch.ops.relaymoe.ring_moe.default,
+            (region.x, region.topk_ids, region.topk_scores, list(region.weights), key),
+            name="ring_moe",
+        )
+    ring.meta["example_value"] = fake
+    ring.meta["val"] = fake
+    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if k in region.output.meta:
+            ring.meta[k] = region.output.meta[k]
+
+    # Step 4: uses, then the dead region, users before producers; then what only the region read (values
+    # shared by several regions, such as the T*K of Dynamo's size asserts, die with the last of them).
+    region.output.replace_all_uses_with(ring)
+    frontier: set[fx.Node] = set()
+    for n in reversed(list(graph.nodes)):
+        if n in region.nodes:
+            assert not n.users, f"rewrite: {n.name} still has users {list(n.users)} while erasing the region"
+            frontier.update(n.all_input_nodes)
+            graph.erase_node(n)
+    _erase_unused_pure(frontier - region.nodes)
+
+    # Step 5: check.
+    graph.lint()
+    gm.recompile()
+    assert all(getattr(n, "_erased", False) for n in region.nodes), "rewrite: region nodes left in the graph"
+    log.debug("rewrite: %s -> %s (%s)", region.describe(), ring.name, key)
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "relaymoe_rewrite", "encoding": "string"},
+        payload_fn=lambda: f"# relaymoe rewrite of {region.describe()}\n" + gm.print_readable(False),
+    )
+    return ring
+
+
+def moe_ring_pass(
+    gm: fx.GraphModule,
+    *,
+    routing: str = "auto",
+    overlap: bool = True,
+    remat: bool = True,
+    max_hop_rows: int | None = None,
+) -> tuple[list[fx.Node], list[RefusedRegion]]:
+    """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""
+    regions, refused = find_moe_regions(gm)
+    rings = [
+        rewrite_moe_region(gm, r, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows)
+        for r in regions
+    ]
+    return rings, refused

@@ -1,0 +1,118 @@
+"""A small Megatron-style expert-parallel MoE layer (from notes/megatron_style.py).
+
+Modelled on megatron-core's ``MoEAlltoAllTokenDispatcher`` + ``SequentialMLP`` (which need CUDA):
+
+    router      nn.Linear(H, E) -> softmax (fp32) -> topk                                  scores_TK, ids_TK
+    counts      routing_map[T, E].sum(0); all_gather -> (N, E); this rank's columns (N, E_l)  (NOT an a2a)
+    splits      input_splits = local counts per destination rank (N SymInts);
+                chunk_sizes = received counts per (source, local expert) (N*E_l SymInts)
+    permute     sort(ids.flatten(), stable) -> order; x.index_select(0, order // K)
+    dispatch    all_to_all_single_autograd; split into (source, expert) chunks, regroup expert-major,
+                loop over nn.ModuleList experts (fc1 -> silu(gate) * up -> fc2), back to rank-major
+    combine     all_to_all_single_autograd; y = zeros(T, H).index_add_(0, order // K, back * scores[order])
+
+y[t] = sum_k score[t, k] * expert_{ids[t, k]}(x[t]); rank r owns experts [r*E_l, (r+1)*E_l).
+
+Legend: T tokens, H hidden, F expert width, E experts, E_l local experts, K top-k, N ranks, R received rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as nnf
+from torch import Tensor, nn
+
+# all_gather_tensor is deprecated in torch 2.13 in favour of all_gather_single (same op:
+# _c10d_functional.all_gather_into_tensor); torch 2.11 only has the old name.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+class Expert(nn.Module):
+    """Megatron MLP with a gated linear unit: fc1 (H -> 2F), silu(gate) * up, fc2 (F -> H)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.linear_fc2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x_RH: Tensor) -> Tensor:
+        gate_RF, up_RF = self.linear_fc1(x_RH).chunk(2, dim=-1)
+        return self.linear_fc2(nnf.silu(gate_RF) * up_RF)
+
+
+class MegatronStyleMoE(nn.Module):
+    """EP MoE with all_gather counts, sort + index_select permute, looped experts, index_add_ combine.
+
+    Args:
+        dim, hidden, num_experts, top_k: H, F, E, K.
+        group: the EP process group (N ranks); this rank owns E/N consecutive experts.
+        seed: every rank builds all E experts and the router from this seed and keeps its own experts,
+            so ``all_experts(seed)`` gives the same weights for a dense reference.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group: dist.ProcessGroup,
+                 *, seed: int = 0) -> None:
+        super().__init__()
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        assert num_experts % self.ep_size == 0
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // self.ep_size
+        router, experts = self.build_all(dim, hidden, num_experts, seed)
+        self.router = router
+        lo = self.ep_rank * self.num_local_experts
+        self.local_experts = nn.ModuleList(experts[lo:lo + self.num_local_experts])
+
+    @staticmethod
+    def build_all(dim: int, hidden: int, num_experts: int, seed: int) -> tuple[nn.Linear, list[Expert]]:
+        """The router and all E experts for ``seed`` (identical on every rank)."""
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        router = nn.Linear(dim, num_experts, bias=False)
+        experts = [Expert(dim, hidden) for _ in range(num_experts)]
+        torch.random.set_rng_state(gen_state)
+        return router, experts
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        T = x_TH.shape[0]
+        N, E, El, K = self.ep_size, self.num_experts, self.num_local_experts, self.top_k
+
+        probs_TE = torch.softmax(self.router(x_TH).float(), dim=-1)
+        scores_TK, ids_TK = torch.topk(probs_TE, K, dim=-1)
+        routing_map_TE = torch.zeros(T, E, dtype=torch.bool, device=x_TH.device).scatter(1, ids_TK, True)
+        num_local_tokens_per_expert_E = routing_map_TE.sum(dim=0)
+
+        # Counts exchange: all_gather of per-expert counts (Megatron), not an all-to-all.
+        num_global_tokens_per_expert_NE = _all_gather(
+            num_local_tokens_per_expert_E, gather_dim=0, group=self.group).view(N, E)
+        lo = self.ep_rank * El
+        num_global_tokens_per_local_expert_NEl = num_global_tokens_per_expert_NE[:, lo:lo + El]
+
+        # NOTE: device-to-host sync (split sizes become unbacked SymInts under Dynamo).
+        input_splits = num_local_tokens_per_expert_E.view(N, El).sum(dim=1).tolist()
+        chunk_sizes = num_global_tokens_per_local_expert_NEl.reshape(-1).tolist()
+        output_splits = [sum(chunk_sizes[s * El:(s + 1) * El]) for s in range(N)]
+
+        _, order_N = torch.sort(ids_TK.reshape(-1), stable=True)
+        token_idx_N = order_N // K
+        permuted_NH = x_TH.index_select(0, token_idx_N)
+
+        recv_RH = funcol.all_to_all_single_autograd(permuted_NH, output_splits, input_splits, self.group)
+
+        chunks = torch.split(recv_RH, chunk_sizes)
+        out_chunks: list[Tensor | None] = [None] * (N * El)
+        for e, expert in enumerate(self.local_experts):
+            x_e = torch.cat([chunks[s * El + e] for s in range(N)])
+            y_e = expert(x_e)
+            parts = torch.split(y_e, [chunk_sizes[s * El + e] for s in range(N)])
+            for s in range(N):
+                out_chunks[s * El + e] = parts[s]
+        expert_out_RH = torch.cat(out_chunks)  # type: ignore[arg-type]
+
+        back_NH = funcol.all_to_all_single_autograd(expert_out_RH, input_splits, output_splits, self.group)
+
+        scores_N = scores_TK.reshape(-1)[order_N].to(back_NH.dtype)
+        return torch.zeros_like(x_TH).index_add_(0, token_idx_N, back_NH * scores_N.unsqueeze(-1))
