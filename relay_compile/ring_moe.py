@@ -37,14 +37,6 @@ def _group_name(group: dist.ProcessGroup | str | None) -> str:
     return group.group_name
 
 
-def _group_size(name: str) -> int:
-    if not name:
-        return 1
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return dist.get_world_size(_resolve_process_group(name))
-
-
 def _check_routing_args(x: Tensor, topk_ids: Tensor, topk_scores: Tensor) -> None:
     if x.dim() != 2:
         raise ValueError(f"ring_moe: x must be (T, H) local tokens, got shape {tuple(x.shape)}")
@@ -81,7 +73,7 @@ def _check_ffn_weights(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, act
             )
 
 
-def _check_options(routing: str, max_hop_rows: int | None, experts_per_rank: int, group_name: str) -> None:
+def _check_options(routing: str, max_hop_rows: int | None, experts_per_rank: int) -> None:
     if routing not in ROUTINGS:
         raise ValueError(f"ring_moe: routing={routing!r} is not one of {ROUTINGS}")
     if max_hop_rows is not None and max_hop_rows < 1:
@@ -115,7 +107,7 @@ def ring_moe_experts(
     """
     _check_routing_args(x, topk_ids, topk_scores)
     group_name = _group_name(group)
-    _check_options(routing, max_hop_rows, experts_per_rank, group_name)
+    _check_options(routing, max_hop_rows, experts_per_rank)
     fn_name = name or _CUSTOM_FN_NAMES.setdefault(
         id(expert_fn), f"{getattr(expert_fn, '__qualname__', 'expert_fn')}#{len(_CUSTOM_FN_NAMES)}"
     )
