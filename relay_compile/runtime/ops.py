@@ -131,6 +131,10 @@ def _run(
     grad_y: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     state = spec_state(key)
+    ring = RingGroup.resolve(state.spec.group_name)
+    if ring != state.ring:
+        # The group behind the name was destroyed and created anew (tests, elastic restarts): check again.
+        state.ring, state.resolved = ring, None
     routing = _resolve(state, x, topk_ids, weights)
     spec = state.spec
     cfg = RingStepConfig(
