@@ -25,12 +25,14 @@ P = T*K pairs this rank sends, R rows this rank receives, B batch, S sequence (i
 from __future__ import annotations
 
 import logging
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as nnf
 from torch import Tensor, nn
+from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve_process_group
 
 from relay_compile.experts import ACTIVATIONS, Activation, expert_ffn
 
@@ -54,8 +56,15 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group to run collectives on: ``group``, else the default group, else None (one process)."""
+# An EP group: a ProcessGroup or its name (``group.group_name``); functional collectives take either. Compiled
+# code gets the name (DESIGN.md section 6): Dynamo keeps a str as a constant, but it cannot proxy every
+# ProcessGroup (torch 2.11 sees a Python subclass, such as the bench's stand-in group, as a user object and
+# fails on the first collective).
+Group: TypeAlias = dist.ProcessGroup | str
+
+
+def _resolve_group(group: Group | None) -> Group | None:
+    """The group to run collectives on: ``group`` (a name stays a name), else the default group, else None."""
     if group is not None:
         return group
     if dist.is_available() and dist.is_initialized():
@@ -63,10 +72,25 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return None
 
 
-def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(world size, rank) of ``group``; (1, 0) without a process group."""
+def _group_size(group: Group | None) -> int:
+    """World size of ``group``; 1 without a process group.
+
+    By name through ``_get_group_size_by_name``, which Dynamo constant-folds for a constant name (no graph
+    break, no proxy of the group object); ``dist.get_world_size`` does not take a name.
+    """
+    if group is None:
+        return 1
+    if isinstance(group, str):
+        return _get_group_size_by_name(group)
+    return dist.get_world_size(group)
+
+
+def _group_size_rank(group: Group | None) -> tuple[int, int]:
+    """(world size, rank) of ``group``; (1, 0) without a process group. Eager code only (module setup)."""
     if group is None:
         return 1, 0
+    if isinstance(group, str):
+        group = _resolve_process_group(group)
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -82,7 +106,7 @@ def _count_pairs_per_expert(topk_ids_TK: Tensor, num_experts: int) -> Tensor:
     return counts_E.scatter_add_(0, ids_P, torch.ones_like(ids_P))
 
 
-def _exchange_counts(counts_E: Tensor, world: int, group: dist.ProcessGroup | None) -> Tensor:
+def _exchange_counts(counts_E: Tensor, world: int, group: Group | None) -> Tensor:
     """All-to-all of the counts: ``(N, E_l)`` int64, row s = pairs source s sends to each of my local experts."""
     if world == 1:
         return counts_E.view(1, -1)
@@ -114,7 +138,7 @@ def _permute_pairs(x_TH: Tensor, topk_ids_TK: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _dispatch_tokens(
-    send_PH: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
+    send_PH: Tensor, send_splits: list[int], recv_splits: list[int], group: Group | None
 ) -> Tensor:
     """Token all-to-all (with autograd): ``(P, H)`` sorted by owner -> ``(R, H)`` grouped by source rank."""
     if group is None:
@@ -124,7 +148,7 @@ def _dispatch_tokens(
 
 
 def _combine_tokens(
-    out_RH: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
+    out_RH: Tensor, send_splits: list[int], recv_splits: list[int], group: Group | None
 ) -> Tensor:
     """Reverse token all-to-all (with autograd): ``(R, H)`` back to the senders, ``(P, H)`` in ``order_P``."""
     if group is None:
@@ -196,7 +220,7 @@ def a2a_moe(
     w2_LHF: Tensor,
     w3_LFH: Tensor | None = None,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: Group | None = None,
     activation: Activation = "swiglu",
     use_grouped_mm: bool | None = None,
 ) -> Tensor:
@@ -207,7 +231,8 @@ def a2a_moe(
         topk_ids_TK: GLOBAL expert ids ``(T, K)``; expert e lives on rank ``e // E_l`` of ``group``.
         topk_scores_TK: routing weights ``(T, K)``.
         w1_LFH, w3_LFH: this rank's experts ``(E_l, F, H)`` (w3 only for ``swiglu``); w2_LHF: ``(E_l, H, F)``.
-        group: the EP group; None means the default group, or one process without collectives.
+        group: the EP group, or its name (``group.group_name``: what compiled callers pass, DESIGN.md section 6);
+            None means the default group, or one process without collectives.
         use_grouped_mm: see ``expert_ffn``; False for fp32 under ``torch.compile``.
 
     Returns:
@@ -216,7 +241,7 @@ def a2a_moe(
     if activation not in ACTIVATIONS:
         raise ValueError(f"a2a_moe: activation={activation!r} is not one of {ACTIVATIONS}")
     group = _resolve_group(group)
-    world, _ = _group_size_rank(group)
+    world = _group_size(group)
     if world == 1:
         group = None
     num_experts = w1_LFH.shape[0] * world
@@ -349,7 +374,7 @@ class AllToAllMoE(nn.Module):
         ffn: int,
         num_experts: int,
         top_k: int,
-        group: dist.ProcessGroup | None = None,
+        group: Group | None = None,
         norm_topk_prob: bool = True,
         shared_ffn: int = 0,
         activation: Activation = "swiglu",

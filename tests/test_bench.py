@@ -186,6 +186,25 @@ class MoEUnderTheStandinGroup(StandinTestCase):
         got = _forward_backward(ring_moe, x, ids, scores, weights, group=group, routing="token")
         self.assert_all_close(got, want, "ring_moe(token) at N=4")
 
+    def test_compiled_rows_pass_the_group_by_name_and_equal_the_eager_a2a(self) -> None:
+        # torch 2.11's Dynamo cannot proxy the stand-in group object (DESIGN.md section 6): the name goes in.
+        world, e_l = 4, 2
+        group = standin_group(world)
+        cfg = LayerConfig(name="c", hidden=H, ffn=F, experts=world * e_l, top_k=K, tokens=T, ep=world,
+                          dtype="fp32", device="cpu")
+        x, ids, scores, weights = _inputs(world, e_l, seed=5)
+        groups = []
+
+        def spy(*args, **kwargs):
+            groups.append(kwargs["group"])
+            return a2a_moe(*args, **kwargs)
+
+        with unittest.mock.patch.object(single_layer, "a2a_moe", spy):
+            got = _forward_backward(single_layer._compiled_a2a("aot_eager")(cfg, group), x, ids, scores, weights)
+        self.assertEqual(groups, [group.group_name])
+        want = _forward_backward(a2a_moe, x, ids, scores, weights, group=group)
+        self.assert_all_close(got, want, "a2a_moe compiled with the group's name")
+
 
 class LinkModelTest(unittest.TestCase):
     def test_expert_routing_moves_the_partition_per_hop_and_overlap_hides_the_smaller_side(self) -> None:

@@ -198,7 +198,15 @@ class ReferenceWorld2Test(ReferenceCases, DistributedTestCase):
         a2a = torch.ops._c10d_functional.all_to_all_single  # Dynamo records the packet
         num_a2a = sum(node.target is a2a for node in counter.graphs[0].graph.nodes)
         self.assertEqual(num_a2a, 3)  # counts, dispatch, combine
-
+        # The group by name, compiled (what the bench passes, DESIGN.md section 6): the default group's result.
+        p = _problem(self.tokens, self.top_k, "skewed", self.world_size)
+        compiled_by_name = torch.compile(a2a_moe, backend="aot_eager", fullgraph=True)
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            by_name = _a2a_results(p, self.rank, self.world_size, dist.group.WORLD.group_name, "swiglu",
+                                   use_grouped_mm=False, fn=compiled_by_name)
+        default = _a2a_results(p, self.rank, self.world_size, None, "swiglu", use_grouped_mm=False)
+        for name in default:
+            torch.testing.assert_close(by_name[name], default[name], rtol=RTOL, atol=ATOL, msg=f"by name: {name}")
 
 class ReferenceWorld4Test(ReferenceCases, DistributedTestCase):
     top_k = 2

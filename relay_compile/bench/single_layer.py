@@ -231,13 +231,17 @@ def _compiled_a2a(backend: str, enabled: bool = True) -> Callable[[LayerConfig, 
     def build(cfg: LayerConfig, group: Any) -> LayerFn:
         if not enabled:
             raise RowSkipped("torch.compile rows are off (--compile runs them)")
-        if backend not in torch._dynamo.list_backends():
+        if backend not in torch._dynamo.list_backends(exclude_tags=()):  # debug ones too (aot_eager)
             raise RowSkipped(f"torch.compile backend {backend!r} is not registered")
         # torch._grouped_mm's fake kernel demands bf16: other dtypes compile the per-expert loop instead.
         grouped = None if cfg.torch_dtype == torch.bfloat16 else False
+        # The group goes in by name (DESIGN.md section 6): Dynamo keeps the str as a constant and functional
+        # collectives resolve it; torch 2.11's Dynamo cannot proxy the stand-in group object (a Python subclass
+        # of ProcessGroup) and fails on the first collective.
+        group_name = None if group is None else group.group_name
 
         def fn(x, ids, scores, w1, w2, w3):
-            return a2a_moe(x, ids, scores, w1, w2, w3, group=group, use_grouped_mm=grouped)
+            return a2a_moe(x, ids, scores, w1, w2, w3, group=group_name, use_grouped_mm=grouped)
 
         # Static shapes: each configuration compiles for its own sizes, as a training run with fixed shapes would
         # (a later configuration would otherwise recompile with dynamic sizes). Split sizes stay unbacked.
