@@ -13,19 +13,22 @@ Every a2a EP dispatcher we have seen computes, per rank (names here are roles, n
 
 Contract:
     Consumes a Dynamo graph (``torch.compile`` with ``capture_scalar_outputs=True``; targets may be the
-    ``OpOverloadPacket`` or ``.default`` of ``torch.ops._c10d_functional.*``). Never mutates it.
+    ``OpOverloadPacket`` or ``.default`` of ``torch.ops._c10d_functional.*``, and torch 2.11's
+    ``_c10d_functional_autograd.all_to_all_single`` whose wait hides in an ``autograd_function_apply``).
+    Never mutates it.
     ``find_moe_regions`` returns, in program order of their dispatch, one ``MoERegion`` per dispatch/combine
     pair it understands, and one ``RefusedRegion`` (with a reason, also logged at debug level as
     ``"match: skipped ..."``) per token all-to-all it does not. Matching uses dataflow, op targets, dtypes and
     static shapes only (never node order or names, never data), so every rank decides the same.
-    Guarantees for a region: the block computes exactly ``y[t] = sum_k topk_scores[t, k] * F_{ids[t, k]}(x[t])``
-    up to summation order; ``expert_fn`` is a standalone copy of F whose only inputs are the receive rows, the
-    counts received from the exchange, split SymInts and expert weights (bound by ``ExpertFnBinding``); and
-    ``nodes`` is exactly what dies once ``output``'s uses go to a ring (the counts exchange and its host syncs
-    included, ``x``/``topk_ids``/``topk_scores``/``weights`` excluded).
+    Guarantees for a region: its dataflow is the pattern above, so the block computes
+    ``y[t] = sum_k topk_scores[t, k] * F_{ids[t, k]}(x[t])`` with expert e on rank e // E_l; ``expert_fn`` is
+    a standalone copy of F whose only inputs are the receive rows, the counts received from the exchange,
+    split SymInts and expert weights (bound by ``ExpertFnBinding``); ``nodes`` is exactly what dies once
+    ``output``'s uses go to a ring (the counts exchange and its host syncs included, ``x``/``topk_ids``/
+    ``topk_scores``/``weights`` excluded), and regions share no such node.
     Refuses (legal but unsupported): an all-to-all whose partner is not in this graph (graph break), scores
     applied before the experts, F reading anything else (tokens, router, another collective), region values
-    used outside the region, outputs whose shape or dtype differs from ``x``.
+    used outside the region, outputs whose shape or dtype differs from ``x``, non-contiguous expert placement.
 
 Pseudo-code:
     # Step 1: classify collectives: token all-to-alls (floating point), integer counts exchanges.
@@ -292,10 +295,11 @@ def _token_index(n: object) -> tuple[fx.Node, int] | None:
     n = _peel(n, (*_CAST_METHODS, *_VIEW_METHODS), _VIEW_FUNCTIONS)
     if not isinstance(n, fx.Node):
         return None
-    if _is_fn(n, operator.floordiv, torch.floor_divide) or _is_method(n, "floor_divide", "__floordiv__") or (_is_fn(n, torch.div) or _is_method(n, "div")) and n.kwargs.get("rounding_mode") == "floor":
-        order, k = n.args[0], n.args[1]
-    else:
+    floor_div = _is_fn(n, operator.floordiv, torch.floor_divide) or _is_method(n, "floor_divide", "__floordiv__")
+    div_floor = (_is_fn(n, torch.div) or _is_method(n, "div")) and n.kwargs.get("rounding_mode") == "floor"
+    if not (floor_div or div_floor):
         return None
+    order, k = n.args[0], n.args[1]
     if isinstance(order, fx.Node) and isinstance(k, int) and not isinstance(k, bool):
         return order, k
     return None
@@ -479,7 +483,8 @@ def _pair_token_a2as(token_a2as: list[fx.Node]) -> tuple[list[tuple[fx.Node, fx.
         RefusedRegion(
             n,
             f"all_to_all {n.name} has no partner in this graph (no all_to_all with swapped splits reads its "
-            "result, nor is it the answer to one): the region is probably split by a graph break",
+            "result, nor is it the answer to one): the region is probably split by a graph break (at .tolist() "
+            "of the split sizes: compile with torch._dynamo.config.capture_scalar_outputs=True)",
         )
         for n in token_a2as if n not in paired
     ]
@@ -593,7 +598,8 @@ def _match_splits(
         found = _split_leaves(split)
         if not found:
             raise _Refuse(dispatch, f"receive split {s} of {dispatch.name} ({split!r}) is not a host read (.item()) "
-                                    "of the exchanged counts; static splits are not supported")
+                                    "of the exchanged counts in this graph (compile with torch._dynamo.config."
+                                    "capture_scalar_outputs=True so .tolist() of the splits stays in the graph)")
         leaves.append(found)
     widths = {len(x) for x in leaves}
     if len(widths) != 1:
@@ -613,6 +619,11 @@ def _match_splits(
         numel *= d
     if _is_a2a(exchange):  # received counts (N, E_l), row s from source s
         e_l, rem = divmod(numel, group_size)
+        for splits in _a2a_parts(exchange)[1:3]:
+            # Equal static splits: rank r owns experts [r * E_l, (r + 1) * E_l), as the ring assumes.
+            if splits and (len(set(map(repr, splits))) != 1 or not isinstance(splits[0], int)):
+                raise _Refuse(dispatch, f"counts exchange {exchange.name} has splits {splits}, not equal constants: "
+                                        "experts are not placed contiguously (expert e on rank e // E_l)")
     else:  # all_gather of every rank's counts per global expert: (N, E)
         e_l, rem = divmod(numel, group_size * group_size)
     if rem or e_l < 1:
@@ -892,15 +903,19 @@ def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion], list[RefusedR
             regions.append(_match_region(gm, dispatch, combine, weak))
         except _Refuse as r:
             refused.append(RefusedRegion(r.node, r.reason))
+    # Regions are rewritten one after the other: they must not share a node that dies.
+    regions.sort(key=lambda r: position[r.dispatch])
     claimed: set[fx.Node] = set()
-    for region in regions:
-        overlap = claimed & region.nodes
-        assert not overlap, f"match: regions overlap on {sorted(n.name for n in overlap)}"
+    for region in list(regions):
+        shared = claimed & region.nodes
+        if shared:
+            regions.remove(region)
+            refused.append(RefusedRegion(region.dispatch, f"shares {sorted(n.name for n in shared)} with an "
+                                                          "earlier region"))
         claimed |= region.nodes
     for r in refused:
         log.debug("match: skipped %s: %s", r.node.name, r.reason)
     for region in regions:
         log.debug("match: found %s", region.describe())
-    regions.sort(key=lambda r: position[r.dispatch])
     refused.sort(key=lambda r: position[r.node])
     return regions, refused

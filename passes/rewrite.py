@@ -5,8 +5,9 @@ Contract:
     since, apart from the rewrite of other regions of the same graph). Guarantees: the region's output is
     computed by ``torch.ops.relaymoe.ring_moe.default(x, topk_ids, topk_scores, [weights], key)``, the autograd
     boundary of the ring; every node of ``region.nodes`` is gone (both token all-to-alls, F, the counts
-    exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), nothing else is touched; the
-    graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process whose expert
+    exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), and so are pure nodes that
+    only the region read (shared size arithmetic dies with the last region reading it); nothing else is
+    touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process whose expert
     function runs a copy of the region's F eagerly at every hop; nothing data-dependent is baked into the
     graph, so new routings do not recompile. Raises ``ValueError`` (naming the region and node) when the record
     no longer describes the graph or an option is invalid; never leaves a half-rewritten graph behind for
@@ -16,7 +17,8 @@ Pseudo-code:
     # Step 1: check options and that the record still describes gm.
     # Step 2: wrap region.expert_fn as an ExpertFn; register a RingSpec under a stable key.
     # Step 3: insert ring_moe(x, topk_ids, topk_scores, [weights], key) before the output, with a fake value.
-    # Step 4: route the output's uses to the ring; erase the region's nodes, last first.
+    # Step 4: route the output's uses to the ring; erase the region's nodes, last first, then the pure
+    #         nodes left without users.
     # Step 5: lint, recompile, check that no node of the region is left.
 
 Legend: T tokens, H hidden, K top-k, N ranks, E_l experts per rank, S segment rows, R received rows.
