@@ -222,6 +222,22 @@ class Cases:
         tc.assertEqual(out.args[0].name, region.combine.args[0].name)
         return region
 
+    def check_default_overloads_match_alike(self, record: GraphRecord) -> None:
+        """make_fx-style ``.default`` overloads of the collectives match like Dynamo's packets."""
+        tc: Any = self
+        packets = targets(record.gm, *A2A[:1], _fc.wait_tensor)
+        tc.assertTrue(packets)
+        try:
+            for n in packets:
+                n.target = n.target.default
+            regions, refused = find_moe_regions(record.gm)
+        finally:
+            for n in packets:
+                n.target = n.target.overloadpacket
+        tc.assertEqual(refused, [])
+        tc.assertEqual([r.describe() for r in regions], [r.describe() for r in record.regions])
+        tc.assertEqual([r.nodes for r in regions], [r.nodes for r in record.regions])
+
     def check_same_decision_on_every_rank(self, record: GraphRecord) -> None:
         """Every rank rewrote the same regions with the same ring spec (or the rings would deadlock)."""
         tc: Any = self
@@ -249,8 +265,10 @@ class Cases:
         moe = blocks[0] if layers == 1 else ResidualStack(blocks)
         batches = routed_batches(self.rank, 3, (2, 6, H))
         want = run_steps(moe, moe, batches, grad_seed=self.rank)
+
         def check(record: GraphRecord) -> None:
             tc.assertEqual(len(record.regions), layers, [r.reason for r in record.refused])
+            self.check_default_overloads_match_alike(record)
             for i in range(layers):
                 prefix = "L['self']" if layers == 1 else f"L['self']._modules['blocks']._modules['{i}']"
                 region = self.check_region_common(
