@@ -647,6 +647,18 @@ def _match_splits(
     return kind, leaves, exchange, e_l
 
 
+def _router_num_experts(topk_ids: fx.Node) -> int | None:
+    """E from ``topk(scores_TE, K)[1]`` behind the ids (through views), when the ids come from a topk."""
+    n = _peel(topk_ids, _VIEW_METHODS, _VIEW_FUNCTIONS)
+    if _is_fn(n, operator.getitem) and n.args[1] == 1:  # type: ignore[union-attr]
+        topk = n.args[0]  # type: ignore[union-attr]
+        if _is_fn(topk, torch.topk) or _is_method(topk, "topk"):
+            shape = _shape(topk.args[0])  # type: ignore[union-attr]
+            if shape and isinstance(shape[-1], int):
+                return shape[-1]
+    return None
+
+
 def _is_weight_source(n: fx.Node) -> bool:
     """A tensor F may take from outside as expert weight: a placeholder / get_attr, or ``p.to_local()`` of one."""
     if n.op in ("placeholder", "get_attr"):
@@ -847,6 +859,10 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
         raise _Refuse(dispatch, f"counts exchange {exchange.name} runs on group {exchange_group!r}, the tokens on "
                                 f"{group_name!r}")
     counts = _wait_end(exchange) if _is_a2a(exchange) else None
+    num_experts = _router_num_experts(topk_ids)
+    if num_experts is not None and num_experts != e_l * group_size:
+        raise _Refuse(dispatch, f"the router picks among {num_experts} experts but the counts exchange "
+                                f"{exchange.name} implies {e_l} per rank on {group_size} ranks")
 
     # Step 6: F.
     inputs: dict[fx.Node, str] = {recv: "rows"}
