@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
 
 from relay_compile import RingInputError, ring_moe, ring_moe_experts
 from relay_compile.experts import expert_ffn
-from relay_compile.reference import a2a_moe, moe_weights
+from relay_compile.reference import a2a_moe, dense_moe, moe_weights
 from tests.distributed import DistributedTestCase
 
 H, F, K = 16, 8, 3
@@ -151,6 +151,55 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
         w = moe_weights(0, H, wide, self.e_l * world, experts=range(self.rank * self.e_l, (self.rank + 1) * self.e_l))
         with self.assertRaisesRegex(ValueError, "weight shapes .* differ from rank"):
             ring_moe(x, ids, scores, w["w1"], w["w2"], w["w3"], routing="expert", max_hop_rows=3)
+
+
+class RingMoEOnOneProcess(TestCase):
+    """World size 1 (no process group): one hop, no communication; and the ops under torch.compile."""
+
+    def test_matches_the_dense_loop_without_a_process_group_for_every_routing_case(self) -> None:
+        weights = local_weights(0, 4, 1)
+        for case in ROUTINGS:
+            x, ids, scores = routed_inputs(case, 0, 1, 4, seed=3)
+            want = forward_backward(dense_moe, x, ids, scores, weights, 0)
+            for routing in ("expert", "token"):
+                got = forward_backward(ring_moe, x, ids, scores, weights, 0, routing=routing, max_hop_rows=5)
+                for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
+                    assert_close_rel(g, w, 1e-5, f"{case} {routing} {name}")
+
+    def test_compiles_into_one_graph_with_aot_autograd_and_matches_eager(self) -> None:
+        weights = local_weights(0, 4, 1)
+        x, ids, scores = routed_inputs("random", 0, 1, 4, seed=4)
+
+        def block(x, ids, scores, w1, w2, w3):
+            return torch.relu(ring_moe(x * 2, ids, scores, w1, w2, w3)) - x
+
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+        for g, w in zip(forward_backward(compiled, x, ids, scores, weights, 0),
+                        forward_backward(block, x, ids, scores, weights, 0), strict=True):
+            assert_close_rel(g, w, 1e-6)
+
+    def test_bad_arguments_name_the_argument(self) -> None:
+        w1, w2, w3 = local_weights(0, 4, 1)
+        x, ids, scores = routed_inputs("random", 0, 1, 4, seed=4)
+        cases = [
+            (dict(x=x[None]), r"x must be \(T, H\)"),
+            (dict(ids=ids.float()), "topk_ids must hold integer expert ids"),
+            (dict(scores=scores[:, :1]), "topk_scores must have topk_ids' shape"),
+            (dict(w2=w2.transpose(1, 2)), r"w2 must be \(E_local, H, F\)"),
+            (dict(w3=None), "w3 is needed by swiglu"),
+            (dict(w1=w1.double()), "w1 is torch.float64 on cpu but x is torch.float32"),
+            (dict(routing="ring"), r"routing='ring' is not one of \('auto', 'expert', 'token'\)"),
+            (dict(max_hop_rows=0), "max_hop_rows must be a positive row count"),
+        ]
+        for change, message in cases:
+            args = dict(x=x, ids=ids, scores=scores, w1=w1, w2=w2, w3=w3, routing="auto", max_hop_rows=None) | change
+            with self.assertRaisesRegex(ValueError, message):
+                ring_moe(args["x"], args["ids"], args["scores"], args["w1"], args["w2"], args["w3"],
+                         routing=args["routing"], max_hop_rows=args["max_hop_rows"])
+        ids_bad = ids.clone()
+        ids_bad[3, 1] = 4
+        with self.assertRaisesRegex(RingInputError, r"expert ids outside \[0, 4\) on rank 0"):
+            ring_moe(x, ids_bad, scores, w1, w2, w3)
 
 
 class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
