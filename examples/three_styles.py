@@ -80,6 +80,7 @@ class Config:
     mem: Sizes
     mem_torchtitan: Sizes
     skip_memory: bool
+    max_hop_rows: int = 0  # backend option for the memory measurement (0: whole hops)
 
 
 @dataclass(kw_only=True)
@@ -132,11 +133,11 @@ def batch(style: str, s: Sizes, rank: int, step: int) -> Tensor:
     return x_TH.unsqueeze(0) if style == "torchtitan" else x_TH
 
 
-def compile_relaymoe(module: nn.Module, dump_dir: str = "") -> Callable[[Tensor], Tensor]:
+def compile_relaymoe(module: nn.Module, dump_dir: str = "", max_hop_rows: int = 0) -> Callable[[Tensor], Tensor]:
     # dynamic=False: each style/size is its own compile; automatic dynamic shapes would otherwise mark the
     # token dimension dynamic when the memory phase reuses the layer's code object with other sizes.
-    return torch.compile(module, backend="relaymoe", dynamic=False,
-                         options={"inner_compiler": "aot_eager", "dump_dir": dump_dir})
+    return torch.compile(module, backend="relaymoe", dynamic=False, options={
+        "inner_compiler": "aot_eager", "dump_dir": dump_dir, "max_hop_rows": max_hop_rows})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def measure_style(style: str, cfg: Config, rank: int) -> StyleResult:
         x = batch(style, m, rank, 0)
         grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
         res.peak_eager = block_peak(module, module, x, grad_y)
-        res.peak_ring = block_peak(compile_relaymoe(module), module, x, grad_y)
+        res.peak_ring = block_peak(compile_relaymoe(module, max_hop_rows=cfg.max_hop_rows), module, x, grad_y)
     return res
 
 
@@ -343,6 +344,8 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--tiny", action="store_true", help="tiny sizes everywhere (tests)")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--max-hop-rows", type=int, default=0,
+                   help="relaymoe option for the memory measurement: bounded hops (0: whole hops)")
     p.add_argument("--mem-tokens", type=int, default=4096)
     p.add_argument("--mem-hidden", type=int, default=256)
     p.add_argument("--mem-ffn", type=int, default=128)
@@ -366,7 +369,7 @@ def parse(argv: list[str] | None = None) -> Config:
         mem_tt = Sizes(tokens=a.mem_torchtitan_tokens, hidden=a.mem_hidden, ffn=a.mem_ffn, experts=a.mem_experts,
                        top_k=a.mem_top_k)
     cfg = Config(world=a.world, styles=styles, steps=a.steps, lr=a.lr, train=train_sizes, mem=mem,
-                 mem_torchtitan=mem_tt, skip_memory=a.skip_memory)
+                 mem_torchtitan=mem_tt, skip_memory=a.skip_memory, max_hop_rows=a.max_hop_rows)
     for s in (cfg.train, cfg.mem):
         if s.experts % cfg.world:
             p.error(f"experts {s.experts} must be a multiple of --world {cfg.world}")

@@ -635,6 +635,11 @@ def _match_splits(
         kind = "source_expert"
         # The (s, e) SymInt is element s * E_l + e of a flattened (N, E_l) tensor when it reads one.
         for s, row in enumerate(leaves):
+            flats = [_flat_index_of_item(leaf) for leaf in row]
+            if all(f is not None and _shape(f[0]) == (group_size * e_l,) for f in flats):
+                # A sum lists its terms in any order (Dynamo folds `sum(...)` into torch.sym_sum): bind each
+                # SymInt by the element it reads, then check the row holds exactly source s's elements.
+                row.sort(key=lambda leaf: _flat_index_of_item(leaf)[1])  # type: ignore[index]
             for e, leaf in enumerate(row):
                 flat = _flat_index_of_item(leaf)
                 shape = _shape(flat[0]) if flat is not None else None
