@@ -23,9 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+import logging
+
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 ExpertFn = Callable[[Tensor, Tensor, list[int], Sequence[Tensor]], Tensor]
 # ``vjp(x_SH, counts_NL, splits_N, weights, dy_SH, score_S) -> (dx_SH, d_score_S, d_weights)`` of
@@ -69,6 +73,49 @@ def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weigh
     return None, counts_L.tolist()  # NOTE: device-to-host sync (the loop path only)
 
 
+def swiglu_backward_pointwise(
+    h1_SF: Tensor, h3_SF: Tensor, g_SF: Tensor, score_S: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The pointwise part of the SwiGLU backward, from ``g = dy @ w2`` (unscaled by the score).
+
+    Returns ``score * act`` (for ``dw2``), ``dh1``, ``dh3`` (scaled) and ``d_score = <g, act>`` (fp32), where
+    ``act = silu(h1) * h3``.
+    """
+    h1, h3, g = h1_SF.float(), h3_SF.float(), g_SF.float()
+    sig = torch.sigmoid(h1)
+    silu = h1 * sig
+    act = silu * h3
+    d_score_S = (g * act).sum(-1)
+    score = score_S.float()[:, None]
+    g = g * score
+    dh3 = g * silu
+    dh1 = g * h3 * (sig * (1 + h1 * (1 - sig)))
+    out = h1_SF.dtype
+    return (act * score).to(out), dh1.to(out), dh3.to(out), d_score_S
+
+
+# Pointwise pieces are compiled with inductor on CUDA, where each separate kernel is a pass over (S, F)
+# activations; on the CPU (tests, CI) they run eagerly: the same function, so the logic is tested there.
+_COMPILED_POINTWISE: dict[Callable, Callable | None] = {}
+
+
+def pointwise(fn: Callable, *tensors: Tensor):
+    """``fn(*tensors)``, through one compiled (fused) kernel per dtype on CUDA, eagerly elsewhere."""
+    if not tensors[0].is_cuda or torch.compiler.is_compiling():
+        return fn(*tensors)
+    compiled = _COMPILED_POINTWISE.get(fn, ...)
+    if compiled is ...:
+        compiled = _COMPILED_POINTWISE[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    if compiled is None:
+        return fn(*tensors)
+    try:
+        return compiled(*tensors)
+    except Exception as e:  # a compiler failure must not fail training: fall back to eager, once, loudly
+        log.warning("relaymoe: compiling %s failed (%s); running it eagerly from now on", fn.__name__, e)
+        _COMPILED_POINTWISE[fn] = None
+        return fn(*tensors)
+
+
 def expert_ffn_swiglu_vjp(
     x_SH: Tensor, counts_L: Tensor, w1_LFH: Tensor, w2_LHF: Tensor, w3_LFH: Tensor, dy_SH: Tensor,
     score_S: Tensor, *, use_grouped_mm: bool | None = None,
@@ -84,18 +131,12 @@ def expert_ffn_swiglu_vjp(
     offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
     h1_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
     h3_SF = _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
-    sig_SF = torch.sigmoid(h1_SF)
-    silu_SF = h1_SF * sig_SF
-    act_SF = silu_SF * h3_SF
     g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
-    d_score_S = (g_SF.float() * act_SF.float()).sum(-1)
-    score_S1 = score_S.to(dy_SH.dtype)[:, None]
-    g_SF = g_SF * score_S1
-    dw2 = _grouped_weight_grad(dy_SH * score_S1, act_SF, offsets_L, counts_host)
-    del act_SF
-    dh3_SF = g_SF * silu_SF
-    dh1_SF = g_SF * h3_SF * (sig_SF * (1 + h1_SF * (1 - sig_SF)))
-    del g_SF, h3_SF, sig_SF, silu_SF, h1_SF
+    act_scaled_SF, dh1_SF, dh3_SF, d_score_S = pointwise(swiglu_backward_pointwise, h1_SF, h3_SF, g_SF, score_S)
+    del h1_SF, h3_SF, g_SF
+    # dw2[e] = (score * dy)^T act = dy^T (score * act)
+    dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, counts_host)
+    del act_scaled_SF
     dx_SH = _grouped_linear(dh1_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
     dx_SH += _grouped_linear(dh3_SF, w3_LFH.transpose(-2, -1), offsets_L, counts_host)
     dw1 = _grouped_weight_grad(dh1_SF, x_SH, offsets_L, counts_host)
