@@ -15,7 +15,7 @@ The memory model counts the big buffers only (element counts times bytes):
   gradients and the recomputed intermediates (~``S*(4*H + 4*F)``).
 
 On the CPU reference measurement (examples/ring_vs_a2a.py, world 4, T=4096, H=256, F=128, E=16, K=8, fp32)
-the model predicts 256 MiB (a2a) and 65 MiB (ring); measured 266 and 73 MiB.
+the model predicts 256 MiB (a2a) and 65 MiB (ring); measured 266 and 67 MiB.
 """
 
 from __future__ import annotations

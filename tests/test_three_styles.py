@@ -9,31 +9,14 @@ and both peak memories were measured (tiny sizes: the ratio itself is not judged
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import unittest
-from pathlib import Path
-from types import ModuleType
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "three_styles.py"
-
-
-def _load_example() -> ModuleType:
-    if "three_styles" in sys.modules:
-        return sys.modules["three_styles"]
-    # Spawned children unpickle ``three_styles._worker``: they need the examples folder on their path.
-    sys.path.insert(0, str(EXAMPLE.parent))
-    spec = importlib.util.spec_from_file_location("three_styles", EXAMPLE)
-    assert spec is not None and spec.loader is not None, f"cannot load {EXAMPLE}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["three_styles"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.example_scripts import load_example
 
 
 class ThreeStylesExampleTest(unittest.TestCase):
     def test_every_style_trains_alike_without_token_all_to_all_and_reports_both_peaks(self) -> None:
-        ex = _load_example()
+        ex = load_example("three_styles")
         cfg = ex.parse(["--world", "2", "--steps", "2", "--tiny"])
         results = ex.run(cfg)
         ex.print_report(cfg, results)
@@ -56,7 +39,7 @@ class ThreeStylesExampleTest(unittest.TestCase):
     def test_megatron_style_is_rewritten_at_world_4(self) -> None:
         # Four ranks with four experts each: the per-(source, expert) split SymInts come out of Dynamo's
         # sym_sum in another order than the experts; the matcher must bind them by the element they read.
-        ex = _load_example()
+        ex = load_example("three_styles")
         cfg = ex.parse(["--world", "4", "--steps", "2", "--tiny", "--styles", "megatron", "--skip-memory"])
         results = ex.run(cfg)
         self.assertEqual(ex.check(cfg, results), [])

@@ -8,22 +8,13 @@ writes its results as JSON, which this test checks beside the returned status.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import tempfile
 import unittest
 from pathlib import Path
-from types import ModuleType
 
-try:
-    import relay_compile.backend  # noqa: F401
+from tests.example_scripts import load_example
 
-    BACKEND_IMPORT_ERROR = ""
-except ImportError as e:  # the passes it depends on are not there yet
-    BACKEND_IMPORT_ERROR = f"relay_compile.backend cannot be imported yet ({e}); backend='relaymoe' is unavailable"
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
 LAYERS = 1
 TINY = [
     "--world", "2", "--steps", "3", "--layers", str(LAYERS), "--experts", "4", "--top-k", "2",
@@ -31,22 +22,9 @@ TINY = [
 ]
 
 
-def _load_example() -> ModuleType:
-    """``examples/train_moe.py`` as module ``train_moe`` (the name its spawned ranks import it by)."""
-    if "train_moe" in sys.modules:
-        return sys.modules["train_moe"]
-    spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
-    assert spec is not None and spec.loader is not None, f"cannot load {EXAMPLE}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_moe"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@unittest.skipIf(bool(BACKEND_IMPORT_ERROR), BACKEND_IMPORT_ERROR)
 class TrainExampleTest(unittest.TestCase):
     def test_eager_a2a_and_relaymoe_train_to_the_same_losses_and_the_memory_figure_is_written(self) -> None:
-        train_moe = _load_example()
+        train_moe = load_example("train_moe")
         with tempfile.TemporaryDirectory() as tmp:
             plot, report = Path(tmp) / "memory.png", Path(tmp) / "report.json"
             code = train_moe.main([*TINY, "--plot", str(plot), "--report-json", str(report)])
