@@ -15,15 +15,19 @@ An expert function ``F`` is the block of an all-to-all dispatcher that runs betw
 respect to ``x_SH`` and ``weights``. It may carry a fused backward, ``F.vjp`` (see ``ExpertVJP``), which the
 ring then uses instead of autograd.
 
+An expert function whose weights are stacked per expert along dim 0 may also be a ``GroupedExperts``: entry
+points that take the rows' grouped-GEMM offsets (precomputed per step) and weights sliced to a contiguous
+range of experts. The hop loop then calls those directly, with no per-call counts arithmetic, and a bounded
+chunk computes (and differentiates) only the experts it holds. ``ffn_expert_fn`` returns one.
+
 Legend: S rows of a segment, H hidden, F expert FFN width, N ranks in the EP group, E_l experts per rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Literal
-
 import logging
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as nnf
@@ -37,6 +41,29 @@ ExpertFn = Callable[[Tensor, Tensor, list[int], Sequence[Tensor]], Tensor]
 ExpertVJP = Callable[
     [Tensor, Tensor, list[int], Sequence[Tensor], Tensor, Tensor], tuple[Tensor, Tensor, list[Tensor]]
 ]
+
+
+@runtime_checkable
+class GroupedExperts(Protocol):
+    """Expert functions over rows grouped by expert, weights ``(G, ...)`` for the G experts of the rows.
+
+    ``offsets_G``: int32 prefix sums of ``rows_G`` on the device; ``rows_G``: rows per expert (host ints).
+    ``vjp_rows`` follows ``ExpertVJP`` and is called only when ``has_fused_backward``; otherwise the ring
+    differentiates ``forward_rows`` with autograd.
+    """
+
+    has_fused_backward: bool
+
+    def forward_rows(
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
+    ) -> Tensor: ...
+
+    def vjp_rows(
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor], dy_SH: Tensor,
+        score_S: Tensor,
+    ) -> tuple[Tensor, Tensor, list[Tensor]]: ...
+
+
 Activation = Literal["swiglu", "silu", "gelu"]
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "silu", "gelu")
 
@@ -129,6 +156,14 @@ def expert_ffn_swiglu_vjp(
         ``dx (S, H)``, ``d_score (S,)`` fp32, ``[dw1, dw2, dw3]`` like the weights.
     """
     offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
+    return _swiglu_vjp(x_SH, offsets_L, counts_host, w1_LFH, w2_LHF, w3_LFH, dy_SH, score_S)
+
+
+def _swiglu_vjp(
+    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
+    w3_LFH: Tensor, dy_SH: Tensor, score_S: Tensor,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``expert_ffn_swiglu_vjp`` given the grouping (device offsets, or host counts for the loop path)."""
     h1_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
     h3_SF = _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
     g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
@@ -137,10 +172,11 @@ def expert_ffn_swiglu_vjp(
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
     dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, counts_host)
     del act_scaled_SF
-    dx_SH = _grouped_linear(dh1_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
-    dx_SH += _grouped_linear(dh3_SF, w3_LFH.transpose(-2, -1), offsets_L, counts_host)
+    # dw1/dw3 before dx: x's rows are no longer needed once they are taken (the caller may free them).
     dw1 = _grouped_weight_grad(dh1_SF, x_SH, offsets_L, counts_host)
     dw3 = _grouped_weight_grad(dh3_SF, x_SH, offsets_L, counts_host)
+    dx_SH = _grouped_linear(dh1_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
+    dx_SH += _grouped_linear(dh3_SF, w3_LFH.transpose(-2, -1), offsets_L, counts_host)
     return dx_SH, d_score_S, [dw1, dw2, dw3]
 
 
@@ -169,6 +205,14 @@ def expert_ffn(
         ``(S, H)``: ``w2 @ act(w1 @ x) [* (w3 @ x)]`` per row, with its own expert's weights.
     """
     offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
+    return _ffn(x_SH, offsets_L, counts_host, w1_LFH, w2_LHF, w3_LFH, activation)
+
+
+def _ffn(
+    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
+    w3_LFH: Tensor | None, activation: Activation,
+) -> Tensor:
+    """``expert_ffn`` given the grouping (device offsets, or host counts for the loop path)."""
     h_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
     if activation == "swiglu":
         assert w3_LFH is not None, "swiglu needs w3"
@@ -182,23 +226,60 @@ def expert_ffn(
     return _grouped_linear(h_SF, w2_LHF, offsets_L, counts_host)
 
 
-def ffn_expert_fn(activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> ExpertFn:
-    """The ring's expert function for ``expert_ffn``: weights are ``(w1, w2)`` or ``(w1, w2, w3)``."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"ring_moe: activation={activation!r} is not one of {ACTIVATIONS}")
+class GroupedFFN:
+    """``expert_ffn`` as the ring's expert function: the ``ExpertFn`` contract, ``vjp`` (swiglu) and the
+    ``GroupedExperts`` entry points. Weights are ``(w1, w2)`` or ``(w1, w2, w3)``."""
 
-    def ffn(x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
+    def __init__(self, activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"ring_moe: activation={activation!r} is not one of {ACTIVATIONS}")
+        self.activation, self.use_grouped_mm = activation, use_grouped_mm
+        self.__qualname__ = f"expert_ffn[{activation}]"
+        self.has_fused_backward = activation == "swiglu"
+        if self.has_fused_backward:
+            self.vjp: ExpertVJP = self._vjp  # the ExpertFn contract's optional fused backward
+
+    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
         return expert_ffn(
-            x_SH, counts_NL.sum(0), *weights, activation=activation, use_grouped_mm=use_grouped_mm
+            x_SH, counts_NL.sum(0), *weights, activation=self.activation, use_grouped_mm=self.use_grouped_mm
         )
 
-    ffn.__qualname__ = f"expert_ffn[{activation}]"
-    if activation == "swiglu":
+    def _vjp(
+        self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor], dy_SH: Tensor,
+        score_S: Tensor,
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        return expert_ffn_swiglu_vjp(
+            x_SH, counts_NL.sum(0), *weights, dy_SH, score_S, use_grouped_mm=self.use_grouped_mm
+        )
 
-        def vjp(x_SH, counts_NL, splits_N, weights, dy_SH, score_S):
-            return expert_ffn_swiglu_vjp(
-                x_SH, counts_NL.sum(0), *weights, dy_SH, score_S, use_grouped_mm=use_grouped_mm
-            )
+    def _grouping(
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
+    ) -> tuple[Tensor | None, Sequence[int] | None]:
+        grouped = self.use_grouped_mm
+        if grouped is None:
+            grouped = grouped_mm_supported(x_SH, *weights)
+        return (offsets_G, None) if grouped else (None, rows_G)
 
-        ffn.vjp = vjp  # type: ignore[attr-defined]
-    return ffn
+    def forward_rows(
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
+    ) -> Tensor:
+        return _ffn(x_SH, *self._grouping(x_SH, offsets_G, rows_G, weights), *_ffn_weights(weights),
+                    self.activation)
+
+    def vjp_rows(
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor], dy_SH: Tensor,
+        score_S: Tensor,
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        w1, w2, w3 = _ffn_weights(weights)
+        assert self.has_fused_backward and w3 is not None, f"expert_ffn[{self.activation}]: no fused backward"
+        return _swiglu_vjp(x_SH, *self._grouping(x_SH, offsets_G, rows_G, weights), w1, w2, w3, dy_SH, score_S)
+
+
+def _ffn_weights(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
+    w1, w2, *rest = weights
+    return w1, w2, rest[0] if rest else None
+
+
+def ffn_expert_fn(activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> GroupedFFN:
+    """The ring's expert function for ``expert_ffn``: weights are ``(w1, w2)`` or ``(w1, w2, w3)``."""
+    return GroupedFFN(activation, use_grouped_mm)

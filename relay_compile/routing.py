@@ -10,12 +10,16 @@ Sorting the pairs by global expert once per step groups them by owner rank (expe
 
 The host needs the counts once per step (to size tensors); nothing in the hop loop syncs.
 
+A hop's range is cut into *chunks* aligned to experts (``split_experts``): whole experts packed up to
+``max_hop_rows`` rows, an expert with more rows cut into near-equal pieces, so a chunk's grouped GEMMs touch
+only its own experts' weights. Every chunk of a step is planned on the host from the counts, and its device
+tables (grouped-GEMM offsets, per-expert counts) arrive in one upload per step (``plan_chunks``).
+
 Also here: ``choose_routing``, the paper's Table 2 rule for ``routing="auto"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +36,7 @@ class PairRouting:
 
     Attributes:
         order_P: flattened pair positions sorted by expert (stable) ``(P,)``.
+        tokens_P: the token of each sorted pair, ``order_P // K`` ``(P,)``.
         starts_E1: device prefix sums of pairs per expert ``(E + 1,)``.
         starts_host: the same on the host, ``E + 1`` ints.
         top_k: K.
@@ -39,6 +44,7 @@ class PairRouting:
     """
 
     order_P: Tensor
+    tokens_P: Tensor
     starts_E1: Tensor
     starts_host: list[int]
     top_k: int
@@ -62,6 +68,7 @@ class PairRouting:
             starts_host.append(starts_host[-1] + c)
         return PairRouting(
             order_P=order_P,
+            tokens_P=order_P // topk_ids_TK.shape[1],
             starts_E1=starts_E1,
             starts_host=starts_host,
             top_k=topk_ids_TK.shape[1],
@@ -73,19 +80,118 @@ class PairRouting:
         e_l = self.experts_per_rank
         return self.starts_host[owner * e_l], self.starts_host[(owner + 1) * e_l]
 
-    def chunks(self, owner: int, max_rows: int | None) -> Iterator[tuple[int, int]]:
-        """Bounded pieces of ``owner``'s range (the whole range when ``max_rows`` is None); none if empty."""
-        start, end = self.owner_range(owner)
-        step = max(1, max_rows) if max_rows else max(1, end - start)
-        for c0 in range(start, end, step):
-            yield c0, min(end, c0 + step)
+    def rows_per_expert(self, owner: int) -> list[int]:
+        """Rows of each of ``owner``'s local experts (host ints, ``E_l``)."""
+        e_l, starts = self.experts_per_rank, self.starts_host
+        return [starts[e + 1] - starts[e] for e in range(owner * e_l, (owner + 1) * e_l)]
 
-    def chunk_counts(self, owner: int, c0: int, c1: int) -> Tensor:
-        """Rows per local expert of ``owner`` inside the sorted range ``[c0, c1)`` ``(E_l,)``, on device."""
-        e_l = self.experts_per_rank
-        begin_L = self.starts_E1[owner * e_l : (owner + 1) * e_l]
-        end_L = self.starts_E1[owner * e_l + 1 : (owner + 1) * e_l + 1]
-        return end_L.clamp(c0, c1) - begin_L.clamp(c0, c1)
+
+ChunkBounds = tuple[int, int, int, int, tuple[int, ...]]
+
+
+def split_experts(rows_L: list[int], base: int, max_rows: int | None) -> list[ChunkBounds]:
+    """Expert-aligned chunks of one hop's sorted range ``[base, base + sum(rows_L))``.
+
+    Whole experts are packed in order while they fit ``max_rows``; an expert with more rows than that is cut
+    into ``ceil(rows / max_rows)`` near-equal pieces. Experts with no rows join a neighbour or are left out;
+    a hop with no rows has no chunks. ``max_rows=None`` is one chunk of every expert.
+
+    Returns:
+        ``(start, end, lo, hi, rows)`` per chunk: sorted pairs ``[start, end)`` on local experts ``[lo, hi)``,
+        ``rows`` per expert of ``[lo, hi)``.
+
+    Example (``max_rows=4``): ``rows_L=[3, 0, 2, 9]`` -> ``[0, 3)`` on experts ``[0, 2)``, ``[3, 5)`` on
+    ``[2, 3)``, then expert 3 in pieces of 3 rows: ``[5, 8)``, ``[8, 11)``, ``[11, 14)``.
+    """
+    total = sum(rows_L)
+    if total == 0:
+        return []
+    if not max_rows or total <= max_rows:
+        return [(base, base + total, 0, len(rows_L), tuple(rows_L))]
+    chunks: list[ChunkBounds] = []
+    lo, start, pos = 0, base, base  # the open chunk: experts [lo, e), sorted pairs [start, pos)
+
+    def close(hi: int) -> None:
+        if pos > start:
+            chunks.append((start, pos, lo, hi, tuple(rows_L[lo:hi])))
+
+    for e, rows in enumerate(rows_L):
+        if rows > max_rows:
+            close(e)
+            pieces = -(-rows // max_rows)
+            cuts = [pos + rows * i // pieces for i in range(pieces + 1)]
+            chunks += [(a, b, e, e + 1, (b - a,)) for a, b in zip(cuts, cuts[1:])]
+            pos += rows
+            lo, start = e + 1, pos
+        elif pos - start + rows > max_rows:
+            close(e)
+            lo, start = e, pos
+            pos += rows
+        else:
+            pos += rows
+    close(len(rows_L))
+    return chunks
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """One chunk of a hop: sorted pairs ``[start, end)`` on the owner's local experts ``[lo, hi)``.
+
+    Attributes:
+        rows: rows per expert of ``[lo, hi)`` (host ints; ``G = hi - lo``).
+        offsets_G: their int32 prefix sums on the device, ``torch._grouped_mm``'s ``offs`` ``(G,)``.
+        counts_L: rows per local expert, zero outside ``[lo, hi)``, int64 on the device ``(E_l,)``.
+        whole: the chunk spans every local expert (its weight gradients are whole partitions).
+    """
+
+    start: int
+    end: int
+    lo: int
+    hi: int
+    rows: tuple[int, ...]
+    offsets_G: Tensor
+    counts_L: Tensor
+    whole: bool
+
+
+# Offsets start at multiples of 4 int32 (16 bytes) in the step's table: aligned like a fresh allocation.
+_OFFSET_ALIGN = 4
+
+
+def plan_chunks(bounds: list[list[ChunkBounds]], experts_per_rank: int, device: torch.device) -> list[list[Chunk]]:
+    """Device tables for every chunk of a step (one list per hop), in one host-to-device copy."""
+    flat: list[int] = []
+    placed = []
+    for hop_bounds in bounds:
+        for start, end, lo, hi, rows in hop_bounds:
+            at_offsets = len(flat)
+            total = 0
+            for r in rows:
+                total += r
+                flat.append(total)
+            flat += [0] * (-len(flat) % _OFFSET_ALIGN)
+            at_counts = len(flat)
+            flat += [0] * lo + list(rows) + [0] * (experts_per_rank - hi)
+            flat += [0] * (-len(flat) % _OFFSET_ALIGN)
+            placed.append((at_offsets, at_counts))
+    if not placed:
+        return [[] for _ in bounds]
+    table = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    table32 = table.to(torch.int32)
+    plans, i = [], 0
+    for hop_bounds in bounds:
+        chunks = []
+        for start, end, lo, hi, rows in hop_bounds:
+            at_offsets, at_counts = placed[i]
+            i += 1
+            chunks.append(Chunk(
+                start=start, end=end, lo=lo, hi=hi, rows=rows,
+                offsets_G=table32[at_offsets : at_offsets + hi - lo],
+                counts_L=table[at_counts : at_counts + experts_per_rank],
+                whole=lo == 0 and hi == experts_per_rank,
+            ))
+        plans.append(chunks)
+    return plans
 
 
 def per_hop_bytes(

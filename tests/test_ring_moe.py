@@ -88,7 +88,8 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
     def test_bounded_hops_replay_sgd_steps_and_bf16_match_a2a(self) -> None:
         self.init_pg()
         for routing in ("expert", "token"):
-            for case in ("random", "one_expert"):
+            for case in ("random", "one_expert", "one_rank"):
+                # Chunks pack whole experts up to 5 rows and cut larger ones (one_expert: 12 rows) in pieces.
                 self.assert_matches_a2a(case, routing=routing, max_hop_rows=5)
                 self.assert_matches_a2a(case, routing=routing, remat=False, max_hop_rows=7)
                 # Any expert function: differentiated by autograd per chunk instead of the FFN's fused vjp.

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from relay_compile.experts import ExpertFn
-from relay_compile.routing import PairRouting
+from relay_compile.experts import ExpertFn, GroupedExperts
+from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.transport import RingGroup, all_gather_rows, all_reduce_max
 
 # Dtype of the per-pair score-gradient reductions (a dot product over H per pair).
@@ -47,36 +47,76 @@ class RingStepConfig:
     ring: RingGroup
     num_experts: int
     max_hop_rows: int | None
+    # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
+    grouped: GroupedExperts | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grouped", self.expert_fn if isinstance(self.expert_fn, GroupedExperts) else None)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ring.size
 
 
 @dataclass(kw_only=True)
 class HopActivations:
     """A hop's recomputed chunks with their autograd graphs alive (only when remat is off)."""
 
-    chunks: list[tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor]] = field(default_factory=list)
+    chunks: list[tuple[Chunk, Tensor, list[Tensor], Tensor]] = field(default_factory=list)
 
 
-def _chunk_inputs(
-    cfg: RingStepConfig, routing: PairRouting, owner: int, src: int, c0: int, c1: int
-) -> tuple[Tensor, Tensor, Tensor, list[int]]:
-    """Pair positions ``(C,)``, token rows ``(C,)``, ``counts_NL`` and ``splits_N`` of one chunk."""
-    pos_C = routing.order_P[c0:c1]
-    counts_NL = torch.zeros(cfg.ring.size, routing.experts_per_rank, dtype=torch.int64, device=pos_C.device)
-    counts_NL[src] = routing.chunk_counts(owner, c0, c1)
+@dataclass(frozen=True, kw_only=True)
+class HopRows:
+    """The rows one hop computes: a partition's sorted pairs and the chunks of them that meet here.
+
+    ``scores_S`` and the score gradients ``ds_S`` are in sorted-pair order, so a chunk reads and writes
+    plain slices ``[start, end)``; tokens come from ``routing.tokens_P``.
+    """
+
+    routing: PairRouting
+    chunks: list[Chunk]
+    src: int
+    scores_S: Tensor
+
+
+def _chunk_weights(cfg: RingStepConfig, weights: Sequence[Tensor], chunk: Chunk) -> list[Tensor]:
+    """What ``F`` gets for a chunk: a grouped ``F`` the chunk's expert slices, any other the partition."""
+    if cfg.grouped is None or chunk.whole:
+        return list(weights)
+    return [w[chunk.lo : chunk.hi] for w in weights]
+
+
+def _expert_forward(
+    cfg: RingStepConfig, chunk: Chunk, src: int, x_CH: Tensor, chunk_weights: Sequence[Tensor]
+) -> Tensor:
+    """``F`` on one chunk: the grouped entry point, or the ``ExpertFn`` contract."""
+    grouped = cfg.grouped
+    if grouped is not None:
+        return grouped.forward_rows(x_CH, chunk.offsets_G, chunk.rows, chunk_weights)
+    return cfg.expert_fn(x_CH, _counts_NL(cfg, chunk, src), _splits_N(cfg, chunk, src), chunk_weights)
+
+
+def _counts_NL(cfg: RingStepConfig, chunk: Chunk, src: int) -> Tensor:
+    """The ``ExpertFn`` contract's counts: row ``src`` is the chunk's rows per local expert."""
+    counts_NL = chunk.counts_L.new_zeros(cfg.ring.size, cfg.experts_per_rank)
+    counts_NL[src] = chunk.counts_L
+    return counts_NL
+
+
+def _splits_N(cfg: RingStepConfig, chunk: Chunk, src: int) -> list[int]:
     splits_N = [0] * cfg.ring.size
-    splits_N[src] = c1 - c0
-    return pos_C, pos_C // routing.top_k, counts_NL, splits_N
+    splits_N[src] = chunk.end - chunk.start
+    return splits_N
 
 
 def segment_forward(
-    cfg: RingStepConfig, routing: PairRouting, owner: int, src: int,
-    x_TH: Tensor, scores_P: Tensor, weights: Sequence[Tensor], y_TH: Tensor,
+    cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], y_TH: Tensor
 ) -> None:
-    """``y[t] += scores[p] * F_owner(x[t])`` for the pairs ``p = (t, k)`` of ``owner``'s experts."""
-    for c0, c1 in routing.chunks(owner, cfg.max_hop_rows):
-        pos_C, tok_C, counts_NL, splits_N = _chunk_inputs(cfg, routing, owner, src, c0, c1)
-        out_CH = cfg.expert_fn(x_TH[tok_C], counts_NL, splits_N, weights)
-        y_TH.index_add_(0, tok_C, (out_CH * scores_P[pos_C, None]).to(y_TH.dtype))
+    """``y[t] += scores[p] * F_owner(x[t])`` for the pairs ``p = (t, k)`` of the hop's chunks."""
+    for chunk in rows.chunks:
+        tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
+        out_CH = _expert_forward(cfg, chunk, rows.src, x_TH[tok_C], _chunk_weights(cfg, weights, chunk))
+        y_TH.index_add_(0, tok_C, (out_CH * rows.scores_S[chunk.start : chunk.end, None]).to(y_TH.dtype))
 
 
 @contextlib.contextmanager
@@ -96,66 +136,99 @@ def _autograd_enabled() -> Iterator[None]:
 
 
 def _recompute_chunk(
-    cfg: RingStepConfig, routing: PairRouting, owner: int, src: int, c0: int, c1: int,
-    x_TH: Tensor, weights: Sequence[Tensor],
-) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor]:
-    """Rerun ``F`` on one chunk with autograd: ``(x_CH leaf, weight leaves, out_CH, pos_C, tok_C)``."""
-    pos_C, tok_C, counts_NL, splits_N = _chunk_inputs(cfg, routing, owner, src, c0, c1)
+    cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor]
+) -> tuple[Chunk, Tensor, list[Tensor], Tensor]:
+    """Rerun ``F`` on one chunk with autograd: ``(chunk, x_CH leaf, weight leaves, out_CH)``.
+
+    Weight leaves are the chunk's expert slices (grouped ``F``) or whole partitions.
+    """
+    tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
     x_CH = x_TH[tok_C].detach().requires_grad_()
-    w_leaves = [w.detach().requires_grad_() for w in weights]
+    w_leaves = [w.detach().requires_grad_() for w in _chunk_weights(cfg, weights, chunk)]
     with _autograd_enabled():
-        out_CH = cfg.expert_fn(x_CH, counts_NL, splits_N, w_leaves)
-    return x_CH, w_leaves, out_CH, pos_C, tok_C
+        out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, w_leaves)
+    return chunk, x_CH, w_leaves, out_CH
 
 
 def _chunk_vjp(
-    chunk: tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor],
-    scores_P: Tensor, dy_TH: Tensor, dx_TH: Tensor, ds_P: Tensor, dw: list[Tensor],
+    cfg: RingStepConfig, rows: HopRows, recomputed: tuple[Chunk, Tensor, list[Tensor], Tensor],
+    dy_TH: Tensor, dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
 ) -> None:
     """Consume one recomputed chunk: add its ``dx``, ``d_scores`` and weight-gradient contributions."""
-    x_CH, w_leaves, out_CH, pos_C, tok_C = chunk
+    chunk, x_CH, w_leaves, out_CH = recomputed
+    tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
     dy_CH = dy_TH[tok_C]
-    ds_P.index_copy_(0, pos_C, (dy_CH.to(ACC_DTYPE) * out_CH.detach().to(ACC_DTYPE)).sum(-1))
+    ds_S[chunk.start : chunk.end] = (dy_CH.to(ACC_DTYPE) * out_CH.detach().to(ACC_DTYPE)).sum(-1)
+    score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
     with _autograd_enabled():
-        grads = torch.autograd.grad(
-            out_CH, [x_CH, *w_leaves], dy_CH * scores_P[pos_C, None].to(dy_CH.dtype), allow_unused=True
-        )
+        grads = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True)
     dx_TH.index_add_(0, tok_C, grads[0].to(dx_TH.dtype))
-    _accumulate(dw, grads[1:])
+    dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
 
 def segment_backward(
-    cfg: RingStepConfig, routing: PairRouting, owner: int, src: int,
-    x_TH: Tensor, scores_P: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
-    dx_TH: Tensor, ds_P: Tensor, dw: list[Tensor],
+    cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
+    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
 ) -> None:
-    """Per chunk of ``owner``'s pairs: recompute, vector-Jacobian product, accumulate, release.
+    """Per chunk: recompute, vector-Jacobian product, accumulate, release.
 
-    Uses the expert function's fused ``vjp`` where it has one, else autograd over a recomputed forward.
+    Uses the expert function's fused backward where it has one (``vjp_rows``, else ``vjp``), else autograd
+    over a recomputed forward.
     """
+    grouped = cfg.grouped
     fused = getattr(cfg.expert_fn, "vjp", None)
-    for c0, c1 in routing.chunks(owner, cfg.max_hop_rows):
-        if fused is None:
-            _chunk_vjp(_recompute_chunk(cfg, routing, owner, src, c0, c1, x_TH, weights), scores_P, dy_TH, dx_TH,
-                       ds_P, dw)
+    for chunk in rows.chunks:
+        if grouped is None and fused is None or grouped is not None and not grouped.has_fused_backward:
+            _chunk_vjp(cfg, rows, _recompute_chunk(cfg, rows, chunk, x_TH, weights), dy_TH, dx_TH, ds_S, dw)
             continue
-        pos_C, tok_C, counts_NL, splits_N = _chunk_inputs(cfg, routing, owner, src, c0, c1)
-        dx_CH, ds_C, dws = fused(x_TH[tok_C], counts_NL, splits_N, weights, dy_TH[tok_C], scores_P[pos_C])
-        ds_P.index_copy_(0, pos_C, ds_C.to(ds_P.dtype))
+        c0, c1 = chunk.start, chunk.end
+        tok_C = rows.routing.tokens_P[c0:c1]
+        if grouped is not None:
+            dx_CH, ds_C, dws = grouped.vjp_rows(
+                x_TH[tok_C], chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk), dy_TH[tok_C],
+                rows.scores_S[c0:c1],
+            )
+        else:
+            dx_CH, ds_C, dws = fused(
+                x_TH[tok_C], _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src), weights,
+                dy_TH[tok_C], rows.scores_S[c0:c1],
+            )
+        ds_S[c0:c1] = ds_C
         dx_TH.index_add_(0, tok_C, dx_CH.to(dx_TH.dtype))
-        _accumulate(dw, dws)
+        dw.add(dws, chunk if grouped is not None else None)
 
 
-def _accumulate(dw: list[Tensor | None], grads: Sequence[Tensor | None]) -> None:
-    """``dw[i] += grads[i]``, where ``None`` is zero (the first chunk's gradients are taken as they are)."""
-    for i, g in enumerate(grads):
-        if g is not None:
-            dw[i] = g if dw[i] is None else dw[i].add_(g)
+class WeightGrads:
+    """Weight-gradient partials of one hop (expert routing) or one step (token routing).
 
+    A chunk over every expert contributes whole-partition gradients, taken as they are when they come first;
+    a chunk over a slice of experts adds into a zero-initialised buffer at its slice. A weight no pair touched
+    (an empty hop) gets zeros.
+    """
 
-def _weight_grads(dw: list[Tensor | None], weights: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    """The accumulated gradients in the weights' dtype; zeros for a weight no pair touched (an empty hop)."""
-    return tuple(torch.zeros_like(w) if g is None else g.to(w.dtype) for g, w in zip(dw, weights, strict=True))
+    def __init__(self, weights: Sequence[Tensor]) -> None:
+        self.weights = list(weights)
+        self.grads: list[Tensor | None] = [None] * len(self.weights)
+
+    def add(self, grads: Sequence[Tensor | None], chunk: Chunk | None) -> None:
+        """``chunk=None``: whole-partition gradients; else gradients of ``chunk``'s expert slice."""
+        whole = chunk is None or chunk.whole
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            acc = self.grads[i]
+            if acc is None and whole:
+                self.grads[i] = g
+                continue
+            if acc is None:
+                acc = self.grads[i] = torch.zeros_like(self.weights[i], dtype=g.dtype)
+            (acc if whole else acc[chunk.lo : chunk.hi]).add_(g)
+
+    def result(self) -> tuple[Tensor, ...]:
+        """The accumulated gradients in the weights' dtype."""
+        return tuple(
+            torch.zeros_like(w) if g is None else g.to(w.dtype) for g, w in zip(self.grads, self.weights, strict=True)
+        )
 
 
 class ExpertRoutingStep:
@@ -166,21 +239,27 @@ class ExpertRoutingStep:
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None,
     ) -> None:
         self.cfg, self.x_TH, self.weights = cfg, x_TH, list(weights)
-        self.scores_P = topk_scores_TK.reshape(-1)
         self.grad_y_TH = grad_y_TH
-        e_l = cfg.num_experts // cfg.ring.size
+        e_l = cfg.experts_per_rank
         ids_TK, bad = _clamped_ids(cfg, topk_ids_TK)
         counts_E = PairRouting.counts(ids_TK, cfg.num_experts)
         any_bad = all_reduce_max(cfg.ring, bad.clone())
-        # NOTE: device-to-host sync, once per step: sizes every hop's segment (and reads the error flags).
+        # NOTE: device-to-host sync, once per step: sizes every hop's chunks (and reads the error flags).
         local_bad, any_bad, *counts_host = torch.cat([bad, any_bad, counts_E]).tolist()
         _raise_if_bad(cfg, local_bad, any_bad)
-        self.routing = PairRouting.build(topk_ids_TK, counts_E, counts_host, e_l)
+        self.routing = routing = PairRouting.build(topk_ids_TK, counts_E, counts_host, e_l)
+        self.chunks = plan_chunks([
+            split_experts(routing.rows_per_expert(owner), routing.starts_host[owner * e_l], cfg.max_hop_rows)
+            for owner in range(cfg.ring.size)
+        ], e_l, x_TH.device)
+        self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
+        self.topk_shape = topk_scores_TK.shape
         if grad_y_TH is None:
             self.y_TH = torch.zeros_like(x_TH)
         else:
             self.dx_TH = torch.zeros_like(x_TH)
-            self.ds_P = torch.zeros(self.scores_P.shape, dtype=ACC_DTYPE, device=x_TH.device)
+            # Every pair meets its expert on exactly one hop, so every entry is written.
+            self.ds_S = torch.empty(self.scores_S.shape, dtype=ACC_DTYPE, device=x_TH.device)
 
     def initial_circulating(self) -> list[Tensor]:
         return self.weights
@@ -189,45 +268,39 @@ class ExpertRoutingStep:
         # Every partition (and its gradient) has the shapes of the local one: checked at the first call.
         return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in payload]
 
-    def _owner(self, hop: int) -> int:
-        return (self.cfg.ring.rank - hop) % self.cfg.ring.size
+    def _rows(self, hop: int) -> HopRows:
+        owner = (self.cfg.ring.rank - hop) % self.cfg.ring.size
+        return HopRows(routing=self.routing, chunks=self.chunks[owner], src=self.cfg.ring.rank,
+                       scores_S=self.scores_S)
 
     def forward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
-        segment_forward(
-            self.cfg, self.routing, self._owner(hop), self.cfg.ring.rank, self.x_TH, self.scores_P, weights,
-            self.y_TH,
-        )
+        segment_forward(self.cfg, self._rows(hop), self.x_TH, weights, self.y_TH)
         return ()
 
     def backward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw: list[Tensor | None] = [None] * len(weights)
+        dw = WeightGrads(weights)
         assert self.grad_y_TH is not None
-        segment_backward(
-            self.cfg, self.routing, self._owner(hop), self.cfg.ring.rank, self.x_TH, self.scores_P, weights,
-            self.grad_y_TH, self.dx_TH, self.ds_P, dw,
-        )
-        return _weight_grads(dw, weights)
+        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
+        return dw.result()
 
     def recompute_hop(self, hop: int, *weights: Tensor) -> HopActivations:
-        owner, rank = self._owner(hop), self.cfg.ring.rank
-        return HopActivations(chunks=[
-            _recompute_chunk(self.cfg, self.routing, owner, rank, c0, c1, self.x_TH, weights)
-            for c0, c1 in self.routing.chunks(owner, self.cfg.max_hop_rows)
-        ])
+        rows = self._rows(hop)
+        return HopActivations(chunks=[_recompute_chunk(self.cfg, rows, c, self.x_TH, weights) for c in rows.chunks])
 
     def vjp_hop(self, hop: int, acts: HopActivations, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw: list[Tensor | None] = [None] * len(weights)
+        dw = WeightGrads(weights)
         assert self.grad_y_TH is not None
-        for chunk in acts.chunks:
-            _chunk_vjp(chunk, self.scores_P, self.grad_y_TH, self.dx_TH, self.ds_P, dw)
+        rows = self._rows(hop)
+        for recomputed in acts.chunks:
+            _chunk_vjp(self.cfg, rows, recomputed, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
         acts.chunks.clear()
-        return _weight_grads(dw, weights)
+        return dw.result()
 
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         if self.grad_y_TH is None:
             return (self.y_TH,)
-        ds_TK = self.ds_P.to(self.scores_P.dtype).view(self.x_TH.shape[0], -1)
-        return (self.dx_TH, ds_TK, *trailing)
+        ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
+        return (self.dx_TH, ds_P.to(self.scores_S.dtype).view(self.topk_shape), *trailing)
 
 
 class TokenRoutingStep:
@@ -241,10 +314,10 @@ class TokenRoutingStep:
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
         if grad_y_TH is not None:
             self.circulating.append(grad_y_TH)
-            self.dw: list[Tensor | None] = [None] * len(weights)
+            self.dw = WeightGrads(weights)
         self.backward = grad_y_TH is not None
         # One small collective per step: every rank learns every partition's size and per-expert counts,
-        # so receive buffers and segments are sized on the host without syncing in the hop loop.
+        # so receive buffers and chunks are sized on the host without syncing in the hop loop.
         ids_TK, bad = _clamped_ids(cfg, topk_ids_TK)
         row = torch.cat([
             torch.tensor([x_TH.shape[0]], dtype=torch.int64, device=x_TH.device),
@@ -259,6 +332,13 @@ class TokenRoutingStep:
         self.counts_NE = table_NR[:, 2:]
         self.rows_N = [r[0] for r in table_host]
         self.counts_host_NE = [r[2:] for r in table_host]
+        e_l, rank = cfg.experts_per_rank, cfg.ring.rank
+        own = slice(rank * e_l, (rank + 1) * e_l)
+        self.chunks = plan_chunks([
+            split_experts(self.counts_host_NE[src][own], sum(self.counts_host_NE[src][: own.start]),
+                          cfg.max_hop_rows)
+            for src in map(self._source, range(cfg.ring.size))
+        ], e_l, x_TH.device)
 
     def initial_circulating(self) -> list[Tensor]:
         return self.circulating
@@ -277,52 +357,54 @@ class TokenRoutingStep:
             self._rows_shaped(t, rows_acc) for t in payload[num_circulating:]
         ]
 
-    def _routing(self, hop: int, ids_TK: Tensor) -> PairRouting:
+    def _rows(self, hop: int, ids_TK: Tensor, scores_TK: Tensor) -> HopRows:
         src = self._source(hop)
-        return PairRouting.build(
-            ids_TK, self.counts_NE[src], self.counts_host_NE[src], self.cfg.num_experts // self.cfg.ring.size
-        )
+        routing = PairRouting.build(ids_TK, self.counts_NE[src], self.counts_host_NE[src], self.cfg.experts_per_rank)
+        return HopRows(routing=routing, chunks=self.chunks[hop], src=src,
+                       scores_S=scores_TK.reshape(-1)[routing.order_P])
+
+    def _own_range(self, rows: HopRows) -> tuple[int, int]:
+        return rows.routing.owner_range(self.cfg.ring.rank)
+
+    def _scores_grad(self, rows: HopRows, ds_S: Tensor, scores_TK: Tensor) -> Tensor:
+        """``d_scores`` of the visiting partition: this rank's pairs from ``ds_S``, zeros elsewhere."""
+        a, b = self._own_range(rows)
+        ds_P = torch.zeros_like(ds_S).index_copy_(0, rows.routing.order_P[a:b], ds_S[a:b])
+        return ds_P.to(scores_TK.dtype).view(scores_TK.shape)
 
     def forward_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> tuple[Tensor, ...]:
         y_TH = torch.zeros_like(x_TH)
-        segment_forward(
-            self.cfg, self._routing(hop, ids_TK), self.cfg.ring.rank, self._source(hop), x_TH,
-            scores_TK.reshape(-1), self.weights, y_TH,
-        )
+        segment_forward(self.cfg, self._rows(hop, ids_TK, scores_TK), x_TH, self.weights, y_TH)
         return (y_TH,)
 
     def backward_hop(
         self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
+        rows = self._rows(hop, ids_TK, scores_TK)
         dx_TH = torch.zeros_like(x_TH)
-        ds_P = torch.zeros(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
-        segment_backward(
-            self.cfg, self._routing(hop, ids_TK), self.cfg.ring.rank, self._source(hop), x_TH,
-            scores_TK.reshape(-1), self.weights, dy_TH, dx_TH, ds_P, self.dw,
-        )
-        return dx_TH, ds_P.to(scores_TK.dtype).view(scores_TK.shape)
+        ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
+        segment_backward(self.cfg, rows, x_TH, self.weights, dy_TH, dx_TH, ds_S, self.dw)
+        return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
 
     def recompute_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> HopActivations:
-        routing, rank, src = self._routing(hop, ids_TK), self.cfg.ring.rank, self._source(hop)
-        return HopActivations(chunks=[
-            _recompute_chunk(self.cfg, routing, rank, src, c0, c1, x_TH, self.weights)
-            for c0, c1 in routing.chunks(rank, self.cfg.max_hop_rows)
-        ])
+        rows = self._rows(hop, ids_TK, scores_TK)
+        return HopActivations(chunks=[_recompute_chunk(self.cfg, rows, c, x_TH, self.weights) for c in rows.chunks])
 
     def vjp_hop(
         self, hop: int, acts: HopActivations, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
+        rows = self._rows(hop, ids_TK, scores_TK)
         dx_TH = torch.zeros_like(x_TH)
-        ds_P = torch.zeros(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
-        for chunk in acts.chunks:
-            _chunk_vjp(chunk, scores_TK.reshape(-1), dy_TH, dx_TH, ds_P, self.dw)
+        ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
+        for recomputed in acts.chunks:
+            _chunk_vjp(self.cfg, rows, recomputed, dy_TH, dx_TH, ds_S, self.dw)
         acts.chunks.clear()
-        return dx_TH, ds_P.to(scores_TK.dtype).view(scores_TK.shape)
+        return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
 
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         if not self.backward:
             return trailing
-        return (*trailing, *_weight_grads(self.dw, self.weights))
+        return (*trailing, *self.dw.result())
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep
