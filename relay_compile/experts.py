@@ -25,7 +25,6 @@ Legend: S rows of a segment, H hidden, F expert FFN width, N ranks in the EP gro
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from relay_compile.kernels.swiglu_backward import swiglu_backward_
 
 ExpertFn = Callable[[Tensor, Tensor, list[int], Sequence[Tensor]], Tensor]
 # ``vjp(x_SH, counts_NL, splits_N, weights, dy_SH, score_S) -> (dx_SH, d_score_S, d_weights)`` of
@@ -48,19 +47,28 @@ class GroupedExperts(Protocol):
     """Expert functions over rows grouped by expert, weights ``(G, ...)`` for the G experts of the rows.
 
     ``offsets_G``: int32 prefix sums of ``rows_G`` on the device; ``rows_G``: rows per expert (host ints).
-    ``vjp_rows`` follows ``ExpertVJP`` and is called only when ``has_fused_backward``; otherwise the ring
+    ``vjp_rows`` is ``ExpertVJP`` on the rows ``x_TH[tok_S]``, ``dy_TH[tok_S]`` (it gathers them itself, so it
+    can release each after its last use) and is called only when ``has_fused_backward``; otherwise the ring
     differentiates ``forward_rows`` with autograd.
+
+    The entry points take the weights in the function's *packed* layout (``pack``: for example SwiGLU's
+    ``w1`` and ``w3`` stacked, so one GEMM computes both): that is what circulates, what a chunk slices and
+    what the weight gradients accumulate in, until ``unpack_grads`` hands them back in the caller's layout.
     """
 
     has_fused_backward: bool
+
+    def pack(self, weights: Sequence[Tensor]) -> list[Tensor]: ...
+
+    def unpack_grads(self, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]: ...
 
     def forward_rows(
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
     ) -> Tensor: ...
 
     def vjp_rows(
-        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor], dy_SH: Tensor,
-        score_S: Tensor,
+        self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
+        dy_TH: Tensor, score_S: Tensor,
     ) -> tuple[Tensor, Tensor, list[Tensor]]: ...
 
 
@@ -100,84 +108,56 @@ def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weigh
     return None, counts_L.tolist()  # NOTE: device-to-host sync (the loop path only)
 
 
-def swiglu_backward_pointwise(
-    h1_SF: Tensor, h3_SF: Tensor, g_SF: Tensor, score_S: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The pointwise part of the SwiGLU backward, from ``g = dy @ w2`` (unscaled by the score).
-
-    Returns ``score * act`` (for ``dw2``), ``dh1``, ``dh3`` (scaled) and ``d_score = <g, act>`` (fp32), where
-    ``act = silu(h1) * h3``.
-    """
-    h1, h3, g = h1_SF.float(), h3_SF.float(), g_SF.float()
-    sig = torch.sigmoid(h1)
-    silu = h1 * sig
-    act = silu * h3
-    d_score_S = (g * act).sum(-1)
-    score = score_S.float()[:, None]
-    g = g * score
-    dh3 = g * silu
-    dh1 = g * h3 * (sig * (1 + h1 * (1 - sig)))
-    out = h1_SF.dtype
-    return (act * score).to(out), dh1.to(out), dh3.to(out), d_score_S
-
-
-# Pointwise pieces are compiled with inductor on CUDA, where each separate kernel is a pass over (S, F)
-# activations; on the CPU (tests, CI) they run eagerly: the same function, so the logic is tested there.
-_COMPILED_POINTWISE: dict[Callable, Callable | None] = {}
-
-
-def pointwise(fn: Callable, *tensors: Tensor):
-    """``fn(*tensors)``, through one compiled (fused) kernel per dtype on CUDA, eagerly elsewhere."""
-    if not tensors[0].is_cuda or torch.compiler.is_compiling():
-        return fn(*tensors)
-    compiled = _COMPILED_POINTWISE.get(fn, ...)
-    if compiled is ...:
-        compiled = _COMPILED_POINTWISE[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    if compiled is None:
-        return fn(*tensors)
-    try:
-        return compiled(*tensors)
-    except Exception as e:  # a compiler failure must not fail training: fall back to eager, once, loudly
-        log.warning("relaymoe: compiling %s failed (%s); running it eagerly from now on", fn.__name__, e)
-        _COMPILED_POINTWISE[fn] = None
-        return fn(*tensors)
-
-
 def expert_ffn_swiglu_vjp(
     x_SH: Tensor, counts_L: Tensor, w1_LFH: Tensor, w2_LHF: Tensor, w3_LFH: Tensor, dy_SH: Tensor,
     score_S: Tensor, *, use_grouped_mm: bool | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Fused backward of ``score * expert_ffn(x)`` (swiglu), recomputing only what it needs.
 
-    ``d_score = <dy, out> = <dy @ w2, act>`` per row, so the output GEMM is not recomputed: two recomputed
-    GEMMs (``h1``, ``h3``) and six gradient GEMMs, where autograd over a recomputed forward runs nine.
+    ``d_score = <dy, out> = <dy @ w2, act>`` per row, so the output GEMM is not recomputed: with ``w1`` and
+    ``w3`` stacked (``w13``), one recomputed GEMM (``h13``) and four gradient GEMMs (``g``, ``dw2``, ``dw13``,
+    ``dx``), where autograd over a recomputed forward runs nine.
 
     Returns:
         ``dx (S, H)``, ``d_score (S,)`` fp32, ``[dw1, dw2, dw3]`` like the weights.
     """
     offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
-    return _swiglu_vjp(x_SH, offsets_L, counts_host, w1_LFH, w2_LHF, w3_LFH, dy_SH, score_S)
+    w13_LGH = torch.cat([w1_LFH, w3_LFH], dim=1)
+    dx_SH, d_score_S, (dw13, dw2) = _swiglu_vjp(x_SH, offsets_L, counts_host, w13_LGH, w2_LHF, dy_SH, score_S)
+    dw1, dw3 = _split_w13(dw13, w2_LHF.shape[-1])
+    return dx_SH, d_score_S, [dw1, dw2, dw3]
+
+
+def _split_w13(w13_LGH: Tensor, ffn: int) -> list[Tensor]:
+    """``[w1, w3]`` of a stacked ``w13``, as copies: with one expert the halves are contiguous views, and
+    results must not alias each other (custom-op outputs)."""
+    return [w13_LGH[:, :ffn].clone(memory_format=torch.contiguous_format),
+            w13_LGH[:, ffn:].clone(memory_format=torch.contiguous_format)]
 
 
 def _swiglu_vjp(
-    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
-    w3_LFH: Tensor, dy_SH: Tensor, score_S: Tensor,
+    x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
+    dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """``expert_ffn_swiglu_vjp`` given the grouping (device offsets, or host counts for the loop path)."""
-    h1_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
-    h3_SF = _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
+    """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``.
+
+    The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
+    here so that each is released after its last GEMM; the pointwise step runs in place
+    (``kernels.swiglu_backward``). A chunk's transient peak is ``x + dy + h13 + g`` rows.
+    """
+    dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
     g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
-    act_scaled_SF, dh1_SF, dh3_SF, d_score_S = pointwise(swiglu_backward_pointwise, h1_SF, h3_SF, g_SF, score_S)
-    del h1_SF, h3_SF, g_SF
+    x_SH = x_TH if tok_S is None else x_TH[tok_S]
+    h13_SG = _grouped_linear(x_SH, w13_LGH, offsets_L, counts_host)
+    d_score_S = swiglu_backward_(h13_SG, g_SF, score_S)
+    act_scaled_SF, dh13_SG = g_SF, h13_SG
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
     dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, counts_host)
-    del act_scaled_SF
-    # dw1/dw3 before dx: x's rows are no longer needed once they are taken (the caller may free them).
-    dw1 = _grouped_weight_grad(dh1_SF, x_SH, offsets_L, counts_host)
-    dw3 = _grouped_weight_grad(dh3_SF, x_SH, offsets_L, counts_host)
-    dx_SH = _grouped_linear(dh1_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
-    dx_SH += _grouped_linear(dh3_SF, w3_LFH.transpose(-2, -1), offsets_L, counts_host)
-    return dx_SH, d_score_S, [dw1, dw2, dw3]
+    del dy_SH, act_scaled_SF, g_SF
+    dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, counts_host)
+    del x_SH
+    dx_SH = _grouped_linear(dh13_SG, w13_LGH.transpose(-2, -1), offsets_L, counts_host)
+    return dx_SH, d_score_S, [dw13, dw2]
 
 
 def expert_ffn(
@@ -226,9 +206,23 @@ def _ffn(
     return _grouped_linear(h_SF, w2_LHF, offsets_L, counts_host)
 
 
+def _swiglu_packed(
+    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor
+) -> Tensor:
+    """SwiGLU experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3``."""
+    ffn = w2_LHF.shape[-1]
+    h13_SG = _grouped_linear(x_SH, w13_LGH, offsets_L, counts_host)
+    return _grouped_linear(nnf.silu(h13_SG[:, :ffn]) * h13_SG[:, ffn:], w2_LHF, offsets_L, counts_host)
+
+
 class GroupedFFN:
-    """``expert_ffn`` as the ring's expert function: the ``ExpertFn`` contract, ``vjp`` (swiglu) and the
-    ``GroupedExperts`` entry points. Weights are ``(w1, w2)`` or ``(w1, w2, w3)``."""
+    """``expert_ffn`` as the ring's expert function: the ``ExpertFn`` contract (weights ``(w1, w2)`` or
+    ``(w1, w2, w3)``), ``vjp`` (swiglu) and the ``GroupedExperts`` entry points.
+
+    Packed layout: swiglu circulates ``[w13, w2]`` with ``w13 = cat([w1, w3], dim=1)`` ``(E_l, 2F, H)``, so the
+    forward runs two grouped GEMMs per chunk instead of three and the backward five instead of eight, and a
+    hop moves two tensors (and two gradients) instead of three. Other activations circulate ``[w1, w2]``.
+    """
 
     def __init__(self, activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> None:
         if activation not in ACTIVATIONS:
@@ -252,6 +246,19 @@ class GroupedFFN:
             x_SH, counts_NL.sum(0), *weights, dy_SH, score_S, use_grouped_mm=self.use_grouped_mm
         )
 
+    def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
+        if self.activation != "swiglu":
+            return list(weights)
+        w1, w2, w3 = weights
+        return [torch.cat([w1, w3], dim=1), w2]
+
+    def unpack_grads(self, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
+        if self.activation != "swiglu":
+            return list(grads)
+        dw13, dw2 = grads
+        dw1, dw3 = _split_w13(dw13, weights[1].shape[-1])
+        return [dw1, dw2, dw3]
+
     def _grouping(
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
     ) -> tuple[Tensor | None, Sequence[int] | None]:
@@ -263,21 +270,18 @@ class GroupedFFN:
     def forward_rows(
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
     ) -> Tensor:
-        return _ffn(x_SH, *self._grouping(x_SH, offsets_G, rows_G, weights), *_ffn_weights(weights),
-                    self.activation)
+        grouping = self._grouping(x_SH, offsets_G, rows_G, weights)
+        if self.activation == "swiglu":
+            return _swiglu_packed(x_SH, *grouping, *weights)
+        return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation)
 
     def vjp_rows(
-        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor], dy_SH: Tensor,
-        score_S: Tensor,
+        self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
+        dy_TH: Tensor, score_S: Tensor,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
-        w1, w2, w3 = _ffn_weights(weights)
-        assert self.has_fused_backward and w3 is not None, f"expert_ffn[{self.activation}]: no fused backward"
-        return _swiglu_vjp(x_SH, *self._grouping(x_SH, offsets_G, rows_G, weights), w1, w2, w3, dy_SH, score_S)
-
-
-def _ffn_weights(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
-    w1, w2, *rest = weights
-    return w1, w2, rest[0] if rest else None
+        assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
+        grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
+        return _swiglu_vjp(x_TH, *grouping, *weights, dy_TH, score_S, tok_S)
 
 
 def ffn_expert_fn(activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> GroupedFFN:

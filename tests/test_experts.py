@@ -1,7 +1,7 @@
-"""The expert function's fused SwiGLU backward against autograd, and its fused pointwise kernel on CUDA.
+"""The expert function's fused SwiGLU backward against autograd, and its in-place pointwise kernel.
 
-On the CPU (CI) the pointwise part runs eagerly: the same function the CUDA path compiles. The CUDA test runs
-on the device machine (``python -m pytest tests/test_experts.py``) and is skipped elsewhere.
+On the CPU (CI) the pointwise step runs its eager reference (in place, like the kernel); the CUDA test runs
+the Triton kernel on the device machine (``python -m pytest tests/test_experts.py``) and is skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import unittest
 import torch
 from torch import Tensor
 
-from relay_compile.experts import expert_ffn, expert_ffn_swiglu_vjp, pointwise, swiglu_backward_pointwise
+from relay_compile.experts import expert_ffn, expert_ffn_swiglu_vjp, ffn_expert_fn
+from relay_compile.kernels.swiglu_backward import reference as swiglu_backward_reference
+from relay_compile.kernels.swiglu_backward import swiglu_backward_
 
 
 def _case(device: str, dtype: torch.dtype, counts: list[int], hidden: int = 32, ffn: int = 16):
@@ -45,14 +47,34 @@ class FusedSwiGLUBackward(unittest.TestCase):
             for name, got, ref in zip(("dx", "dw1", "dw2", "dw3", "d_score"), (dx, dw1, dw2, dw3, d_score), want):
                 self.assertLess(_rel(got, ref), 1e-5, f"{name} grouped={grouped}")
 
+    def test_packed_entry_points_on_an_expert_slice_equal_the_ffn_and_autograd(self) -> None:
+        # The hop loop's path: weights packed once ([w13, w2]), a chunk holding experts [1, 3) of 4.
+        for grouped in (True, False):
+            fn = ffn_expert_fn("swiglu", use_grouped_mm=grouped)
+            x, counts, w1, w2, w3, dy, score = _case("cpu", torch.float32, [4, 0, 3])
+            w1_all, w2_all, w3_all = (torch.cat([torch.randn(1, *w.shape[1:]), w], 0) for w in (w1, w2, w3))
+            packed = [w[1:4] for w in fn.pack([w1_all, w2_all, w3_all])]
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            out = fn.forward_rows(x, offsets, counts.tolist(), packed)
+            self.assertLess(_rel(out, expert_ffn(x, counts, w1, w2, w3)), 1e-6, f"forward grouped={grouped}")
+            # Rows gathered by the function itself: tokens 0..S-1 of a larger (T, H) in reverse order.
+            tok = torch.arange(x.shape[0] - 1, -1, -1)
+            x_T = torch.cat([x.flip(0), torch.randn(2, x.shape[1])])
+            dy_T = torch.cat([dy.flip(0), torch.randn(2, x.shape[1])])
+            dx, d_score, dws = fn.vjp_rows(x_T, tok, offsets, counts.tolist(), packed, dy_T, score)
+            dw1, dw2, dw3 = fn.unpack_grads(dws, [w1, w2, w3])
+            want = _autograd_reference(x, counts, w1, w2, w3, dy, score)
+            for name, got, ref in zip(("dx", "dw1", "dw2", "dw3", "d_score"), (dx, dw1, dw2, dw3, d_score), want):
+                self.assertLess(_rel(got, ref), 1e-5, f"{name} grouped={grouped}")
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
-    def test_compiled_pointwise_and_fused_backward_on_cuda_bf16(self) -> None:
+    def test_triton_pointwise_and_fused_backward_on_cuda_bf16(self) -> None:
         x, counts, w1, w2, w3, dy, score = _case("cuda", torch.bfloat16, [500, 0, 1000, 548], 256, 128)
-        h1, h3, g = x[:, :128].contiguous(), dy[:, :128].contiguous(), x[:, 128:].contiguous()
-        eager = swiglu_backward_pointwise(h1, h3, g, score)
-        fused = pointwise(swiglu_backward_pointwise, h1, h3, g, score)
-        for a, b in zip(fused, eager):
-            self.assertLess(_rel(a, b), 2e-3)
+        h13, g = x.contiguous(), dy[:, :128].contiguous()
+        act_scaled, dh1, dh3, d_score = swiglu_backward_reference(h13, g, score)
+        d_score_triton = swiglu_backward_(h13, g, score)  # in place: h13 -> [dh1, dh3], g -> score * act
+        for got, want in ((g, act_scaled), (h13[:, :128], dh1), (h13[:, 128:], dh3), (d_score_triton, d_score)):
+            self.assertLess(_rel(got, want), 2e-3)
         dx, d_score, (dw1, dw2, dw3) = expert_ffn_swiglu_vjp(x, counts, w1, w2, w3, dy, score)
         want = _autograd_reference(x, counts, w1, w2, w3, dy, score)
         for got, ref in zip((dx, dw1, dw2, dw3, d_score), want):

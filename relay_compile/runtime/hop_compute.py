@@ -116,7 +116,12 @@ def segment_forward(
     for chunk in rows.chunks:
         tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
         out_CH = _expert_forward(cfg, chunk, rows.src, x_TH[tok_C], _chunk_weights(cfg, weights, chunk))
-        y_TH.index_add_(0, tok_C, (out_CH * rows.scores_S[chunk.start : chunk.end, None]).to(y_TH.dtype))
+        score_C1 = rows.scores_S[chunk.start : chunk.end, None]
+        if cfg.grouped is not None and out_CH.dtype == y_TH.dtype:
+            out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
+        else:
+            out_CH = (out_CH * score_C1).to(y_TH.dtype)
+        y_TH.index_add_(0, tok_C, out_CH)
 
 
 @contextlib.contextmanager
@@ -185,7 +190,7 @@ def segment_backward(
         tok_C = rows.routing.tokens_P[c0:c1]
         if grouped is not None:
             dx_CH, ds_C, dws = grouped.vjp_rows(
-                x_TH[tok_C], chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk), dy_TH[tok_C],
+                x_TH, tok_C, chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk), dy_TH,
                 rows.scores_S[c0:c1],
             )
         else:
@@ -238,7 +243,8 @@ class ExpertRoutingStep:
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None,
     ) -> None:
-        self.cfg, self.x_TH, self.weights = cfg, x_TH, list(weights)
+        self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
+        self.weights = _pack(cfg, weights)
         self.grad_y_TH = grad_y_TH
         e_l = cfg.experts_per_rank
         ids_TK, bad = _clamped_ids(cfg, topk_ids_TK)
@@ -300,7 +306,8 @@ class ExpertRoutingStep:
         if self.grad_y_TH is None:
             return (self.y_TH,)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
-        return (self.dx_TH, ds_P.to(self.scores_S.dtype).view(self.topk_shape), *trailing)
+        return (self.dx_TH, ds_P.to(self.scores_S.dtype).view(self.topk_shape),
+                *_unpack_grads(self.cfg, trailing, self.given_weights))
 
 
 class TokenRoutingStep:
@@ -310,11 +317,12 @@ class TokenRoutingStep:
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None,
     ) -> None:
-        self.cfg, self.weights = cfg, list(weights)
+        self.cfg, self.given_weights = cfg, list(weights)
+        self.weights = _pack(cfg, weights)
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
         if grad_y_TH is not None:
             self.circulating.append(grad_y_TH)
-            self.dw = WeightGrads(weights)
+            self.dw = WeightGrads(self.weights)
         self.backward = grad_y_TH is not None
         # One small collective per step: every rank learns every partition's size and per-expert counts,
         # so receive buffers and chunks are sized on the host without syncing in the hop loop.
@@ -404,7 +412,17 @@ class TokenRoutingStep:
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         if not self.backward:
             return trailing
-        return (*trailing, *self.dw.result())
+        return (*trailing, *_unpack_grads(self.cfg, self.dw.result(), self.given_weights))
+
+
+def _pack(cfg: RingStepConfig, weights: Sequence[Tensor]) -> list[Tensor]:
+    """The weights in the expert function's packed layout (what circulates and what chunks slice)."""
+    return cfg.grouped.pack(weights) if cfg.grouped is not None else list(weights)
+
+
+def _unpack_grads(cfg: RingStepConfig, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
+    """Gradients of the packed weights, in the layout the caller passed ``weights`` in."""
+    return cfg.grouped.unpack_grads(grads, weights) if cfg.grouped is not None else list(grads)
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep

@@ -143,7 +143,10 @@ def _run(
     )
     step_cls = ExpertRoutingStep if routing == "expert" else TokenRoutingStep
     step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y)
-    program = ring_program(schedule_for(direction, routing, state.ring.size, len(weights)), spec.overlap, spec.remat)
+    # The step's weights are in the expert function's packed layout: their count sizes the program.
+    program = ring_program(
+        schedule_for(direction, routing, state.ring.size, len(step.weights)), spec.overlap, spec.remat
+    )
     return run_program(program, step, step.initial_circulating())
 
 

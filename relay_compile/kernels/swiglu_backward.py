@@ -1,0 +1,109 @@
+"""The pointwise part of the SwiGLU expert backward, in place: one pass over a chunk's activations.
+
+From ``h13 = [x @ w1, x @ w3]`` ``(S, 2F)`` and ``g = dy @ w2`` ``(S, F)`` (unscaled by the routing score):
+
+    act     = silu(h1) * h3
+    d_score = <g, act>                              per row, fp32
+    g      <- score * act                           (the input of dw2's GEMM)
+    h13    <- score * [g * h3 * silu'(h1), g * silu(h1)]   = [dh1, dh3] (the input of dw13's and dx's GEMMs)
+
+In place because these are the largest buffers of a backward hop: writing the results over the inputs keeps
+a hop's transient memory at ``h13 + g`` where separate outputs would double it. On CUDA one Triton program
+per row streams the row through registers (``_kernel``); elsewhere (CPU tests, CI) ``reference`` computes the
+same in eager ops and copies back. Legend: S rows, F expert FFN width, G = 2F.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def reference(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Out of place, eager: ``(score * act, dh1, dh3, d_score)``; the definition the kernel is tested against."""
+    ffn = g_SF.shape[-1]
+    h1, h3, g = h13_SG[:, :ffn].float(), h13_SG[:, ffn:].float(), g_SF.float()
+    sig = torch.sigmoid(h1)
+    silu = h1 * sig
+    act = silu * h3
+    d_score_S = (g * act).sum(-1)
+    score = score_S.float()[:, None]
+    g = g * score
+    dh3 = g * silu
+    dh1 = g * h3 * (sig * (1 + h1 * (1 - sig)))
+    out = h13_SG.dtype
+    return (act * score).to(out), dh1.to(out), dh3.to(out), d_score_S
+
+
+def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
+    """In place (see the module docstring): ``h13`` becomes ``[dh1, dh3]``, ``g`` becomes ``score * act``.
+
+    Returns:
+        ``d_score (S,)`` fp32.
+    """
+    assert h13_SG.shape[-1] == 2 * g_SF.shape[-1] and h13_SG.shape[0] == g_SF.shape[0] == score_S.shape[0]
+    kernel = _triton_kernel() if _runs_on_triton(h13_SG, g_SF, score_S) else None
+    if kernel is None:
+        act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SG, g_SF, score_S)
+        ffn = g_SF.shape[-1]
+        g_SF.copy_(act_scaled_SF)
+        h13_SG[:, :ffn].copy_(dh1_SF)
+        h13_SG[:, ffn:].copy_(dh3_SF)
+        return d_score_S
+    rows, ffn = g_SF.shape
+    d_score_S = torch.empty(rows, dtype=torch.float32, device=g_SF.device)
+    if rows:
+        kernel[(rows,)](h13_SG, g_SF, score_S, d_score_S, ffn, h13_SG.stride(0), g_SF.stride(0),
+                        BLOCK_F=_BLOCK_F, num_warps=4)
+    return d_score_S
+
+
+# Columns per step of a row's loop: F=768 (Qwen3) is three steps; 256 bf16 = 512 bytes per load.
+_BLOCK_F = 256
+
+
+def _runs_on_triton(*tensors: Tensor) -> bool:
+    """CUDA tensors with unit column stride, outside of tracing (a traced graph takes the eager form)."""
+    return (
+        all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
+        and not torch.compiler.is_compiling()
+        and _triton_kernel() is not None
+    )
+
+
+@functools.cache
+def _triton_kernel() -> Callable | None:
+    """The Triton kernel, compiled on first use; None where Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _kernel(h13_ptr, g_ptr, score_ptr, d_score_ptr, ffn, stride_h, stride_g, BLOCK_F: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        h_row, g_row = h13_ptr + row * stride_h, g_ptr + row * stride_g
+        score = tl.load(score_ptr + row).to(tl.float32)
+        acc = tl.zeros([BLOCK_F], dtype=tl.float32)
+        for f0 in range(0, ffn, BLOCK_F):
+            cols = f0 + tl.arange(0, BLOCK_F)
+            mask = cols < ffn
+            h1 = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+            h3 = tl.load(h_row + ffn + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(h1)
+            silu = h1 * sig
+            act = silu * h3
+            acc += g * act  # masked lanes are 0: silu(0) * 0
+            g = g * score
+            dh1 = g * h3 * (sig * (1 + h1 * (1 - sig)))
+            tl.store(g_row + cols, (act * score).to(g_ptr.dtype.element_ty), mask=mask)
+            tl.store(h_row + cols, dh1.to(h13_ptr.dtype.element_ty), mask=mask)
+            tl.store(h_row + ffn + cols, (g * silu).to(h13_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_score_ptr + row, tl.sum(acc, axis=0))
+
+    return _kernel
