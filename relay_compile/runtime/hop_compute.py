@@ -182,8 +182,9 @@ def segment_backward(
     """
     grouped = cfg.grouped
     fused = getattr(cfg.expert_fn, "vjp", None)
+    no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
     for chunk in rows.chunks:
-        if grouped is None and fused is None or grouped is not None and not grouped.has_fused_backward:
+        if no_fused:
             _chunk_vjp(cfg, rows, _recompute_chunk(cfg, rows, chunk, x_TH, weights), dy_TH, dx_TH, ds_S, dw)
             continue
         c0, c1 = chunk.start, chunk.end
