@@ -12,6 +12,9 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
 
 Per chunk, forward: ``y[t] += score * F(x[t])``; backward recomputes ``F`` on the chunk, takes its
 vector-Jacobian product and releases everything before the next chunk (hop-scoped rematerialization).
+Chunks are planned once per step (``routing.plan_chunks``); an expert function with grouped entry points
+(``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
+packs them once, they circulate packed, and the gradients are unpacked at ``finish``.
 Accumulators keep the dtype of what they accumulate (bf16 sums like the all-to-all layer's combine and
 its autograd, at half the bytes of fp32); the per-pair score gradients are reduced in fp32.
 
