@@ -37,15 +37,13 @@ class PairRouting:
     Attributes:
         order_P: flattened pair positions sorted by expert (stable) ``(P,)``.
         tokens_P: the token of each sorted pair, ``order_P // K`` ``(P,)``.
-        starts_E1: device prefix sums of pairs per expert ``(E + 1,)``.
-        starts_host: the same on the host, ``E + 1`` ints.
+        starts_host: prefix sums of pairs per expert on the host, ``E + 1`` ints (chunks are planned from them).
         top_k: K.
         experts_per_rank: E_l.
     """
 
     order_P: Tensor
     tokens_P: Tensor
-    starts_E1: Tensor
     starts_host: list[int]
     top_k: int
     experts_per_rank: int
@@ -59,17 +57,15 @@ class PairRouting:
         )
 
     @staticmethod
-    def build(topk_ids_TK: Tensor, counts_E: Tensor, counts_host: list[int], experts_per_rank: int) -> PairRouting:
-        """Sort the pairs of ``topk_ids_TK`` given its counts (device and host copies)."""
+    def build(topk_ids_TK: Tensor, counts_host: list[int], experts_per_rank: int) -> PairRouting:
+        """Sort the pairs of ``topk_ids_TK`` given its pairs per expert (read on the host once per step)."""
         order_P = torch.argsort(topk_ids_TK.reshape(-1), stable=True)
-        starts_E1 = torch.nn.functional.pad(torch.cumsum(counts_E, 0), (1, 0))
         starts_host = [0]
         for c in counts_host:
             starts_host.append(starts_host[-1] + c)
         return PairRouting(
             order_P=order_P,
             tokens_P=order_P // topk_ids_TK.shape[1],
-            starts_E1=starts_E1,
             starts_host=starts_host,
             top_k=topk_ids_TK.shape[1],
             experts_per_rank=experts_per_rank,

@@ -45,7 +45,7 @@ def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
         ``d_score (S,)`` fp32.
     """
     assert h13_SG.shape[-1] == 2 * g_SF.shape[-1] and h13_SG.shape[0] == g_SF.shape[0] == score_S.shape[0]
-    kernel = _triton_kernel() if _runs_on_triton(h13_SG, g_SF, score_S) else None
+    kernel = _triton_kernel() if _eager_cuda(h13_SG, g_SF, score_S) else None
     if kernel is None:
         act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SG, g_SF, score_S)
         ffn = g_SF.shape[-1]
@@ -65,13 +65,9 @@ def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
 _BLOCK_F = 256
 
 
-def _runs_on_triton(*tensors: Tensor) -> bool:
+def _eager_cuda(*tensors: Tensor) -> bool:
     """CUDA tensors with unit column stride, outside of tracing (a traced graph takes the eager form)."""
-    return (
-        all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
-        and not torch.compiler.is_compiling()
-        and _triton_kernel() is not None
-    )
+    return all(t.is_cuda and t.stride(-1) == 1 for t in tensors) and not torch.compiler.is_compiling()
 
 
 @functools.cache

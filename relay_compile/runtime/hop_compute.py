@@ -257,7 +257,7 @@ class ExpertRoutingStep:
         # NOTE: device-to-host sync, once per step: sizes every hop's chunks (and reads the error flags).
         local_bad, any_bad, *counts_host = torch.cat([bad, any_bad, counts_E]).tolist()
         _raise_if_bad(cfg, local_bad, any_bad)
-        self.routing = routing = PairRouting.build(topk_ids_TK, counts_E, counts_host, e_l)
+        self.routing = routing = PairRouting.build(topk_ids_TK, counts_host, e_l)
         self.chunks = plan_chunks([
             split_experts(routing.rows_per_expert(owner), routing.starts_host[owner * e_l], cfg.max_hop_rows)
             for owner in range(cfg.ring.size)
@@ -341,7 +341,6 @@ class TokenRoutingStep:
         table_host = table_NR.tolist()
         _raise_if_bad(cfg, table_host[cfg.ring.rank][1], max(r[1] for r in table_host))
         # Per source rank: its token count, then its pairs per global expert.
-        self.counts_NE = table_NR[:, 2:]
         self.rows_N = [r[0] for r in table_host]
         self.counts_host_NE = [r[2:] for r in table_host]
         e_l, rank = cfg.experts_per_rank, cfg.ring.rank
@@ -371,7 +370,7 @@ class TokenRoutingStep:
 
     def _rows(self, hop: int, ids_TK: Tensor, scores_TK: Tensor) -> HopRows:
         src = self._source(hop)
-        routing = PairRouting.build(ids_TK, self.counts_NE[src], self.counts_host_NE[src], self.cfg.experts_per_rank)
+        routing = PairRouting.build(ids_TK, self.counts_host_NE[src], self.cfg.experts_per_rank)
         return HopRows(routing=routing, chunks=self.chunks[hop], src=src,
                        scores_S=scores_TK.reshape(-1)[routing.order_P])
 
