@@ -1,25 +1,30 @@
-"""Graph passes of relay-compile (installed as ``relay_compile.passes``).
+"""Passes over Dynamo graphs (installed as ``relay_compile.passes``): all-to-all MoE regions become rings.
 
-Ring programs: ``remat`` (hop-scoped rematerialization), ``overlap`` (transfer/compute overlap).
-Dynamo graphs: ``match`` (find all-to-all MoE regions), ``rewrite`` (replace each by one ring op).
+    match.py      find_moe_regions: MoERegion records, or RefusedRegion with the reason
+    rewrite.py    rewrite_moe_region: one region -> one relaymoe::ring_moe call (moe_ring_pass: all of them)
+
+and what those two share:
+
+    fx_nodes.py   op identities, the fake-value lookup, narrowing predicates (nothing MoE-specific)
+    roles.py      recognizers of the values a dispatcher computes (sort order, row gather, scatter, splits)
+    expert_fn.py  F cut out of the region into its own graph (ExpertFnBinding), RegionExpertFn runs it per hop
+    liveness.py   the nodes that die when a region's output is replaced
+    refusals.py   RefusedRegion and the exception the matcher raises internally
+
+The passes import the runtime (the op they insert, the spec they register); the runtime never imports them.
 """
 
-from relay_compile.passes.overlap import check_overlap, overlap_pass
-from relay_compile.passes.remat import remat_pass
-
-# After overlap/remat: relay_compile.runtime.ops imports those two while rewrite imports it.
-from relay_compile.passes.match import ExpertFnBinding, MoERegion, RefusedRegion, find_moe_regions
-from relay_compile.passes.rewrite import RegionExpertFn, moe_ring_pass, rewrite_moe_region
+from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
+from relay_compile.passes.match import MoERegion, find_moe_regions
+from relay_compile.passes.refusals import RefusedRegion
+from relay_compile.passes.rewrite import moe_ring_pass, rewrite_moe_region
 
 __all__ = [
     "ExpertFnBinding",
     "MoERegion",
     "RefusedRegion",
     "RegionExpertFn",
-    "check_overlap",
     "find_moe_regions",
     "moe_ring_pass",
-    "overlap_pass",
-    "remat_pass",
     "rewrite_moe_region",
 ]

@@ -7,15 +7,15 @@ Contract:
     boundary of the ring; every node of ``region.nodes`` is gone (both token all-to-alls, F, the counts
     exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), and so are pure nodes that
     only the region read (shared size arithmetic dies with the last region reading it); nothing else is
-    touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process whose expert
-    function runs a copy of the region's F eagerly at every hop; nothing data-dependent is baked into the
-    graph, so new routings do not recompile. Raises ``ValueError`` (naming the region and node) when the record
+    touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
+    whose expert function runs a copy of the region's F eagerly at every hop (``expert_fn.RegionExpertFn``);
+    nothing data-dependent is baked into the graph, so new routings do not recompile. Raises ``ValueError`` (naming the region and node) when the record
     no longer describes the graph or an option is invalid; never leaves a half-rewritten graph behind for
     those (all checks run before the first mutation).
 
 Pseudo-code:
     # Step 1: check options and that the record still describes gm.
-    # Step 2: wrap region.expert_fn as an ExpertFn; register a RingSpec under a stable key.
+    # Step 2: wrap region.expert_fn as an ExpertFn (RegionExpertFn); register its RingSpec (key from the spec).
     # Step 3: insert ring_moe(x, topk_ids, topk_scores, [weights], key) before the output, with a fake value.
     # Step 4: route the output's uses to the ring; erase the region's nodes, last first, then the pure
     #         nodes left without users.
@@ -28,94 +28,30 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from relay_compile.passes.match import ExpertFnBinding, MoERegion, RefusedRegion, _is_mutator, find_moe_regions
 from torch import Tensor
 
-# The module, not its names: relay_compile.runtime.ops imports this package while it initializes.
-import relay_compile.runtime.ops as _ops
-from relay_compile.routing import ROUTINGS
+from relay_compile.passes.expert_fn import RegionExpertFn
+from relay_compile.passes.fx_nodes import node_value
+from relay_compile.passes.liveness import erase_unused_pure
+from relay_compile.passes.match import MoERegion, find_moe_regions
+from relay_compile.passes.refusals import RefusedRegion
+from relay_compile.runtime.ops import RING_MOE
+from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RegionExpertFn", "moe_ring_pass", "region_spec_key", "rewrite_moe_region"]
+__all__ = ["moe_ring_pass", "region_fn_name", "rewrite_moe_region"]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The expert function of a region
-# ----------------------------------------------------------------------------------------------------------
-
-
-class RegionExpertFn:
-    """The ring's ``ExpertFn`` over a region's F: ``(x_SH, counts_NL, splits_N, weights) -> out_SH``.
-
-    Maps the ring's inputs onto F's placeholders (``ExpertFnBinding``) and runs F eagerly. Split SymInts get
-    plain ints: per source from ``splits_N``, per (source, expert) from ``counts_NL`` read on the host.
-    Two adapters are equal when their F has the same code and binding, so re-registering the same region
-    (a recompile, or identical layers) reuses one spec.
-    """
-
-    def __init__(self, fn: fx.GraphModule, binding: ExpertFnBinding) -> None:
-        self.fn = fn
-        self.binding = binding
-        self.num_inputs = len(fn.graph.find_nodes(op="placeholder"))
-        # F with constants of its own (get_attr) is only equal to itself.
-        constants = () if not fn.graph.find_nodes(op="get_attr") else (id(fn),)
-        self._identity = (fn.code, binding, constants)
-        self.__qualname__ = f"RegionExpertFn[{self.digest()}]"
-
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self._identity).encode()).hexdigest()[:12]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RegionExpertFn) and other._identity == self._identity
-
-    def __hash__(self) -> int:
-        return hash(self._identity)
-
-    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
-        b = self.binding
-        args: list[object] = [None] * self.num_inputs
-        args[b.rows] = x_SH
-        if b.counts is not None:
-            assert b.counts_shape is not None
-            args[b.counts] = counts_NL.reshape(b.counts_shape)
-        if b.split_kind == "source":
-            for s, (pos,) in enumerate(b.splits):
-                if pos is not None:
-                    args[pos] = int(splits_N[s])
-        else:
-            counts_host = counts_NL.tolist()  # NOTE: device-to-host sync (F splits rows per (source, expert))
-            for s, row in enumerate(b.splits):
-                for e, pos in enumerate(row):
-                    if pos is not None:
-                        args[pos] = counts_host[s][e]
-        if len(weights) != len(b.weights):
-            raise ValueError(f"rewrite: {self.__qualname__} takes {len(b.weights)} weights, got {len(weights)}")
-        for pos, w in zip(b.weights, weights):
-            args[pos] = w
-        return self.fn(*args)
-
-
-def region_spec_key(
-    region: MoERegion, fn: RegionExpertFn, *, routing: str, overlap: bool, remat: bool, max_hop_rows: int | None
-) -> str:
-    """A key for the region's ``RingSpec``: the same region and options give the same key in every process."""
-    weights = [(tuple(v.shape), str(v.dtype)) for v in (w.meta.get("val", w.meta.get("example_value"))
-                                                        for w in region.weights) if isinstance(v, Tensor)]
-    digest = hashlib.sha256(repr((fn.digest(), weights)).encode()).hexdigest()[:12]
-    return (
-        f"fx_region[{digest}]|group={region.group_name}|E_l={region.experts_per_rank}|routing={routing}"
-        f"|overlap={int(overlap)}|remat={int(remat)}|max_hop_rows={max_hop_rows}"
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The rewrite
-# ----------------------------------------------------------------------------------------------------------
+def region_fn_name(region: MoERegion, fn: RegionExpertFn) -> str:
+    """The expert function's name in the ring's spec key: the same region gives the same name in every
+    process (F's code and binding, the weights' shapes and dtypes)."""
+    weights = [(tuple(v.shape), str(v.dtype)) for v in map(node_value, region.weights) if isinstance(v, Tensor)]
+    return f"fx_region[{hashlib.sha256(repr((fn.digest(), weights)).encode()).hexdigest()[:12]}]"
 
 
 def _check_record(gm: fx.GraphModule, region: MoERegion) -> None:
@@ -141,23 +77,12 @@ def _check_record(gm: fx.GraphModule, region: MoERegion) -> None:
 
 def _fake_output(region: MoERegion) -> object:
     """The ring's fake value: what its fake kernel returns, ``empty_like(x)``, in ``x``'s fake mode."""
-    x = region.x.meta.get("val", region.x.meta.get("example_value"))
+    x = node_value(region.x)
     fake_mode = getattr(x, "fake_mode", None)
     if fake_mode is None:
-        return region.output.meta.get("val", region.output.meta.get("example_value"))
+        return node_value(region.output)
     with fake_mode:
         return torch.empty_like(x)
-
-
-def _erase_unused_pure(candidates: set[fx.Node]) -> None:
-    """Dead-code elimination limited to ``candidates`` and what they read: pure nodes left without users."""
-    todo = list(candidates)
-    while todo:
-        n = todo.pop()
-        if n.users or n.op not in ("call_function", "call_method") or n.is_impure() or _is_mutator(n):
-            continue
-        todo.extend(n.all_input_nodes)
-        n.graph.erase_node(n)
 
 
 def rewrite_moe_region(
@@ -202,20 +127,17 @@ def rewrite_moe_region(
         ValueError: an unknown option, or a record that no longer describes ``gm``.
     """
     # Step 1: options and record.
-    if routing not in ROUTINGS:
-        raise ValueError(f"rewrite: routing={routing!r} is not one of {ROUTINGS}")
-    if max_hop_rows is not None and (not isinstance(max_hop_rows, int) or max_hop_rows < 1):
-        raise ValueError(f"rewrite: max_hop_rows must be a positive row count or None, got {max_hop_rows!r}")
+    options = RingOptions.checked(
+        "rewrite", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
+    )
     _check_record(gm, region)
 
     # Step 2: the expert function and its spec.
     fn = RegionExpertFn(region.expert_fn, region.binding)
-    key = region_spec_key(region, fn, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows)
-    spec = _ops.RingSpec(
-        expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, routing=routing,
-        overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
+    spec = RingSpec(
+        expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options
     )
-    _ops.register_spec(key, spec)
+    key = register_spec(spec, region_fn_name(region, fn))
 
     # Step 3: the ring call, right before the output (every input of the ring is upstream of the output).
     fake = _fake_output(region)
@@ -223,7 +145,7 @@ def rewrite_moe_region(
     with graph.inserting_before(region.output):
         ring = graph.create_node(
             "call_function",
-            torch.ops.relaymoe.ring_moe.default,
+            RING_MOE,
             (region.x, region.topk_ids, region.topk_scores, list(region.weights), key),
             name="ring_moe",
         )
@@ -242,7 +164,7 @@ def rewrite_moe_region(
             assert not n.users, f"rewrite: {n.name} still has users {list(n.users)} while erasing the region"
             frontier.update(n.all_input_nodes)
             graph.erase_node(n)
-    _erase_unused_pure(frontier - region.nodes)
+    erase_unused_pure(frontier - region.nodes)
 
     # Step 5: check.
     graph.lint()

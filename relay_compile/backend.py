@@ -35,11 +35,10 @@ import torch.fx as fx
 from torch._logging import trace_structured
 
 from relay_compile.options import Options, resolve
-from relay_compile.passes.match import MoERegion, find_moe_regions
-from relay_compile.passes.rewrite import rewrite_moe_region
-from relay_compile.report import BlockShape, GraphDump, GraphReport, RegionReport
-from relay_compile.ring_program import schedule_for
-from relay_compile.runtime.ops import ring_program
+from relay_compile.passes import MoERegion, find_moe_regions, rewrite_moe_region
+from relay_compile.report import GraphDump, GraphReport, RegionReport
+from relay_compile.runtime.programs.pipeline import program_for
+from relay_compile.runtime.specs import spec_state
 
 log = logging.getLogger(__name__)
 
@@ -57,41 +56,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _size(v: Any) -> int:
-    """A size as an int (the hint of a symbolic one; 0 when it has none)."""
-    if isinstance(v, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import has_hint, hint_int
-
-        return hint_int(v) if has_hint(v) else 0
-    return int(v)
-
-
-def _value(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def block_shape(region: MoERegion) -> BlockShape:
-    """Static sizes of a region, from its nodes' example values."""
-    x, ids = _value(region.x), _value(region.topk_ids)
-    weights = [_value(w) for w in region.weights]
-    hidden = _size(x.shape[1])
-    weight_elems = sum(_size(w.numel()) for w in weights) // region.experts_per_rank
-    return BlockShape(
-        tokens=_size(x.shape[0]), hidden=hidden, top_k=_size(ids.shape[1]),
-        ffn=weight_elems // max(1, hidden * len(weights)),  # F of 2-3 (F, H) matrices per expert
-        experts_per_rank=region.experts_per_rank, group_size=region.group_size,
-        elem_bytes=x.element_size(), expert_bytes=weight_elems * weights[0].element_size(),
-    )
-
-
-def _ring_programs_text(region: MoERegion, routing: str, opts: Options) -> dict[str, str]:
-    """Readable code of the region's ring programs after the passes, for the routings it may take."""
-    routings = ("expert", "token") if routing == "auto" else (routing,)
+def _ring_programs_text(region: MoERegion, key: str) -> dict[str, str]:
+    """Readable code of the ring programs the region's spec runs, for the routings it may take."""
+    spec = spec_state(key).spec
+    asked = spec.options.routing
     out = {}
-    for mode in routings:
+    for mode in ("expert", "token"):
+        if asked not in ("auto", mode):
+            continue
         for direction in ("forward", "backward"):
-            sched = schedule_for(direction, mode, region.group_size, len(region.weights))
-            out[f"ring_{mode}_{direction}.py"] = ring_program(sched, opts.overlap, opts.remat).code
+            program = program_for(spec, direction, mode, region.group_size, len(region.weights))
+            out[f"ring_{mode}_{direction}.py"] = program.code
     return out
 
 
@@ -138,7 +113,7 @@ def _verifying(compiled: Callable, original: fx.GraphModule, graph: str) -> Call
 
 def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> GraphReport:
     """Match (and with ``rewrite``, rewrite) ``gm``'s MoE regions in place; the report of what happened."""
-    report = GraphReport(graph=graph, rank=_rank(), options=dataclasses.asdict(opts))
+    report = GraphReport(graph=graph, rank=_rank(), options=opts.as_dict())
     dump = GraphDump(opts.dump_dir, graph, report.rank)
     dump.write("0_dynamo_graph.py", gm.print_readable(False), header="Dynamo graph, before relaymoe")
     # Step 1: match.
@@ -151,15 +126,13 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     start = time.perf_counter()
     for i, region in enumerate(regions, start=len(refused)):
         entry = RegionReport.matched(
-            i, region.dispatch.name, region.group_name, block_shape(region), opts.routing, opts.max_hop_rows
+            i, region.dispatch.name, region.group_name, region.block_shape(), opts.ring.routing,
+            opts.ring.max_hop_rows,
         )
         if rewrite:
-            node = rewrite_moe_region(
-                gm, region, routing=opts.routing, overlap=opts.overlap, remat=opts.remat,
-                max_hop_rows=opts.max_hop_rows or None,
-            )
+            node = rewrite_moe_region(gm, region, **dataclasses.asdict(opts.ring))
             entry.status, entry.ring_op = "rewritten", str(node.args[-1])
-            for name, code in _ring_programs_text(region, opts.routing, opts).items():
+            for name, code in _ring_programs_text(region, entry.ring_op).items():
                 dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
         report.regions.append(entry)
     report.pass_seconds["rewrite"] = time.perf_counter() - start

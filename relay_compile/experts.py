@@ -58,6 +58,10 @@ class GroupedExperts(Protocol):
 
     has_fused_backward: bool
 
+    def num_packed(self, num_weights: int) -> int:
+        """How many tensors ``pack`` makes of ``num_weights`` (sizes the ring program without tensors)."""
+        ...
+
     def pack(self, weights: Sequence[Tensor]) -> list[Tensor]: ...
 
     def unpack_grads(self, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]: ...
@@ -245,6 +249,9 @@ class GroupedFFN:
         return expert_ffn_swiglu_vjp(
             x_SH, counts_NL.sum(0), *weights, dy_SH, score_S, use_grouped_mm=self.use_grouped_mm
         )
+
+    def num_packed(self, num_weights: int) -> int:
+        return 2 if self.activation == "swiglu" else num_weights
 
     def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
         if self.activation != "swiglu":

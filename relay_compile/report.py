@@ -10,7 +10,8 @@ The memory model counts the big buffers only (element counts times bytes):
 - a2a: ``P = T*K`` expanded rows; forward builds and autograd keeps the permuted send, the received rows,
   the permuted and unpermuted expert input/output and the combined rows (~``6*P*H``) plus the expert
   intermediates (~``4*P*F``); backward frees as it goes but gradients of the same sizes coexist with them.
-- ring: resident ``x``, fp32 output/gradient accumulators (~``3*T*H`` fp32), current + prefetched partition and
+- ring: resident ``x`` and the ``[T, H]`` output/gradient accumulators (``3*T*H``, counted at 4 bytes an
+  element: an upper bound, the accumulators take the tokens' dtype), current + prefetched partition and
   two gradient buffers (``4 * E_l * W``), and one hop's (or chunk's) rows ``S``: rows in and out, their
   gradients and the recomputed intermediates (~``S*(4*H + 4*F)``).
 
@@ -43,7 +44,7 @@ class BlockShape:
     expert_bytes: int
 
 
-def predicted_peak_bytes(shape: BlockShape, max_hop_rows: int = 0) -> dict[str, int]:
+def predicted_peak_bytes(shape: BlockShape, max_hop_rows: int | None = None) -> dict[str, int]:
     """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring)."""
     s = shape
     pairs = s.tokens * s.top_k
@@ -75,7 +76,7 @@ class RegionReport:
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
-                max_hop_rows: int) -> RegionReport:
+                max_hop_rows: int | None) -> RegionReport:
         volume_args = dict(
             tokens=shape.tokens, hidden=shape.hidden, top_k=shape.top_k,
             experts_per_rank=shape.experts_per_rank, expert_bytes=shape.expert_bytes, elem_bytes=shape.elem_bytes,

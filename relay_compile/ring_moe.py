@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_fn
-from relay_compile.routing import ROUTINGS
-from relay_compile.runtime.ops import RingSpec, register_spec
+from relay_compile.runtime.ops import ring_moe_op
+from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.specs import RingSpec, register_spec
 
 _FFN_FNS: dict[tuple[str, bool | None], ExpertFn] = {}
 _CUSTOM_FN_NAMES: dict[int, str] = {}
@@ -73,11 +74,7 @@ def _check_ffn_weights(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, act
             )
 
 
-def _check_options(routing: str, max_hop_rows: int | None, experts_per_rank: int) -> None:
-    if routing not in ROUTINGS:
-        raise ValueError(f"ring_moe: routing={routing!r} is not one of {ROUTINGS}")
-    if max_hop_rows is not None and max_hop_rows < 1:
-        raise ValueError(f"ring_moe: max_hop_rows must be a positive row count or None, got {max_hop_rows}")
+def _check_experts_per_rank(experts_per_rank: int) -> None:
     if experts_per_rank < 1:
         raise ValueError(f"ring_moe: each rank must hold at least one expert, got {experts_per_rank}")
 
@@ -107,20 +104,16 @@ def ring_moe_experts(
     """
     _check_routing_args(x, topk_ids, topk_scores)
     group_name = _group_name(group)
-    _check_options(routing, max_hop_rows, experts_per_rank)
+    options = RingOptions.checked(
+        "ring_moe", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
+    )
+    _check_experts_per_rank(experts_per_rank)
     fn_name = name or _CUSTOM_FN_NAMES.setdefault(
         id(expert_fn), f"{getattr(expert_fn, '__qualname__', 'expert_fn')}#{len(_CUSTOM_FN_NAMES)}"
     )
-    spec = RingSpec(
-        expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, routing=routing,
-        overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-    )
-    key = register_spec(
-        f"{fn_name}|group={group_name}|E_l={experts_per_rank}|routing={routing}|overlap={int(overlap)}"
-        f"|remat={int(remat)}|max_hop_rows={max_hop_rows}",
-        spec,
-    )
-    return torch.ops.relaymoe.ring_moe(x, topk_ids, topk_scores, list(weights), key)
+    spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, options=options)
+    key = register_spec(spec, fn_name)
+    return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
 def ring_moe(

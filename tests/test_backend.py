@@ -56,10 +56,10 @@ class BackendOptions(unittest.TestCase):
         from relay_compile.options import resolve
 
         with relay_compile.config.patch(routing="token", max_hop_rows=64):
-            self.assertEqual((resolve().routing, resolve().max_hop_rows), ("token", 64))
-        self.assertEqual(resolve({"overlap": False}).overlap, False)
+            self.assertEqual((resolve().ring.routing, resolve().ring.max_hop_rows), ("token", 64))
+        self.assertEqual(resolve({"overlap": False}).ring.overlap, False)
         with unittest.mock.patch.dict("os.environ", {"RELAYMOE_MAX_HOP_ROWS": "128"}):
-            self.assertEqual(resolve().max_hop_rows, 128)
+            self.assertEqual(resolve().ring.max_hop_rows, 128)
 
     def test_verify_raises_on_a_mismatch_naming_the_graph(self) -> None:
         good = torch.ones(3)

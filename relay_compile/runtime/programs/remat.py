@@ -23,7 +23,8 @@ import logging
 
 import torch.fx as fx
 
-from relay_compile.ring_program import RingNode, hop_backward, hop_recompute, hop_vjp
+from relay_compile.runtime.programs.instructions import hop_backward, hop_recompute, hop_vjp
+from relay_compile.runtime.programs.schedule import RingNode
 
 log = logging.getLogger(__name__)
 

@@ -12,18 +12,19 @@ import torch.fx as fx
 from expecttest import TestCase
 from torch.testing._internal.common_utils import run_tests
 
-from relay_compile.passes import check_overlap, overlap_pass, remat_pass
-from relay_compile.ring_program import (
-    build_program,
+from relay_compile.runtime.programs.build import build_program
+from relay_compile.runtime.programs.instructions import (
     hop_backward,
     hop_forward,
     hop_recompute,
     hop_vjp,
     ring_start,
     ring_wait,
-    schedule_for,
 )
-from relay_compile.runtime.ops import ring_program
+from relay_compile.runtime.programs.overlap import check_overlap, overlap_pass
+from relay_compile.runtime.programs.pipeline import shaped_program as ring_program
+from relay_compile.runtime.programs.remat import remat_pass
+from relay_compile.runtime.programs.schedule import schedule_for
 
 
 def schedule_text(gm: fx.GraphModule) -> str:

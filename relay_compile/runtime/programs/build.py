@@ -1,9 +1,9 @@
-"""Ring programs: one MoE block's ring schedule as an FX graph of unrolled hops.
+"""build: one MoE block's ring schedule as an FX graph of unrolled hops (the naive program).
 
-A program is built once per (direction, routing, EP size) in its *naive* form, then shaped by the passes in
-``relay_compile.passes``: ``remat`` (backward: recompute per hop instead of replaying the whole block first)
-and ``overlap`` (post each hop's transfer before its compute, wait as late as possible). It runs eagerly
-inside the ``relaymoe`` custom ops, on a ``RingStep`` that binds it to one call's tensors.
+``build_program`` emits a schedule's *naive* form; the passes of this package shape it: ``remat`` (backward:
+recompute per hop instead of replaying the whole block first) and ``overlap`` (post each hop's transfer before
+its compute, wait as late as possible); ``pipeline.shaped_program`` runs them. A program runs eagerly inside
+the ``relaymoe`` custom ops, on a ``RingStep`` that binds it to one call's tensors.
 
 Every schedule has the same skeleton: a *circulating* payload moves one rank forward per hop (expert
 routing: weights; token routing: tokens with their routing), and optionally *trailing* accumulators follow
@@ -26,101 +26,23 @@ Node metadata ``node.meta["ring"]`` is a ``RingNode``: which ring and hop a node
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.runtime.hop_compute import HopActivations, RingStep
-from relay_compile.runtime.transport import RingTransfer, start_transfer
-
-Direction = Literal["forward", "backward"]
-Role = Literal["start", "wait", "compute", "recompute", "accumulate", "finish"]
-RingName = Literal["forward", "replay", "grad"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RingNode:
-    """Where a program node sits in the schedule."""
-
-    ring: RingName
-    hop: int
-    role: Role
-
-
-# --- The instruction set: what program nodes call. -------------------------------------------------
-
-
-def ring_start(step: RingStep, index: int, hop: int, num_circulating: int, *payload: Tensor) -> RingTransfer:
-    """Post transfer ``index`` (tags), sent at ``hop`` of its ring: ``payload[:num_circulating]`` moves on,
-    the rest are trailing accumulators."""
-    receive = step.receive_buffers(hop, num_circulating, payload)
-    return start_transfer(step.cfg.ring, index, list(payload), receive)
-
-
-def ring_wait(transfer: RingTransfer) -> tuple[Tensor, ...]:
-    """Block until a transfer completes; its receive buffers."""
-    return transfer.wait()
-
-
-def hop_forward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
-    """Forward hop: the pairs that meet here; returns trailing partials (token routing) or ``()``."""
-    return step.forward_hop(hop, *circulating)
-
-
-def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
-    """Backward hop with hop-scoped recomputation (chunk by chunk); returns trailing partials."""
-    return step.backward_hop(hop, *circulating)
-
-
-def hop_recompute(step: RingStep, hop: int, *circulating: Tensor) -> HopActivations:
-    """Recompute a whole hop's expert activations and keep them (the naive, checkpoint-style backward)."""
-    return step.recompute_hop(hop, *circulating)
-
-
-def hop_vjp(step: RingStep, hop: int, acts: HopActivations, *circulating: Tensor) -> tuple[Tensor, ...]:
-    """Gradient hop consuming ``hop_recompute``'s activations."""
-    return step.vjp_hop(hop, acts, *circulating)
-
-
-def accumulate(num: int, *incoming_and_partial: Tensor) -> tuple[Tensor, ...]:
-    """``incoming[i] += partial[i]`` in place: the trailing accumulators gain this hop's contribution."""
-    incoming, partial = incoming_and_partial[:num], incoming_and_partial[num:]
-    for acc, part in zip(incoming, partial, strict=True):
-        acc.add_(part)
-    return incoming
-
-
-def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
-    """The op's results: local accumulators, and the trailing accumulators returned to this rank."""
-    return step.finish(*trailing)
-
-
-# Hop nodes mutate the step's accumulators and transfers move data: dead-code elimination must keep them.
-for _fn in (ring_start, ring_wait, hop_forward, hop_backward, hop_recompute, hop_vjp, accumulate, finish):
-    fx.node.has_side_effect(_fn)
-
-
-# --- Building the naive programs. -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class RingSchedule:
-    """The static shape of a program: sizes only, identical on every rank.
-
-    ``num_circulating``: tensors that move each hop. ``num_trailing``: accumulators one hop behind.
-    ``num_replayed``: backward only, the circulating tensors the replay ring needs (a prefix).
-    """
-
-    direction: Direction
-    routing: str
-    num_hops: int
-    num_circulating: int
-    num_trailing: int
-    num_replayed: int = 0
+from relay_compile.runtime.hop_compute import RingStep
+from relay_compile.runtime.programs.instructions import (
+    accumulate,
+    finish,
+    hop_forward,
+    hop_recompute,
+    hop_vjp,
+    ring_start,
+    ring_wait,
+)
+from relay_compile.runtime.programs.schedule import RingName, RingNode, RingSchedule
 
 
 class _Builder:
@@ -129,7 +51,7 @@ class _Builder:
     def __init__(self, graph: fx.Graph, step: fx.Node, sched: RingSchedule) -> None:
         self.graph, self.step, self.sched = graph, step, sched
 
-    def call(self, fn, args: tuple, meta: RingNode, arity: int | None = None) -> fx.Node | list[fx.Node]:
+    def call(self, fn: Callable[..., object], args: tuple, meta: RingNode, arity: int | None = None) -> fx.Node | list[fx.Node]:
         node = self.graph.call_function(fn, args)
         node.meta["ring"] = meta
         if arity is None:
@@ -146,7 +68,10 @@ class _Builder:
             ring=ring, hop=hop, role="start"))
         return self.call(ring_wait, (start,), RingNode(ring=ring, hop=hop, role="wait"), len(circ) + len(trail))
 
-    def ring(self, name: RingName, circ0: list[fx.Node], first_index: int, compute) -> list[fx.Node]:
+    def ring(
+        self, name: RingName, circ0: list[fx.Node], first_index: int,
+        compute: Callable[[int, list[fx.Node]], list[fx.Node]],
+    ) -> list[fx.Node]:
         """Emit N hops; ``compute(hop, circ) -> partial nodes``; returns the final trailing accumulators."""
         n, n_trail = self.sched.num_hops, self.sched.num_trailing if name != "replay" else 0
         circ, trail = circ0, []
@@ -203,21 +128,6 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
     graph.output(out)
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph, class_name=f"RingProgram_{sched.direction}_{sched.routing}")
-
-
-def schedule_for(direction: Direction, routing: str, num_hops: int, num_weights: int) -> RingSchedule:
-    """The schedule of one (direction, routing) pair; see ``RingStep`` for what circulates."""
-    if routing == "expert":
-        return RingSchedule(
-            direction=direction, routing=routing, num_hops=num_hops, num_circulating=num_weights,
-            num_trailing=num_weights if direction == "backward" else 0, num_replayed=num_weights,
-        )
-    # Token routing: (x, ids, scores) [+ dy]; trailing y, or (dx, d_scores).
-    return RingSchedule(
-        direction=direction, routing=routing, num_hops=num_hops,
-        num_circulating=3 if direction == "forward" else 4,
-        num_trailing=1 if direction == "forward" else 2, num_replayed=3,
-    )
 
 
 def run_program(program: fx.GraphModule, step: RingStep, circulating: Sequence[Tensor]) -> tuple[Tensor, ...]:

@@ -1,7 +1,7 @@
 """overlap: post each hop's transfer before the hop's compute and wait for it as late as possible.
 
 Contract:
-    Consumes a ring program (``relay_compile.ring_program``) whose ``ring_start``/``ring_wait`` nodes carry
+    Consumes a ring program (``build.build_program``, after ``remat`` for a backward) whose ``ring_start``/``ring_wait`` nodes carry
     ``meta["ring"]``. Moves only those nodes (and the ``getitem`` nodes of a wait), never compute, so every
     rank keeps posting the same transfers in the same order. Guarantees, per transfer: the start comes right
     after the last node it reads (the previous transfer's wait, or the accumulation it forwards), and the wait
@@ -22,11 +22,10 @@ import operator
 
 import torch.fx as fx
 
-from relay_compile.ring_program import RingNode, hop_backward, hop_forward, hop_vjp, ring_start, ring_wait
+from relay_compile.runtime.programs.instructions import COMPUTE, ring_start, ring_wait
+from relay_compile.runtime.programs.schedule import RingNode
 
 log = logging.getLogger(__name__)
-
-_COMPUTE = (hop_forward, hop_backward, hop_vjp)
 
 
 def _position(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -57,7 +56,7 @@ def _hoist_start(graph: fx.Graph, start: fx.Node) -> None:
 def check_overlap(gm: fx.GraphModule) -> None:
     """Every hop's transfer is posted before that hop's compute starts (validate-only entry point)."""
     pos = _position(gm.graph)
-    compute = {(n.meta["ring"].ring, n.meta["ring"].hop): n for n in gm.graph.nodes if n.target in _COMPUTE}
+    compute = {(n.meta["ring"].ring, n.meta["ring"].hop): n for n in gm.graph.nodes if n.target in COMPUTE}
     for start in (n for n in gm.graph.nodes if n.target is ring_start):
         info: RingNode = start.meta["ring"]
         hop_compute = compute.get((info.ring, info.hop))

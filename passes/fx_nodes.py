@@ -1,0 +1,235 @@
+"""fx_nodes: what the graph passes need to read FX nodes: op identities, fake values, narrowing predicates.
+
+Nothing here knows about MoE. Predicates that take ``object`` (an argument of a node may be a node, a
+constant or a container) return ``TypeGuard[fx.Node]``, so code after a successful check reads ``n.args``
+without casts.
+
+Fake values: ``node_value`` is the one lookup. ``meta["val"]`` first (make_fx and aot_autograd set it; it is
+authoritative where both exist), then Dynamo's ``meta["example_value"]``; a constant argument is its own value.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any, NamedTuple, TypeGuard, cast
+
+import torch
+import torch.fx as fx
+
+# ----------------------------------------------------------------------------------------------------------
+# Op identities
+# ----------------------------------------------------------------------------------------------------------
+
+C10D_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d")
+
+
+def op_variants(ns: str, name: str) -> tuple[Any, ...]:
+    """The ``OpOverloadPacket`` and its ``.default`` (Dynamo emits the packet, make_fx the overload)."""
+    namespace = getattr(torch.ops, ns, None)
+    packet = getattr(namespace, name, None) if namespace is not None else None
+    if packet is None:
+        return ()
+    return (packet, packet.default)
+
+
+# torch 2.11's all_to_all_single_autograd traces to the _c10d_functional_autograd variant (no top-level wait).
+ALL_TO_ALL = (
+    *op_variants("_c10d_functional", "all_to_all_single"),
+    *op_variants("_c10d_functional_autograd", "all_to_all_single"),
+)
+WAIT = op_variants("_c10d_functional", "wait_tensor")
+ALL_GATHER = op_variants("_c10d_functional", "all_gather_into_tensor")
+ASSERTS = (
+    *op_variants("aten", "_assert_scalar"), *op_variants("aten", "_assert_async"),
+    *op_variants("aten", "sym_constrain_range_for_size"), torch._check, torch._check_is_size,
+)
+LOCAL_SCALAR_DENSE = op_variants("aten", "_local_scalar_dense")
+
+
+def qualname(target: object) -> str | None:
+    """``"ns::name"`` of an OpOverload(Packet), else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def op_namespace(target: object) -> str | None:
+    name = qualname(target)
+    return name.split("::")[0] if name else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Values and arguments
+# ----------------------------------------------------------------------------------------------------------
+
+
+def node_value(n: object) -> Any:
+    """The fake value of a node (``val``, else ``example_value``), or the argument itself if not a node."""
+    if isinstance(n, fx.Node):
+        return n.meta.get("val", n.meta.get("example_value"))
+    return n
+
+
+def shape_of(n: object) -> tuple[Any, ...] | None:
+    v = node_value(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype_of(n: object) -> torch.dtype | None:
+    v = node_value(n)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def arg(n: fx.Node, index: int, name: str, default: object = None) -> object:
+    """Argument ``index`` of ``n``, positional or by keyword ``name``."""
+    if len(n.args) > index:
+        return n.args[index]
+    return n.kwargs.get(name, default)
+
+
+def as_list(v: object) -> list[object]:
+    """A list/tuple argument as a list; anything else (None) as ``[]``."""
+    return list(v) if isinstance(v, (list, tuple)) else []
+
+
+def flat_nodes(values: Iterable[object]) -> list[fx.Node]:
+    """The nodes inside ``values`` (nested in lists, tuples and dicts)."""
+    out: list[fx.Node] = []
+    fx.node.map_arg(cast(fx.node.Argument, tuple(values)), out.append)
+    return out
+
+
+def describe(n: fx.Node) -> str:
+    """``name (op target)`` for messages."""
+    target = n.target if isinstance(n.target, str) else qualname(n.target) or getattr(n.target, "__name__", n.target)
+    return f"{n.name} ({n.op} {target})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Predicates
+# ----------------------------------------------------------------------------------------------------------
+
+
+def is_call(n: object, *targets: object) -> TypeGuard[fx.Node]:
+    """``n`` is a ``call_function`` node of one of ``targets`` (compared by identity)."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and any(n.target is t for t in targets)
+
+
+def is_method_call(n: object, *names: str) -> TypeGuard[fx.Node]:
+    """``n`` is a ``call_method`` node of one of ``names``."""
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
+
+
+def is_all_to_all(n: object) -> TypeGuard[fx.Node]:
+    return is_call(n, *ALL_TO_ALL)
+
+
+def is_collective(n: fx.Node) -> bool:
+    return n.op == "call_function" and op_namespace(n.target) in C10D_NAMESPACES
+
+
+def is_item(n: object) -> TypeGuard[fx.Node]:
+    """A host sync producing a SymInt: ``t.item()`` (Dynamo) or ``aten._local_scalar_dense`` (make_fx)."""
+    return is_method_call(n, "item") or is_call(n, *LOCAL_SCALAR_DENSE)
+
+
+def is_assert(n: fx.Node) -> bool:
+    return n.op == "call_function" and any(n.target is t for t in ASSERTS)
+
+
+def is_mutator(n: fx.Node) -> bool:
+    """An in-place write into its first argument: ``setitem``, ``t.foo_()``, or a mutating OpOverload."""
+    if n.op == "call_function" and n.target is operator.setitem:
+        return True
+    if n.op == "call_method" and isinstance(n.target, str):
+        return n.target.endswith("_") and not n.target.startswith("_")
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        args = n.target._schema.arguments
+        return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Collectives and dataflow
+# ----------------------------------------------------------------------------------------------------------
+
+
+class AllToAllArgs(NamedTuple):
+    """The arguments of an ``all_to_all_single`` node."""
+
+    input: object
+    output_split_sizes: list[object]
+    input_split_sizes: list[object]
+    group_name: object
+
+
+def all_to_all_args(n: fx.Node) -> AllToAllArgs:
+    return AllToAllArgs(
+        arg(n, 0, "input"),
+        as_list(arg(n, 1, "output_split_sizes")),
+        as_list(arg(n, 2, "input_split_sizes")),
+        arg(n, 3, "group_name"),
+    )
+
+
+def wait_end(n: fx.Node) -> fx.Node:
+    """Follow the wait chain of a collective to the node whose value the program reads.
+
+    ``wait_tensor`` users (torchtitan waits twice on its counts), or torch 2.11's
+    ``autograd_function_apply(..., a2a, ...)`` followed by ``getitem(., 0)``.
+    """
+    while True:
+        waits = [u for u in n.users if is_call(u, *WAIT)]
+        if len(waits) == 1:
+            n = waits[0]
+            continue
+        applies = [
+            u for u in n.users
+            if u.op == "call_function" and getattr(u.target, "__name__", "") == "autograd_function_apply"
+        ]
+        if len(applies) == 1:
+            firsts = [g for g in applies[0].users if is_call(g, operator.getitem) and g.args[1] == 0]
+            if len(firsts) == 1:
+                n = firsts[0]
+                continue
+        return n
+
+
+def ancestors(roots: Iterable[object]) -> set[fx.Node]:
+    """Every node some root reads, transitively (roots included)."""
+    out: set[fx.Node] = set()
+    stack = flat_nodes(roots)
+    while stack:
+        m = stack.pop()
+        if m in out:
+            continue
+        out.add(m)
+        stack.extend(m.all_input_nodes)
+    return out
+
+
+def upstream_collectives(roots: Iterable[object]) -> set[fx.Node]:
+    """The collectives (all-to-all, all-gather; not waits) met first walking up from ``roots``."""
+    found: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = flat_nodes(roots)
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if is_all_to_all(m) or is_call(m, *ALL_GATHER):
+            found.add(m)
+            continue
+        stack.extend(m.all_input_nodes)
+    return found
+
+
+def closest(candidates: set[fx.Node]) -> set[fx.Node]:
+    """The candidates that are not upstream of another candidate."""
+    if len(candidates) < 2:
+        return candidates
+    return {c for c in candidates if not any(c in ancestors(o.all_input_nodes) for o in candidates - {c})}

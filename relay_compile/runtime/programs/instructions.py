@@ -1,0 +1,69 @@
+"""The instruction set of ring programs: the functions whose calls make up a program's nodes.
+
+Each instruction is a thin call into the two runtime layers below: ``RingStep`` (what a hop computes,
+``runtime.hop_compute``) and ``RingTransfer`` (one hop's P2P transfer, ``runtime.transport``). The
+program passes (``remat``, ``overlap``) recognize nodes by these targets. Every instruction is registered
+as side-effecting: hops mutate the step's accumulators and transfers move data, so dead-code elimination
+must keep them.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch import Tensor
+
+from relay_compile.runtime.hop_compute import HopActivations, RingStep
+from relay_compile.runtime.transport import RingTransfer, start_transfer
+
+
+def ring_start(step: RingStep, index: int, hop: int, num_circulating: int, *payload: Tensor) -> RingTransfer:
+    """Post transfer ``index`` (tags), sent at ``hop`` of its ring: ``payload[:num_circulating]`` moves on,
+    the rest are trailing accumulators."""
+    receive = step.receive_buffers(hop, num_circulating, payload)
+    return start_transfer(step.cfg.ring, index, list(payload), receive)
+
+
+def ring_wait(transfer: RingTransfer) -> tuple[Tensor, ...]:
+    """Block until a transfer completes; its receive buffers."""
+    return transfer.wait()
+
+
+def hop_forward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
+    """Forward hop: the pairs that meet here; returns trailing partials (token routing) or ``()``."""
+    return step.forward_hop(hop, *circulating)
+
+
+def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
+    """Backward hop with hop-scoped recomputation (chunk by chunk); returns trailing partials."""
+    return step.backward_hop(hop, *circulating)
+
+
+def hop_recompute(step: RingStep, hop: int, *circulating: Tensor) -> HopActivations:
+    """Recompute a whole hop's expert activations and keep them (the naive, checkpoint-style backward)."""
+    return step.recompute_hop(hop, *circulating)
+
+
+def hop_vjp(step: RingStep, hop: int, acts: HopActivations, *circulating: Tensor) -> tuple[Tensor, ...]:
+    """Gradient hop consuming ``hop_recompute``'s activations."""
+    return step.vjp_hop(hop, acts, *circulating)
+
+
+def accumulate(num: int, *incoming_and_partial: Tensor) -> tuple[Tensor, ...]:
+    """``incoming[i] += partial[i]`` in place: the trailing accumulators gain this hop's contribution."""
+    incoming, partial = incoming_and_partial[:num], incoming_and_partial[num:]
+    for acc, part in zip(incoming, partial, strict=True):
+        acc.add_(part)
+    return incoming
+
+
+def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
+    """The op's results: local accumulators, and the trailing accumulators returned to this rank."""
+    return step.finish(*trailing)
+
+
+INSTRUCTIONS = (ring_start, ring_wait, hop_forward, hop_backward, hop_recompute, hop_vjp, accumulate, finish)
+# The hop instructions that compute (``overlap`` schedules transfers around them).
+COMPUTE = (hop_forward, hop_backward, hop_vjp)
+
+for _fn in INSTRUCTIONS:
+    fx.node.has_side_effect(_fn)

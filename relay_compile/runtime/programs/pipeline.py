@@ -1,0 +1,45 @@
+"""pipeline: the programs of a ring spec, built once and shaped by the program passes.
+
+    schedule_for(direction, routing, N, circulating weights)   # schedule.py: sizes only
+      -> build_program                                       # build.py: the naive program
+      -> remat_pass (backward, option ``remat``)             # remat.py
+      -> overlap_pass (option ``overlap``)                   # overlap.py
+
+``program_for`` is the one place that decides which program a spec runs: the custom ops call it at run time
+and the backend's dumps call it for the same spec, so what is dumped is what runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.fx as fx
+
+from relay_compile.routing import Routing
+from relay_compile.runtime.programs.build import build_program
+from relay_compile.runtime.programs.overlap import overlap_pass
+from relay_compile.runtime.programs.remat import remat_pass
+from relay_compile.runtime.programs.schedule import Direction, RingSchedule, schedule_for
+from relay_compile.runtime.specs import RingSpec
+
+
+@functools.cache
+def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphModule:
+    """The program of a schedule after the passes: naive build, then ``remat`` (backward) and ``overlap``."""
+    gm = build_program(sched)
+    if remat and sched.direction == "backward":
+        gm = remat_pass(gm)
+    if overlap:
+        gm = overlap_pass(gm)
+    return gm
+
+
+def program_for(
+    spec: RingSpec, direction: Direction, routing: Routing, group_size: int, num_weights: int
+) -> fx.GraphModule:
+    """The program ``spec`` runs in ``direction`` with ``routing`` on ``group_size`` ranks.
+
+    ``num_weights``: the weight tensors the op receives (the expert function may pack them into fewer).
+    """
+    sched = schedule_for(direction, routing, group_size, spec.circulating_weights(num_weights))
+    return shaped_program(sched, spec.options.overlap, spec.options.remat)
