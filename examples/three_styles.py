@@ -239,7 +239,7 @@ def _worker(rank: int, cfg: Config, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # The split sizes' .tolist()/.item() must stay in the graph (unbacked SymInts), or Dynamo breaks the
-    # graph inside the MoE block and the backend sees neither half whole (DESIGN.md section 5).
+    # graph inside the MoE block and the backend sees neither half whole (docs/ARCHITECTURE.md section 5).
     torch._dynamo.config.capture_scalar_outputs = True
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world)
     results: dict[str, StyleResult] = {}
@@ -271,7 +271,7 @@ def run(cfg: Config) -> dict[int, dict[str, StyleResult]]:
         proc.start()
     results = dict(queue.get() for _ in procs)
     for proc in procs:
-        proc.join(timeout=60)  # a child that reported may still abort at exit (DESIGN.md section 5)
+        proc.join(timeout=60)  # a child that reported may still abort at exit (docs/ARCHITECTURE.md section 5)
     return results
 
 

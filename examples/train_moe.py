@@ -542,7 +542,7 @@ def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, re
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: it costs seconds and on CPU sometimes aborts with "terminate called without
-    # an active exception" after all work is done (DESIGN.md section 5). The parent judges the reports.
+    # an active exception" after all work is done (docs/ARCHITECTURE.md section 5). The parent judges the reports.
     os._exit(code)
 
 

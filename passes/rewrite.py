@@ -9,9 +9,9 @@ Contract:
     only the region read (shared size arithmetic dies with the last region reading it); nothing else is
     touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
     whose expert function runs a copy of the region's F eagerly at every hop (``expert_fn.RegionExpertFn``);
-    nothing data-dependent is baked into the graph, so new routings do not recompile. Raises ``ValueError`` (naming the region and node) when the record
-    no longer describes the graph or an option is invalid; never leaves a half-rewritten graph behind for
-    those (all checks run before the first mutation).
+    nothing data-dependent is baked into the graph, so new routings do not recompile. Raises ``ValueError``
+    (naming the region and node) when the record no longer describes the graph or an option is invalid;
+    never leaves a half-rewritten graph behind for those (all checks run before the first mutation).
 
 Pseudo-code:
     # Step 1: check options and that the record still describes gm.

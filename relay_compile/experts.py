@@ -1,7 +1,7 @@
 """Expert functions: what one ring hop calls on the (token, expert) pairs that meet there.
 
 An expert function ``F`` is the block of an all-to-all dispatcher that runs between the two all-to-alls
-(DESIGN.md section 4). The ring calls it verbatim, once per hop (or per bounded chunk of a hop):
+(docs/ARCHITECTURE.md, section 3). The ring calls it verbatim, once per hop (or per bounded chunk of a hop):
 
     out_SH = F(x_SH, counts_NL, splits_N, weights)
 

@@ -2,7 +2,8 @@
 
 It is the baseline of every comparison, and the program the ``relaymoe`` backend rewrites: Dynamo traces
 ``a2a_moe`` into one graph (``fullgraph=True`` with ``capture_scalar_outputs=True``) whose all-to-alls the
-pattern matcher finds (DESIGN.md section 4). Each step is a small named function; collectives live in their own.
+pattern matcher finds (docs/ARCHITECTURE.md, section 3). Each step is a small named function; collectives
+live in their own.
 
 Per rank, with N ranks in the group and E_l = E / N local experts (global expert e lives on rank e // E_l):
 
@@ -57,7 +58,7 @@ __all__ = [
 
 
 # An EP group: a ProcessGroup or its name (``group.group_name``); functional collectives take either. Compiled
-# code gets the name (DESIGN.md section 6): Dynamo keeps a str as a constant, but it cannot proxy every
+# code gets the name (docs/ARCHITECTURE.md section 5): Dynamo keeps a str as a constant, but it cannot proxy every
 # ProcessGroup (torch 2.11 sees a Python subclass, such as the bench's stand-in group, as a user object and
 # fails on the first collective).
 Group: TypeAlias = dist.ProcessGroup | str
@@ -231,8 +232,8 @@ def a2a_moe(
         topk_ids_TK: GLOBAL expert ids ``(T, K)``; expert e lives on rank ``e // E_l`` of ``group``.
         topk_scores_TK: routing weights ``(T, K)``.
         w1_LFH, w3_LFH: this rank's experts ``(E_l, F, H)`` (w3 only for ``swiglu``); w2_LHF: ``(E_l, H, F)``.
-        group: the EP group, or its name (``group.group_name``: what compiled callers pass, DESIGN.md section 6);
-            None means the default group, or one process without collectives.
+        group: the EP group, or its name (``group.group_name``: what compiled callers pass,
+            docs/ARCHITECTURE.md section 5); None means the default group, or one process without collectives.
         use_grouped_mm: see ``expert_ffn``; False for fp32 under ``torch.compile``.
 
     Returns:

@@ -12,7 +12,7 @@
 Each test method spawns ``world_size`` fresh processes, each importing torch (seconds of CPU apiece): put several
 cases in one method. A child whose test passed exits with ``os._exit(0)`` right away: interpreter teardown costs
 seconds per process and on CPU sometimes aborts with "terminate called without an active exception" after all
-work is done (DESIGN.md section 5). A failing child reports its traceback to the parent as usual.
+work is done (docs/ARCHITECTURE.md section 5). A failing child reports its traceback to the parent as usual.
 """
 
 from __future__ import annotations

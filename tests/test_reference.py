@@ -198,7 +198,8 @@ class ReferenceWorld2Test(ReferenceCases, DistributedTestCase):
         a2a = torch.ops._c10d_functional.all_to_all_single  # Dynamo records the packet
         num_a2a = sum(node.target is a2a for node in counter.graphs[0].graph.nodes)
         self.assertEqual(num_a2a, 3)  # counts, dispatch, combine
-        # The group by name, compiled (what the bench passes, DESIGN.md section 6): the default group's result.
+        # The group by name, compiled (what the bench passes, docs/ARCHITECTURE.md section 5): the default
+        # group's result.
         p = _problem(self.tokens, self.top_k, "skewed", self.world_size)
         compiled_by_name = torch.compile(a2a_moe, backend="aot_eager", fullgraph=True)
         with torch._dynamo.config.patch(capture_scalar_outputs=True):

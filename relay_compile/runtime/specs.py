@@ -112,7 +112,9 @@ def agree_on_first_call(state: SpecState, x: Tensor, topk_ids: Tensor, weights: 
     )
     state.volumes = {mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")}
     asked = spec.options.routing
-    resolved: Routing = choose_routing(**volume_args) if asked == "auto" else ("token" if asked == "token" else "expert")
+    resolved: Routing = "token" if asked == "token" else "expert"
+    if asked == "auto":
+        resolved = choose_routing(**volume_args)
     state.resolved = resolved
     log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", resolved, asked, state.volumes)
     return resolved

@@ -51,7 +51,9 @@ class _Builder:
     def __init__(self, graph: fx.Graph, step: fx.Node, sched: RingSchedule) -> None:
         self.graph, self.step, self.sched = graph, step, sched
 
-    def call(self, fn: Callable[..., object], args: tuple, meta: RingNode, arity: int | None = None) -> fx.Node | list[fx.Node]:
+    def call(
+        self, fn: Callable[..., object], args: tuple, meta: RingNode, arity: int | None = None
+    ) -> fx.Node | list[fx.Node]:
         node = self.graph.call_function(fn, args)
         node.meta["ring"] = meta
         if arity is None:

@@ -1,9 +1,9 @@
 """overlap: post each hop's transfer before the hop's compute and wait for it as late as possible.
 
 Contract:
-    Consumes a ring program (``build.build_program``, after ``remat`` for a backward) whose ``ring_start``/``ring_wait`` nodes carry
-    ``meta["ring"]``. Moves only those nodes (and the ``getitem`` nodes of a wait), never compute, so every
-    rank keeps posting the same transfers in the same order. Guarantees, per transfer: the start comes right
+    Consumes a ring program (``build.build_program``, after ``remat`` for a backward) whose
+    ``ring_start``/``ring_wait`` nodes carry ``meta["ring"]``. Moves only those nodes (and the ``getitem``
+    nodes of a wait), never compute, so every rank keeps posting the same transfers in the same order. Guarantees, per transfer: the start comes right
     after the last node it reads (the previous transfer's wait, or the accumulation it forwards), and the wait
     right before the first node that reads what arrived. In the naive ring both sit after the hop's compute;
     afterwards the hop's compute runs between them, so the transfer proceeds while the hop computes.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import unittest
 
-from tests.example_scripts import load_example
+from tests.examples.scripts import load_example
 
 
 class ThreeStylesExampleTest(unittest.TestCase):

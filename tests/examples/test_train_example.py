@@ -13,7 +13,7 @@ import tempfile
 import unittest
 from pathlib import Path
 
-from tests.example_scripts import load_example
+from tests.examples.scripts import load_example
 
 LAYERS = 1
 TINY = [

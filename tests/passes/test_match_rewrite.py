@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import re
+import unittest
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from relay_compile.passes import MoERegion, RefusedRegion, find_moe_regions, rewrite_moe_region
 from torch import Tensor, nn
 from torch.testing._internal.common_utils import run_tests
 
+from relay_compile.passes import MoERegion, RefusedRegion, find_moe_regions, rewrite_moe_region
 from relay_compile.reference import AllToAllMoE, moe_weights
 from tests.distributed import DistributedTestCase
 from tests.models import variants
@@ -112,7 +113,9 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def assert_close_rel(tc: Any, got: dict[str, Tensor], want: dict[str, Tensor], rel: dict[str, float], what: str):
+def assert_close_rel(
+    tc: unittest.TestCase, got: dict[str, Tensor], want: dict[str, Tensor], rel: dict[str, float], what: str
+) -> None:
     """Every tensor within ``rel[name or 'grad']`` of its scale (entries near zero carry the large ones' rounding)."""
     tc.assertEqual(sorted(got), sorted(want), msg=what)
     for name, w in want.items():
@@ -163,70 +166,66 @@ def routed_batches(rank: int, steps: int, shape: tuple[int, ...]) -> list[tuple[
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Cases shared by the world sizes (mixed into DistributedTestCase)
+# Cases shared by the world sizes (a DistributedTestCase without tests of its own)
 # ----------------------------------------------------------------------------------------------------------
 
 
-class Cases:
-    rank: int
-    world_size: int
+class Cases(DistributedTestCase):
+    """The checks every world size runs (no tests of its own: the subclasses below pick them)."""
 
     def check_graph_rewritten(self, record: GraphRecord, num_regions: int = 1) -> None:
-        tc: Any = self
-        tc.assertEqual(len(record.regions), num_regions, [r.reason for r in record.refused])
-        tc.assertEqual(record.refused, [])
-        tc.assertEqual(targets(record.gm, *A2A), [], "an all_to_all_single survived the rewrite")
-        tc.assertEqual(len(targets(record.gm, RING)), num_regions)
-        tc.assertNotIn("_assert_scalar", record.after)
-        tc.assertNotIn(".item()", record.after)
-        tc.assertNotIn("wait_tensor", record.after)
+        self.assertEqual(len(record.regions), num_regions, [r.reason for r in record.refused])
+        self.assertEqual(record.refused, [])
+        self.assertEqual(targets(record.gm, *A2A), [], "an all_to_all_single survived the rewrite")
+        self.assertEqual(len(targets(record.gm, RING)), num_regions)
+        self.assertNotIn("_assert_scalar", record.after)
+        self.assertNotIn(".item()", record.after)
+        self.assertNotIn("wait_tensor", record.after)
 
     def check_region_common(
         self, record: GraphRecord, index: int, *, weights: list[str], split_kind: str, counts: bool
     ) -> MoERegion:
-        tc: Any = self
         region = record.regions[index]
-        tc.assertEqual(region.group_size, self.world_size)
-        tc.assertEqual(region.group_name, dist.group.WORLD.group_name)
-        tc.assertEqual(region.experts_per_rank, E // self.world_size)
-        tc.assertEqual(region.top_k, K)
-        tc.assertEqual([param_source(record, w) for w in region.weights], weights)
-        tc.assertEqual(region.binding.split_kind, split_kind)
-        tc.assertEqual(region.binding.counts is not None, counts)
+        self.assertEqual(region.group_size, self.world_size)
+        self.assertEqual(region.group_name, dist.group.WORLD.group_name)
+        self.assertEqual(region.experts_per_rank, E // self.world_size)
+        self.assertEqual(region.top_k, K)
+        self.assertEqual([param_source(record, w) for w in region.weights], weights)
+        self.assertEqual(region.binding.split_kind, split_kind)
+        self.assertEqual(region.binding.counts is not None, counts)
         width = region.experts_per_rank if split_kind == "source_expert" else 1
-        tc.assertEqual([len(row) for row in region.binding.splits], [width] * self.world_size)
+        self.assertEqual([len(row) for row in region.binding.splits], [width] * self.world_size)
         # The ring's inputs: tokens (T, H), ids and scores (T, K), output (T, H).
         x, ids, scores, y = (n.meta["example_value"] for n in (region.x, region.topk_ids, region.topk_scores,
                                                                  region.output))
-        tc.assertEqual(tuple(x.shape)[1], H)
-        tc.assertEqual(tuple(ids.shape), (x.shape[0], K))
-        tc.assertEqual(tuple(scores.shape), (x.shape[0], K))
-        tc.assertEqual((tuple(y.shape), y.dtype), (tuple(x.shape), x.dtype))
-        tc.assertFalse(ids.dtype.is_floating_point)
-        tc.assertEqual(region.counts_exchange.meta["example_value"].dtype, torch.int64)
+        self.assertEqual(tuple(x.shape)[1], H)
+        self.assertEqual(tuple(ids.shape), (x.shape[0], K))
+        self.assertEqual(tuple(scores.shape), (x.shape[0], K))
+        self.assertEqual((tuple(y.shape), y.dtype), (tuple(x.shape), x.dtype))
+        self.assertFalse(ids.dtype.is_floating_point)
+        self.assertEqual(region.counts_exchange.meta["example_value"].dtype, torch.int64)
         # The dispatch sends the tokens, the combine answers it with swapped splits.
-        tc.assertEqual(region.dispatch.meta["example_value"].dtype, x.dtype)
-        tc.assertEqual(region.dispatch.args[1], region.combine.args[2])
-        tc.assertEqual(region.dispatch.args[2], region.combine.args[1])
+        self.assertEqual(region.dispatch.meta["example_value"].dtype, x.dtype)
+        self.assertEqual(region.dispatch.args[1], region.combine.args[2])
+        self.assertEqual(region.dispatch.args[2], region.combine.args[1])
         # What dies: both token all-to-alls, the counts exchange, every host sync; never the ring's inputs.
         for n in (region.dispatch, region.combine, region.recv, region.back, region.counts_exchange, region.output):
-            tc.assertIn(n, region.nodes)
-        tc.assertTrue(all(n not in region.nodes for n in (region.x, region.topk_ids, region.topk_scores,
+            self.assertIn(n, region.nodes)
+        self.assertTrue(all(n not in region.nodes for n in (region.x, region.topk_ids, region.topk_scores,
                                                             *region.weights)))
         # F is standalone: its placeholders are exactly the binding's, and it ends in the combine's input.
         placeholders = region.expert_fn.graph.find_nodes(op="placeholder")
         bound = [region.binding.rows, region.binding.counts, *region.binding.weights,
                  *(p for row in region.binding.splits for p in row)]
-        tc.assertEqual(sorted(p for p in bound if p is not None), list(range(len(placeholders))))
+        self.assertEqual(sorted(p for p in bound if p is not None), list(range(len(placeholders))))
         (out,) = region.expert_fn.graph.find_nodes(op="output")
-        tc.assertEqual(out.args[0].name, region.combine.args[0].name)
+        self.assertEqual(out.args[0].name, region.combine.args[0].name)
         return region
 
     def check_default_overloads_match_alike(self, record: GraphRecord) -> None:
         """make_fx-style ``.default`` overloads of the collectives match like Dynamo's packets."""
-        tc: Any = self
         packets = targets(record.gm, *A2A[:1], _fc.wait_tensor)
-        tc.assertTrue(packets)
+        self.assertTrue(packets)
         try:
             for n in packets:
                 n.target = n.target.default
@@ -234,40 +233,37 @@ class Cases:
         finally:
             for n in packets:
                 n.target = n.target.overloadpacket
-        tc.assertEqual(refused, [])
-        tc.assertEqual([r.describe() for r in regions], [r.describe() for r in record.regions])
-        tc.assertEqual([r.nodes for r in regions], [r.nodes for r in record.regions])
+        self.assertEqual(refused, [])
+        self.assertEqual([r.describe() for r in regions], [r.describe() for r in record.regions])
+        self.assertEqual([r.nodes for r in regions], [r.nodes for r in record.regions])
 
     def check_same_decision_on_every_rank(self, record: GraphRecord) -> None:
         """Every rank rewrote the same regions with the same ring spec (or the rings would deadlock)."""
-        tc: Any = self
         mine = [(r.describe(), n.args[-1]) for r, n in zip(record.regions, targets(record.gm, RING))]
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
-        tc.assertEqual(everyone, [mine] * self.world_size)
+        self.assertEqual(everyone, [mine] * self.world_size)
 
     def check_rewrite_rejects_stale_records_and_bad_options(self, record: GraphRecord) -> None:
-        tc: Any = self
         region = record.regions[0]
-        with tc.assertRaisesRegex(ValueError, r"^rewrite: the region of dispatch \w+ names .* not in this graph"):
+        with self.assertRaisesRegex(ValueError, r"^rewrite: the region of dispatch \w+ names .* not in this graph"):
             rewrite_moe_region(record.gm, region)
-        with tc.assertRaisesRegex(ValueError, r"^rewrite: routing='experts' is not one of \('auto', 'expert'"):
+        with self.assertRaisesRegex(ValueError, r"^rewrite: routing='experts' is not one of \('auto', 'expert'"):
             rewrite_moe_region(record.gm, region, routing="experts")
 
     # --- the reference layer ---------------------------------------------------------------------------
 
     def check_reference_layers(self, *, layers: int, golden: bool) -> None:
         """``layers`` reference blocks in a row (one graph, one region each), three steps of new routings."""
-        tc: Any = self
         group = dist.group.WORLD
-        # fp32 without torch._grouped_mm: its fake kernel demands bf16 under compile (DESIGN.md section 5).
+        # fp32 without torch._grouped_mm: its fake kernel demands bf16 under compile (docs/ARCHITECTURE.md section 5).
         blocks = [AllToAllMoE(H, F, E, K, group=group, seed=3 + i, use_grouped_mm=False) for i in range(layers)]
         moe = blocks[0] if layers == 1 else ResidualStack(blocks)
         batches = routed_batches(self.rank, 3, (2, 6, H))
         want = run_steps(moe, moe, batches, grad_seed=self.rank)
 
         def check(record: GraphRecord) -> None:
-            tc.assertEqual(len(record.regions), layers, [r.reason for r in record.refused])
+            self.assertEqual(len(record.regions), layers, [r.reason for r in record.refused])
             self.check_default_overloads_match_alike(record)
             for i in range(layers):
                 prefix = "L['self']" if layers == 1 else f"L['self']._modules['blocks']._modules['{i}']"
@@ -275,24 +271,24 @@ class Cases:
                     record, i, weights=[f"{prefix}._parameters['{w}']" for w in ("w1", "w2", "w3")],
                     split_kind="source", counts=True,
                 )
-                tc.assertEqual(region.x.meta["example_value"].shape, (12, H))
-                tc.assertIs(region.topk_ids.target, operator.getitem)  # topk(...)[1]
-                tc.assertEqual(region.output.target, "index_add")  # zeros.index_add(0, order // K, weighted)
-                tc.assertEqual(region.binding.counts_shape, (E,))  # the exchanged counts are flat (N * E_l,)
+                self.assertEqual(region.x.meta["example_value"].shape, (12, H))
+                self.assertIs(region.topk_ids.target, operator.getitem)  # topk(...)[1]
+                self.assertEqual(region.output.target, "index_add")  # zeros.index_add(0, order // K, weighted)
+                self.assertEqual(region.binding.counts_shape, (E,))  # the exchanged counts are flat (N * E_l,)
             if layers > 1:  # in program order, and disjoint
                 position = {n: i for i, n in enumerate(record.gm.graph.nodes)}
-                tc.assertLess(position[record.regions[0].dispatch], position[record.regions[1].dispatch])
-                tc.assertFalse(record.regions[0].nodes & record.regions[1].nodes)
+                self.assertLess(position[record.regions[0].dispatch], position[record.regions[1].dispatch])
+                self.assertFalse(record.regions[0].nodes & record.regions[1].nodes)
 
         backend = RingBackend(check=check)
         got = run_steps(compile_with(moe, backend), moe, batches, grad_seed=self.rank)
         # One graph for three routings: nothing data-dependent is baked in, so no recompile.
-        tc.assertEqual(len(backend.graphs), 1)
+        self.assertEqual(len(backend.graphs), 1)
         record = backend.graphs[0]
         self.check_graph_rewritten(record, num_regions=layers)
         for step, (g, w) in enumerate(zip(got, want)):
             # fp32: the ring runs the same per-pair math as a2a, only summation orders differ.
-            assert_close_rel(tc, g, w, {"y": 1e-5, "grad": 1e-5}, f"reference x{layers} step {step}")
+            assert_close_rel(self, g, w, {"y": 1e-5, "grad": 1e-5}, f"reference x{layers} step {step}")
         self.check_same_decision_on_every_rank(record)
         self.check_rewrite_rejects_stale_records_and_bad_options(record)
         if golden:
@@ -301,8 +297,7 @@ class Cases:
     def check_reference_golden(self, record: GraphRecord) -> None:
         # The golden must show: router, then ONE relaymoe.ring_moe on (x_TH, ids_TK, topk_scores_TK, [w1, w2,
         # w3]) and nothing of the region (no all_to_all, wait_tensor, .item(), _assert_scalar, expert ops).
-        tc: Any = self
-        tc.assertExpectedInline(normalize(record.after), """\
+        self.assertExpectedInline(normalize(record.after), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_BSH_: "f32[2, 6, 16]", L_self_modules_router_parameters_weight_: "f32[8, 16]", L_self_parameters_w1_: "f32[4, 8, 16]", L_self_parameters_w2_: "f32[4, 16, 8]", L_self_parameters_w3_: "f32[4, 8, 16]"):
         l_x_bsh_ = L_x_BSH_
@@ -327,7 +322,6 @@ class GraphModule(torch.nn.Module):
     # --- Megatron style --------------------------------------------------------------------------------
 
     def check_megatron_layer(self) -> None:
-        tc: Any = self
         moe = MegatronStyleMoE(H, F, E, K, dist.group.WORLD, seed=5)
         batches = routed_batches(self.rank, 2, (12, H))
         want = run_steps(moe, moe, batches, grad_seed=self.rank)
@@ -340,24 +334,23 @@ class GraphModule(torch.nn.Module):
             ]
             region = self.check_region_common(record, 0, weights=expected_weights, split_kind="source_expert",
                                               counts=False)
-            tc.assertIs(region.counts_exchange.target, torch.ops._c10d_functional.all_gather_into_tensor)
-            tc.assertEqual(region.x.op, "placeholder")
-            tc.assertEqual(region.output.target, "index_add_")
+            self.assertIs(region.counts_exchange.target, torch.ops._c10d_functional.all_gather_into_tensor)
+            self.assertEqual(region.x.op, "placeholder")
+            self.assertEqual(region.output.target, "index_add_")
 
         backend = RingBackend(check=check)
         got = run_steps(compile_with(moe, backend), moe, batches, grad_seed=self.rank)
-        tc.assertEqual(len(backend.graphs), 1)
+        self.assertEqual(len(backend.graphs), 1)
         record = backend.graphs[0]
         self.check_graph_rewritten(record)
-        tc.assertNotIn("all_gather_into_tensor", record.after)
+        self.assertNotIn("all_gather_into_tensor", record.after)
         self.check_same_decision_on_every_rank(record)
         for step, (g, w) in enumerate(zip(got, want)):
-            assert_close_rel(tc, g, w, {"y": 1e-5, "grad": 1e-5}, f"megatron step {step}")
+            assert_close_rel(self, g, w, {"y": 1e-5, "grad": 1e-5}, f"megatron step {step}")
 
     # --- torchtitan ------------------------------------------------------------------------------------
 
     def check_torchtitan_layer(self) -> None:
-        tc: Any = self
         moe = build_torchtitan_moe(self.world_size, dim=H, hidden=F, num_experts=E, top_k=K, seed=7)
         batches = routed_batches(self.rank, 2, (2, 6, H))
         want = run_steps(moe, moe, batches, grad_seed=self.rank)
@@ -369,28 +362,27 @@ class GraphModule(torch.nn.Module):
                 split_kind="source", counts=True,
             )
             # DTensor experts: F's weights are the local shards (to_local), not the DTensor placeholders.
-            tc.assertEqual([w.target for w in region.weights], ["to_local"] * 3)
-            tc.assertEqual(region.binding.counts_shape, (self.world_size, E // self.world_size))
+            self.assertEqual([w.target for w in region.weights], ["to_local"] * 3)
+            self.assertEqual(region.binding.counts_shape, (self.world_size, E // self.world_size))
             # F includes the in-place unpermute (setitem into new_empty, a node without users).
-            tc.assertTrue(any(n.target is operator.setitem and not n.users for n in region.expert_fn.graph.nodes))
-            tc.assertEqual(len([n for n in region.expert_fn.graph.nodes if n.target is torch._grouped_mm]), 3)
-            tc.assertIs(region.output.target, torch.ops.torchtitan.deterministic_scatter_add.default)
+            self.assertTrue(any(n.target is operator.setitem and not n.users for n in region.expert_fn.graph.nodes))
+            self.assertEqual(len([n for n in region.expert_fn.graph.nodes if n.target is torch._grouped_mm]), 3)
+            self.assertIs(region.output.target, torch.ops.torchtitan.deterministic_scatter_add.default)
 
         backend = RingBackend(check=check)
         got = run_steps(compile_with(moe, backend), moe, batches, grad_seed=self.rank)
-        tc.assertEqual(len(backend.graphs), 1)
+        self.assertEqual(len(backend.graphs), 1)
         self.check_graph_rewritten(backend.graphs[0])
         for step, (g, w) in enumerate(zip(got, want)):
             # torchtitan's GroupedExperts computes in bf16: the ring's per-hop GEMMs see other row counts than
             # a2a's and each owner's weight gradient becomes a sum of per-source bf16 partials, so outputs
             # agree to bf16 rounding (1e-3 of scale; bitwise in practice at EP=2) and weight gradients to a
             # few bf16 ulps of the sums (1e-2; measured ~5e-3).
-            assert_close_rel(tc, g, w, {"y": 1e-3, "grad": 1e-2}, f"torchtitan step {step}")
+            assert_close_rel(self, g, w, {"y": 1e-3, "grad": 1e-2}, f"torchtitan step {step}")
 
     # --- refusals --------------------------------------------------------------------------------------
 
     def check_unsupported_regions_are_left_unchanged(self) -> None:
-        tc: Any = self
         group = dist.group.WORLD
         e_l = E // self.world_size
         w = moe_weights(0, H, F, E, experts=range(self.rank * e_l, (self.rank + 1) * e_l))
@@ -412,17 +404,17 @@ class GraphModule(torch.nn.Module):
             backend = RingBackend(inner="eager")
             got = run_steps(compile_with(fn, backend), None, inputs, grad_seed=0)
             name = variant.__name__
-            tc.assertEqual([len(g.regions) for g in backend.graphs], [0] * len(backend.graphs), name)
+            self.assertEqual([len(g.regions) for g in backend.graphs], [0] * len(backend.graphs), name)
             refused = [r for g in backend.graphs for r in g.refused]
-            tc.assertTrue(refused, name)
+            self.assertTrue(refused, name)
             for r in refused:
-                tc.assertIn(reason, r.reason, name)
+                self.assertIn(reason, r.reason, name)
             for g in backend.graphs:
-                tc.assertEqual(g.after, g.before, f"{name}: a refused graph must be left unchanged")
-            assert_close_rel(tc, got[0], want[0], {"y": 1e-5, "grad": 1e-5}, name)
+                self.assertEqual(g.after, g.before, f"{name}: a refused graph must be left unchanged")
+            assert_close_rel(self, got[0], want[0], {"y": 1e-5, "grad": 1e-5}, name)
 
 
-class MatchRewriteWorld2(Cases, DistributedTestCase):
+class MatchRewriteWorld2(Cases):
     # Spawning costs seconds per method: each method runs several cases in the same processes.
 
     def test_reference_and_megatron_layers_are_rewritten_pinned_by_a_golden_and_equal_to_a2a(self) -> None:
@@ -441,7 +433,7 @@ class MatchRewriteWorld2(Cases, DistributedTestCase):
         self.check_unsupported_regions_are_left_unchanged()
 
 
-class MatchRewriteWorld4(Cases, DistributedTestCase):
+class MatchRewriteWorld4(Cases):
     @property
     def world_size(self) -> int:
         return 4

@@ -1,0 +1,90 @@
+"""``RingOptions`` and ring specs: validation in one place, one key for every entry point, no processes."""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+
+from relay_compile import config
+from relay_compile.experts import ffn_expert_fn
+from relay_compile.options import resolve
+from relay_compile.runtime.ring_options import InvalidRingOption, RingOptions
+from relay_compile.runtime.specs import RingSpec, register_spec, spec_state
+
+
+class RingOptionsAreValidatedOnce(unittest.TestCase):
+    def test_defaults_are_the_overlapped_rematerialized_auto_ring_with_whole_hops(self) -> None:
+        self.assertEqual(RingOptions(), RingOptions(routing="auto", overlap=True, remat=True, max_hop_rows=None))
+
+    def test_bad_values_name_the_option_and_what_is_valid(self) -> None:
+        cases = [
+            (dict(routing="ring"), r"^routing='ring' is not one of \('auto', 'expert', 'token'\)$"),
+            (dict(max_hop_rows=0), r"^max_hop_rows must be a positive row count or None, got 0$"),
+            (dict(max_hop_rows=True), r"max_hop_rows must be a positive row count or None, got True"),
+            (dict(max_hop_rows=2.5), r"max_hop_rows must be a positive row count or None, got 2.5"),
+            (dict(overlap=1), r"^overlap must be a bool, got 1$"),
+        ]
+        for values, message in cases:
+            with self.subTest(values=values), self.assertRaisesRegex(InvalidRingOption, message):
+                RingOptions(**values)
+
+    def test_each_entry_point_prefixes_the_problem_with_its_own_name(self) -> None:
+        with self.assertRaisesRegex(ValueError, r"^ring_moe: routing='x' is not one of"):
+            RingOptions.checked("ring_moe", routing="x")
+        with self.assertRaisesRegex(ValueError, r"^rewrite: max_hop_rows must be a positive row count"):
+            RingOptions.checked("rewrite", max_hop_rows=-3)
+        with self.assertRaisesRegex(ValueError, r"^relaymoe: option routing='x' is not one of"):
+            resolve({"routing": "x"})
+
+    def test_the_config_spells_no_bound_as_zero_and_the_ring_as_none(self) -> None:
+        with config.patch(max_hop_rows=0):
+            self.assertIsNone(resolve().ring.max_hop_rows)
+        self.assertEqual(resolve({"max_hop_rows": 256}).ring.max_hop_rows, 256)
+        with self.assertRaisesRegex(ValueError, r"option max_hop_rows=-1 must be >= 0"):
+            resolve({"max_hop_rows": -1})
+
+    def test_the_key_spells_every_field(self) -> None:
+        key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64).key()
+        self.assertEqual(key, "routing=token|overlap=0|remat=1|max_hop_rows=64")
+
+
+SWIGLU = ffn_expert_fn("swiglu")
+
+
+class RingSpecsAreKeyedByTheirContents(unittest.TestCase):
+    def spec(self, routing: str = "auto", max_hop_rows: int | None = None) -> RingSpec:
+        return RingSpec(expert_fn=SWIGLU, experts_per_rank=2, group_name="",
+                        options=RingOptions(routing=routing, max_hop_rows=max_hop_rows))
+
+    def test_equal_specs_share_one_key_and_one_registration(self) -> None:
+        key = register_spec(self.spec(max_hop_rows=7), "ffn_test")
+        self.assertEqual(key, "ffn_test|group=|E_l=2|routing=auto|overlap=1|remat=1|max_hop_rows=7")
+        self.assertEqual(register_spec(self.spec(max_hop_rows=7), "ffn_test"), key)
+        self.assertEqual(spec_state(key).ring.size, 1)
+
+    def test_a_different_spec_under_the_same_name_and_options_is_refused(self) -> None:
+        key = register_spec(self.spec(routing="token"), "ffn_conflict")
+        other = RingSpec(expert_fn=ffn_expert_fn("silu"), experts_per_rank=2, group_name="",
+                         options=RingOptions(routing="token"))
+        with self.assertRaisesRegex(ValueError, "already registered with other settings"):
+            register_spec(other, "ffn_conflict")
+        self.assertIs(spec_state(key).spec.expert_fn, SWIGLU)
+
+    def test_an_unknown_key_names_itself(self) -> None:
+        with self.assertRaisesRegex(KeyError, "no ring spec 'nope' registered in this process"):
+            spec_state("nope")
+
+    def test_circulating_weights_follow_the_expert_functions_packing(self) -> None:
+        self.assertEqual(self.spec().circulating_weights(3), 2)  # swiglu: [w1|w3], w2
+        silu = RingSpec(expert_fn=ffn_expert_fn("silu"), experts_per_rank=2, group_name="", options=RingOptions())
+        self.assertEqual(silu.circulating_weights(2), 2)
+        plain = RingSpec(expert_fn=lambda x, c, s, w: x, experts_per_rank=2, group_name="", options=RingOptions())
+        self.assertEqual(plain.circulating_weights(5), 5)
+        # What the packing promises is what it makes.
+        w = [torch.zeros(2, 3, 4), torch.zeros(2, 4, 3), torch.zeros(2, 3, 4)]
+        self.assertEqual(len(ffn_expert_fn("swiglu").pack(w)), self.spec().circulating_weights(3))
+
+
+if __name__ == "__main__":
+    unittest.main()
