@@ -104,8 +104,8 @@ def flat_nodes(values: Iterable[object]) -> list[fx.Node]:
 
 def describe(n: fx.Node) -> str:
     """``name (op target)`` for messages."""
-    target = n.target if isinstance(n.target, str) else qualname(n.target) or getattr(n.target, "__name__", n.target)
-    return f"{n.name} ({n.op} {target})"
+    target = n.target if isinstance(n.target, str) else qualname(n.target) or getattr(n.target, "__name__", None)
+    return f"{n.name} ({n.op} {target or n.target})"
 
 
 # ----------------------------------------------------------------------------------------------------------

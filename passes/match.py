@@ -206,14 +206,15 @@ def _pair_token_a2as(token_a2as: list[fx.Node]) -> tuple[list[tuple[fx.Node, fx.
 
 def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int]:
     """Step 3: ``(x, topk_ids, order, K)`` from ``send = x[order // K]``."""
-    send = all_to_all_args(dispatch)[0]
-    gather = row_gather(send) if isinstance(send, fx.Node) else None
+    send = all_to_all_args(dispatch).input
+    if not isinstance(send, fx.Node):
+        raise Refusal(dispatch, f"the dispatch input {send!r} is not a row gather x[order // K] of the tokens")
+    gather = row_gather(send)
     if gather is None:
         if is_call(send, operator.mul, torch.mul) or is_method_call(send, "mul"):
             raise Refusal(dispatch, f"scores applied before the experts: the dispatch sends {send.name}, a "
                                     "product, not a row gather x[order // K]; the ring applies scores after F")
-        what = send.name if isinstance(send, fx.Node) else repr(send)
-        raise Refusal(dispatch, f"the dispatch input {what} is not a row gather x[order // K] of the tokens")
+        raise Refusal(dispatch, f"the dispatch input {send.name} is not a row gather x[order // K] of the tokens")
     x, idx = gather
     token = token_index(idx)
     if token is None:
@@ -426,9 +427,9 @@ def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion], list[RefusedR
             refused.append(RefusedRegion(region.dispatch, f"shares {sorted(n.name for n in shared)} with an "
                                                           "earlier region"))
         claimed |= region.nodes
-    for r in refused:
-        log.debug("match: skipped %s: %s", r.node.name, r.reason)
+    for refusal in refused:
+        log.debug("match: skipped %s: %s", refusal.node.name, refusal.reason)
     for region in regions:
         log.debug("match: found %s", region.describe())
-    refused.sort(key=lambda r: position[r.node])
+    refused.sort(key=lambda refusal: position[refusal.node])
     return regions, refused

@@ -99,11 +99,12 @@ def token_index(n: object) -> tuple[fx.Node, int] | None:
 def row_gather(send: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(x, idx)`` of ``x[idx]`` / ``x[idx, :]`` / ``x.index_select(0, idx)`` / ``torch.index_select(x, 0, idx)``."""
     if is_call(send, operator.getitem):
-        x, idx = send.args
-        if isinstance(idx, tuple) and idx and all(i == slice(None) for i in idx[1:]):
-            idx = idx[0]
-        if isinstance(x, fx.Node) and isinstance(idx, fx.Node):
-            return x, idx
+        x, index = send.args
+        # x[idx, :, ...]: the first index picks rows, the rest keep everything.
+        if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
+            index = index[0]
+        if isinstance(x, fx.Node) and isinstance(index, fx.Node):
+            return x, index
     if is_method_call(send, "index_select") or is_call(send, torch.index_select):
         x, dim, idx = send.args[0], arg(send, 1, "dim"), arg(send, 2, "index")
         if dim == 0 and isinstance(x, fx.Node) and isinstance(idx, fx.Node):
@@ -127,7 +128,7 @@ def is_zeros(n: object) -> bool:
     """``torch.zeros_like(t)``, ``t.new_zeros(...)``, ``torch.zeros(...)`` (the scatter's fresh target)."""
     if is_call(n, torch.zeros_like, torch.zeros) or is_method_call(n, "new_zeros", "zero_"):
         return True
-    return is_call(n, torch.full_like) and n.args[1] == 0
+    return is_call(n, torch.full_like) and isinstance(n.args[1], (int, float)) and n.args[1] == 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,13 +51,14 @@ class _Builder:
     def __init__(self, graph: fx.Graph, step: fx.Node, sched: RingSchedule) -> None:
         self.graph, self.step, self.sched = graph, step, sched
 
-    def call(
-        self, fn: Callable[..., object], args: tuple, meta: RingNode, arity: int | None = None
-    ) -> fx.Node | list[fx.Node]:
+    def call(self, fn: Callable[..., object], args: tuple, meta: RingNode) -> fx.Node:
         node = self.graph.call_function(fn, args)
         node.meta["ring"] = meta
-        if arity is None:
-            return node
+        return node
+
+    def call_items(self, fn: Callable[..., object], args: tuple, meta: RingNode, arity: int) -> list[fx.Node]:
+        """``call``, then one ``getitem`` per result (all tagged ``meta``)."""
+        node = self.call(fn, args, meta)
         items = []
         for i in range(arity):
             item = self.graph.call_function(operator.getitem, (node, i))
@@ -65,10 +66,12 @@ class _Builder:
             items.append(item)
         return items
 
-    def transfer(self, ring: RingName, hop: int, index: int, circ: list, trail: list) -> list[fx.Node]:
+    def transfer(
+        self, ring: RingName, hop: int, index: int, circ: list[fx.Node], trail: list[fx.Node]
+    ) -> list[fx.Node]:
         start = self.call(ring_start, (self.step, index, hop, len(circ), *circ, *trail), RingNode(
             ring=ring, hop=hop, role="start"))
-        return self.call(ring_wait, (start,), RingNode(ring=ring, hop=hop, role="wait"), len(circ) + len(trail))
+        return self.call_items(ring_wait, (start,), RingNode(ring=ring, hop=hop, role="wait"), len(circ) + len(trail))
 
     def ring(
         self, name: RingName, circ0: list[fx.Node], first_index: int,
@@ -76,7 +79,7 @@ class _Builder:
     ) -> list[fx.Node]:
         """Emit N hops; ``compute(hop, circ) -> partial nodes``; returns the final trailing accumulators."""
         n, n_trail = self.sched.num_hops, self.sched.num_trailing if name != "replay" else 0
-        circ, trail = circ0, []
+        circ, trail = circ0, list[fx.Node]()
         for hop in range(n):
             partial = compute(hop, circ)
             send_circ = circ if hop < n - 1 else []
@@ -89,7 +92,7 @@ class _Builder:
             if n_trail == 0:
                 continue
             trail = (
-                self.call(accumulate, (n_trail, *incoming, *partial),
+                self.call_items(accumulate, (n_trail, *incoming, *partial),
                           RingNode(ring=name, hop=hop, role="accumulate"), n_trail)
                 if hop >= 1 else partial
             )
@@ -107,8 +110,8 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
     n_trail = sched.num_trailing
     if sched.direction == "forward":
         def fwd(hop: int, circ: list[fx.Node]) -> list[fx.Node]:
-            return b.call(hop_forward, (step, hop, *circ), RingNode(ring="forward", hop=hop, role="compute"),
-                          n_trail)
+            return b.call_items(hop_forward, (step, hop, *circ), RingNode(ring="forward", hop=hop, role="compute"),
+                                n_trail)
         trail = b.ring("forward", circ0, 0, fwd)
     else:
         acts: dict[int, fx.Node] = {}
@@ -119,8 +122,8 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
             return []
 
         def grad(hop: int, circ: list[fx.Node]) -> list[fx.Node]:
-            return b.call(hop_vjp, (step, hop, acts[hop], *circ), RingNode(ring="grad", hop=hop, role="compute"),
-                          n_trail)
+            return b.call_items(hop_vjp, (step, hop, acts[hop], *circ),
+                                RingNode(ring="grad", hop=hop, role="compute"), n_trail)
 
         b.ring("replay", circ0[: sched.num_replayed], sched.num_hops + 1, replay)
         trail = b.ring("grad", circ0, 0, grad)

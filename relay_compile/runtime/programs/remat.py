@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def _fuse_hop(graph: fx.Graph, vjp: fx.Node) -> None:
     step, hop, acts, *circ = vjp.args
     info: RingNode = vjp.meta["ring"]
-    if acts.target is not hop_recompute or acts.meta["ring"].hop != info.hop:
+    if not isinstance(acts, fx.Node) or acts.target is not hop_recompute or acts.meta["ring"].hop != info.hop:
         raise ValueError(f"remat: {vjp.name} (hop {info.hop}) does not consume the recompute of its own hop")
     with graph.inserting_before(vjp):
         fused = graph.call_function(hop_backward, (step, hop, *circ))
