@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load_example(name: str) -> ModuleType:
