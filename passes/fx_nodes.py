@@ -11,7 +11,7 @@ authoritative where both exist), then Dynamo's ``meta["example_value"]``; a cons
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, TypeGuard, cast
 
 import torch
@@ -198,34 +198,32 @@ def wait_end(n: fx.Node) -> fx.Node:
         return n
 
 
-def ancestors(roots: Iterable[object]) -> set[fx.Node]:
-    """Every node some root reads, transitively (roots included)."""
-    out: set[fx.Node] = set()
+def _walk_up(roots: Iterable[object], stop: Callable[[fx.Node], bool]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """``(visited, stopped)``: nodes reached walking up from ``roots`` without passing a ``stop`` node, and the
+    ``stop`` nodes met (not walked through)."""
+    visited: set[fx.Node] = set()
+    stopped: set[fx.Node] = set()
     stack = flat_nodes(roots)
     while stack:
         m = stack.pop()
-        if m in out:
+        if m in visited or m in stopped:
             continue
-        out.add(m)
+        if stop(m):
+            stopped.add(m)
+            continue
+        visited.add(m)
         stack.extend(m.all_input_nodes)
-    return out
+    return visited, stopped
+
+
+def ancestors(roots: Iterable[object]) -> set[fx.Node]:
+    """Every node some root reads, transitively (roots included)."""
+    return _walk_up(roots, lambda m: False)[0]
 
 
 def upstream_collectives(roots: Iterable[object]) -> set[fx.Node]:
     """The collectives (all-to-all, all-gather; not waits) met first walking up from ``roots``."""
-    found: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-    stack = flat_nodes(roots)
-    while stack:
-        m = stack.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        if is_all_to_all(m) or is_call(m, *ALL_GATHER):
-            found.add(m)
-            continue
-        stack.extend(m.all_input_nodes)
-    return found
+    return _walk_up(roots, lambda m: is_all_to_all(m) or is_call(m, *ALL_GATHER))[1]
 
 
 def closest(candidates: set[fx.Node]) -> set[fx.Node]:
