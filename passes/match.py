@@ -232,8 +232,8 @@ def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, 
     ids_dtype, x_dtype = dtype_of(topk_ids), dtype_of(x)
     if ids_dtype is None or ids_dtype.is_floating_point or ids_dtype == torch.bool:
         raise Refusal(dispatch, f"top-k ids {topk_ids.name} have dtype {ids_dtype}, not an integer type")
-    if x_dtype is None or not x_dtype.is_floating_point:
-        raise Refusal(dispatch, f"tokens {x.name} have dtype {x_dtype}, not floating point")
+    # Step 1 kept floating-point all-to-alls only, and the send has x's dtype (x's shape was checked above).
+    assert x_dtype is not None and x_dtype.is_floating_point, f"match: tokens {x.name} have dtype {x_dtype}"
     return x, topk_ids, order, top_k
 
 
@@ -371,8 +371,9 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
             inputs[leaf] = "split"
     forbidden = ancestors([all_to_all_args(dispatch)[0], topk_ids, topk_scores])
     body, used, weights = slice_expert_fn(dispatch, combine, inputs, forbidden)
-    if recv not in used:
-        raise Refusal(dispatch, f"F does not read the token receive {recv.name}")
+    # The dispatch is upstream of the combine's input (step 2), and F's slice refuses any collective other than
+    # the receive it meets on the way (another wait, the all-to-all itself): so F reads the receive.
+    assert recv in used, f"match: F of {dispatch.name} does not read the token receive {recv.name}"
     expert_fn, binding = copy_expert_fn(
         gm, body, all_to_all_args(combine)[0], recv, counts, leaves, weights, used, kind
     )

@@ -5,15 +5,11 @@ Every graph is the reference all-to-all block (``tests/passes/fx_graphs.py``: Dy
 user code that gives Dynamo that graph. Each test checks the reason's text, which node is refused, and that
 ``find_moe_regions`` left the graph as it was. No processes, no Dynamo: milliseconds per test.
 
-Not reachable from any graph, hence not tested:
-- "tokens ... have dtype ..., not floating point": the dispatch moves ``x[order // K]``, of ``x``'s dtype, and
-  only floating-point all-to-alls are token all-to-alls (step 1).
-- "F does not read the token receive ...": pairing (step 2) needs the dispatch upstream of the combine's input;
-  F's backward slice meets it either through the receive (then F reads it) or through another wait of the
-  chain or the all-to-all itself, which refuses first as "a collective that is neither the token receive nor the
-  counts exchange". F that ignores the receive leaves both all-to-alls without a partner.
-- the "combine", "receive" and "combine result" roles of "the {role} ... stays alive after the rewrite": the
-  dispatch dies only once the receive, F, the combine and its result all do, so a live one reports the dispatch.
+Two checks of the matcher are asserts, not refusals, because no graph reaches them: the tokens' dtype (the
+dispatch moves ``x[order // K]``, of ``x``'s dtype, and only floating-point all-to-alls are token all-to-alls),
+and that F reads the token receive (F's backward slice meets the dispatch through the receive, or through a
+collective it refuses first). The "stays alive after the rewrite" reason always names the dispatch: it dies
+only once the receive, F, the combine and its result all do.
 
 Legend: T tokens, H hidden, K top-k, N ranks, E experts, E_l experts per rank, P = T * K pairs.
 """
