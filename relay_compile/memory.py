@@ -19,6 +19,15 @@
   allocator's statistics. Installed process-wide on first use; blocks allocated before that are freed unseen,
   so call ``install_counting_cpu_allocator()`` before building the model.
 
+Memory over time (``memory_events``, ``memory_timeline``), for figures: every allocation and free of one run,
+in time order, from one of two sources:
+
+- ``"profiler"`` (both devices): the profiler's ``[memory]`` events, as for ``PeakMemory`` (CPU: this
+  thread's, with the caveats above). Times count from the profiler's trace start.
+- ``"history"`` (CUDA only): the caching allocator's memory history (``torch.cuda.memory._record_memory_history``,
+  Python stacks), whose snapshot also opens at pytorch.org/memory_viz: the device's ``alloc`` and
+  ``free_completed`` events; times count from the first of them.
+
 One profiler at a time: a CPU profiler measurement cannot nest inside another, nor run under
 ``torch.profiler``. CUDA and allocator measurements reset the peak: an outer one's peak is lost.
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -35,7 +45,10 @@ from torch.profiler import ProfilerActivity, profile
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeakMemory", "measure_peak", "memory_timeline", "install_counting_cpu_allocator", "CpuMethod"]
+__all__ = [
+    "PeakMemory", "measure_peak", "MemoryEvents", "memory_events", "memory_timeline", "history_events",
+    "install_counting_cpu_allocator", "CpuMethod", "CudaSource",
+]
 
 R = TypeVar("R")
 DeviceLike = torch.device | str | int | None
@@ -43,6 +56,10 @@ DeviceLike = torch.device | str | int | None
 # free) or "allocator" (the counting CPU allocator; exact, needs a C++ compiler once).
 CpuMethod = Literal["profiler", "allocator"]
 CPU_METHODS: tuple[str, ...] = ("profiler", "allocator")
+# Where memory over time on CUDA comes from: "profiler" (the profiler's memory events) or "history" (the caching
+# allocator's memory history, with a snapshot for pytorch.org/memory_viz). The CPU always uses the profiler.
+CudaSource = Literal["profiler", "history"]
+CUDA_SOURCES: tuple[str, ...] = ("profiler", "history")
 
 # ----------------------------------------------------------------------------------------------------------
 # Counting CPU allocator
@@ -151,8 +168,26 @@ def _profiler(device: torch.device) -> profile:
     return profile(activities=activities, profile_memory=True)
 
 
-def _memory_deltas(prof: profile, device: torch.device) -> list[tuple[int, int]]:
-    """``(start_ns, nbytes)`` of ``device``'s allocator events in time order; nbytes < 0 for frees."""
+@dataclass(kw_only=True)
+class MemoryEvents:
+    """Allocations and frees on one device over one run, in time order (the source's own order for ties).
+
+    ``times_ns[i]`` is event i's time in nanoseconds since the source's origin (profiler: its trace start;
+    memory history: its first event); ``nbytes[i]`` its signed size (> 0 allocates, < 0 frees). ``snapshot``
+    is the CUDA memory history's ``torch.cuda.memory._snapshot()`` (source ``"history"``), else None.
+    """
+
+    times_ns: list[int]
+    nbytes: list[int]
+    snapshot: dict[str, Any] | None = None
+
+    def levels(self) -> list[int]:
+        """Bytes above the level at the start after each event."""
+        return _running_levels(self.nbytes)
+
+
+def _profiler_events(prof: profile, device: torch.device) -> MemoryEvents:
+    """``device``'s allocator events of a finished memory-recording profiler, times since its trace start."""
     device_type = torch._C._autograd.DeviceType.CUDA if device.type == "cuda" else torch._C._autograd.DeviceType.CPU
     deltas = []
     for event in prof.profiler.kineto_results.events():
@@ -162,14 +197,37 @@ def _memory_deltas(prof: profile, device: torch.device) -> list[tuple[int, int]]
             continue
         deltas.append((event.start_ns(), event.nbytes()))
     deltas.sort(key=lambda d: d[0])
-    return deltas
+    start_ns = prof.profiler.kineto_results.trace_start_ns()
+    return MemoryEvents(times_ns=[t - start_ns for t, _ in deltas], nbytes=[n for _, n in deltas])
 
 
-def _running_levels(deltas: list[tuple[int, int]]) -> list[int]:
+def history_events(snapshot: dict[str, Any], device_index: int) -> MemoryEvents:
+    """The ``alloc`` and ``free_completed`` events of a CUDA memory-history snapshot's device ``device_index``.
+
+    Times count from the first of them (``time_us``; an event without one takes its index in the trace as
+    microseconds). Other actions (segment maps, free requests, OOMs) change no allocated bytes.
+    """
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device_index] if device_index < len(traces) else []
+    times_ns: list[int] = []
+    nbytes: list[int] = []
+    t_first = None
+    for i, e in enumerate(trace):
+        action = e.get("action")
+        if action not in ("alloc", "free_completed"):
+            continue
+        t = e.get("time_us", i)
+        t_first = t if t_first is None else t_first
+        times_ns.append((t - t_first) * 1000)
+        nbytes.append(e["size"] if action == "alloc" else -e["size"])
+    return MemoryEvents(times_ns=times_ns, nbytes=nbytes, snapshot=snapshot)
+
+
+def _running_levels(nbytes: list[int]) -> list[int]:
     """Bytes above entry after each event."""
     levels, level = [], 0
-    for _, nbytes in deltas:
-        level += nbytes
+    for n in nbytes:
+        level += n
         levels.append(level)
     return levels
 
@@ -223,7 +281,7 @@ class PeakMemory:
             return
         assert self._prof is not None, "PeakMemory: __exit__ without __enter__"
         self._prof.__exit__(exc_type, exc, tb)
-        levels = _running_levels(_memory_deltas(self._prof, self.device))
+        levels = _profiler_events(self._prof, self.device).levels()
         self.peak_bytes = max([0, *levels])
         self.end_bytes = levels[-1] if levels else 0
         self._prof = None
@@ -239,25 +297,49 @@ def measure_peak(
     return result, mem.peak_bytes
 
 
-def memory_timeline(
-    fn: Callable[..., Any], *args: Any, device: DeviceLike = None, **kwargs: Any
-) -> tuple[list[float], list[int]]:
-    """Memory on ``device`` over one run of ``fn(*args, **kwargs)``, for plots (paper Figures 4 and 7).
+def memory_events(
+    fn: Callable[..., Any], *args: Any, device: DeviceLike = None, cuda_source: CudaSource = "profiler", **kwargs: Any
+) -> MemoryEvents:
+    """Every allocation and free on ``device`` during one run of ``fn(*args, **kwargs)`` (module docstring).
 
-    Profiler events on both devices (CPU: this thread's, with the caveats of ``cpu_method="profiler"``).
-
-    Returns:
-        times_s: seconds since the profiler started, one point at 0.0, then one per allocation or free.
-        bytes: allocated bytes above the level at entry after each point (a step function).
+    Args:
+        device: a CUDA device or the CPU; None picks the current CUDA device when CUDA is available, else the CPU.
+        cuda_source: ``"profiler"`` or ``"history"`` (CUDA memory history with its snapshot in the result;
+            recording stops after the run); the CPU uses the profiler either way.
     """
+    if cuda_source not in CUDA_SOURCES:
+        raise ValueError(f"memory_events: cuda_source={cuda_source!r} is not one of {CUDA_SOURCES}")
     device = _resolve_device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if device.type == "cuda" and cuda_source == "history":
+        # Python stacks only: C++ frames take long to symbolize and make the snapshot large.
+        torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=1_000_000)
+        try:
+            fn(*args, **kwargs)
+            torch.cuda.synchronize(device)
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return history_events(snapshot, device.index)
     with _profiler(device) as prof:
         fn(*args, **kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    deltas = _memory_deltas(prof, device)
-    start_ns = prof.profiler.kineto_results.trace_start_ns()
-    times_s = [0.0] + [(t - start_ns) / 1e9 for t, _ in deltas]
-    return times_s, [0] + _running_levels(deltas)
+    return _profiler_events(prof, device)
+
+
+def memory_timeline(
+    fn: Callable[..., Any], *args: Any, device: DeviceLike = None, cuda_source: CudaSource = "profiler", **kwargs: Any
+) -> tuple[list[float], list[int]]:
+    """Memory on ``device`` over one run of ``fn(*args, **kwargs)``, for plots (paper Figures 4 and 7).
+
+    ``memory_events`` as a step function (CPU: this thread's events, with the caveats of ``cpu_method="profiler"``).
+
+    Returns:
+        times_s: seconds since the source's origin (module docstring), one point at 0.0, then one per
+            allocation or free.
+        bytes: allocated bytes above the level at entry after each point (a step function).
+    """
+    events = memory_events(fn, *args, device=device, cuda_source=cuda_source, **kwargs)
+    return [0.0] + [t / 1e9 for t in events.times_ns], [0] + events.levels()

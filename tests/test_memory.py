@@ -10,7 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.cpp_extension import is_ninja_available
 
-from relay_compile.memory import PeakMemory, install_counting_cpu_allocator, measure_peak, memory_timeline
+from relay_compile.memory import (
+    PeakMemory,
+    install_counting_cpu_allocator,
+    measure_peak,
+    memory_events,
+    memory_timeline,
+)
 from relay_compile.reference import a2a_moe, moe_weights, qwen3_route
 from tests.distributed import DistributedTestCase
 
@@ -53,6 +59,20 @@ class PeakMemoryTest(unittest.TestCase):
         self.assertEqual(bytes_, [0, 4000, 12000, 8000, 0])
         self.assertEqual(times_s, sorted(times_s))
         self.assertEqual(times_s[0], 0.0)
+
+    def test_memory_events_are_signed_sizes_in_time_order_and_the_cpu_always_uses_the_profiler(self) -> None:
+        def step() -> None:
+            a = torch.empty(1000)
+            b = torch.empty(2000)
+            del a, b
+
+        events = memory_events(step, device="cpu", cuda_source="history")  # "history" is CUDA's only
+        self.assertEqual(events.nbytes, [4000, 8000, -4000, -8000])
+        self.assertEqual(events.levels(), [4000, 12000, 8000, 0])
+        self.assertEqual(events.times_ns, sorted(events.times_ns))
+        self.assertIsNone(events.snapshot)
+        with self.assertRaisesRegex(ValueError, "memory_events: cuda_source='trace' is not one of"):
+            memory_events(step, device="cpu", cuda_source="trace")  # type: ignore[arg-type]
 
     def test_a2a_moe_forward_and_backward_peak_holds_the_expanded_buffer(self) -> None:
         num_tokens, hidden, top_k = 64, 16, 4

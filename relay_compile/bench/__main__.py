@@ -35,26 +35,14 @@ from pathlib import Path
 
 import torch
 
-from relay_compile.bench.single_layer import (
-    A2A_EAGER,
-    QWEN3_30B,
-    TABLE3,
-    BenchOptions,
-    LayerConfig,
-    Progress,
-    Report,
-    RowSpec,
-    ablation_rows,
-    capacity_search,
-    default_rows,
-    gib,
-    make_weights,
-    measure_layer,
-    quiet_warnings,
-    record_timeline,
-    report_from_json,
-    sweep_rows,
-)
+from relay_compile.bench.capacity import capacity_search
+from relay_compile.bench.configs import QWEN3_30B, TABLE3, BenchOptions, LayerConfig, gib
+from relay_compile.bench.inputs import make_weights
+from relay_compile.bench.measure import measure_layer, quiet_warnings
+from relay_compile.bench.progress import Progress
+from relay_compile.bench.results import Report, report_from_json
+from relay_compile.bench.rows import A2A_EAGER, RowSpec, ablation_rows, default_rows, sweep_rows
+from relay_compile.bench.timeline import record_timeline
 
 PRESETS = ("tiny", "qwen3", "table3", "tokens", "ep", "capacity", "ablation", "memory", "all", "device")
 

@@ -15,8 +15,9 @@ expert weights as rank r, so every message a peer would send is one this rank ca
 - all-gather: this rank's input, N times. all-reduce: SUM multiplies by N; MAX, MIN, AVG, BAND, BOR keep
   the value. reduce-scatter: this rank's chunk of its input (times N for SUM). broadcast, barrier: no-ops.
 
-What follows for MoE (tested in tests/test_bench.py), with E = N * E_l experts whose weights repeat this rank's
-partition (``W[e] = W_local[e mod E_l]``, the stand-in returns this rank's weights as every partition's):
+What follows for MoE (tested in tests/bench/test_standin_group.py), with E = N * E_l experts whose weights repeat
+this rank's partition (``W[e] = W_local[e mod E_l]``, the stand-in returns this rank's weights as every
+partition's):
 
 - ``a2a_moe`` and ``ring_moe(routing="expert")`` compute exactly ``dense_moe`` over the E experts, forward and
   backward, with the weight gradient summed over the N copies of each partition (tied weights).
@@ -26,14 +27,15 @@ partition (``W[e] = W_local[e mod E_l]``, the stand-in returns this rank's weigh
 
 Memory and compute on this rank are exact; link time is not simulated (copies run on the compute stream at
 device memory bandwidth, with no overlap), there are no NCCL buffers, and routing is perfectly symmetric.
-Report link time separately from a stated model (``relay_compile.bench.single_layer``).
+Report link time separately from a stated model (``relay_compile.bench.link_model``).
 
-How it is built (DESIGN.md section 6; shown on torch 2.13 CPU and torch 2.11 CUDA): a Python subclass of
-``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed from Python), registered with
-``dist.Backend.register_backend`` and started with ``init_process_group(BACKEND, rank=0, ..., store=HashStore())``.
-It keeps its group name in Python, implements the collectives under their torch 2.13 names and the older ones,
-and returns completed works, so functional collectives (which find the group by name from C++) reach it too.
-A ``FakeProcessGroup`` is attached as its C++ backend for the few paths with no Python override.
+How it is built (docs/ARCHITECTURE.md, section 5 "Measured facts"; shown on torch 2.13 CPU and torch 2.11
+CUDA): a Python subclass of ``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed
+from Python), registered with ``dist.Backend.register_backend`` and started with
+``init_process_group(BACKEND, rank=0, ..., store=HashStore())``. It keeps its group name in Python, implements
+the collectives under their torch 2.13 names and the older ones, and returns completed works, so functional
+collectives (which find the group by name from C++) reach it too. A ``FakeProcessGroup`` is attached as its
+C++ backend for the few paths with no Python override.
 
 Every size gets its own subgroup of one stand-in world (``dist.new_group``), cached for the process: group
 names stay unique, so per-group caches elsewhere (ring specs) never see a stale group under a reused name.

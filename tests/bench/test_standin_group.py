@@ -1,0 +1,182 @@
+"""The stand-in EP group: its collectives follow the copies model, and MoE layers under it compute what the
+module docstring of ``relay_compile.bench.standin_group`` says (dense with tied partitions; token routing N times
+this rank's own pairs), eager and compiled (``relay_compile.bench.rows.compiled_a2a_builder``).
+"""
+
+from __future__ import annotations
+
+import unittest
+import unittest.mock
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+import relay_compile.bench.rows as bench_rows
+from relay_compile import ring_moe
+from relay_compile.bench import StandinError, StandinGroup, destroy_standin_groups, standin_group
+from relay_compile.bench.configs import LayerConfig
+from relay_compile.bench.rows import compiled_a2a_builder
+from relay_compile.reference import a2a_moe, dense_moe, moe_weights
+from tests.bench.standin_case import StandinTestCase
+
+
+class StandinGroupCollectivesFollowTheCopiesModel(StandinTestCase):
+    def test_a_ring_shift_receives_the_tensor_just_sent(self) -> None:
+        group = standin_group(4)
+        sent, got = torch.arange(6.0), torch.zeros(6)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, sent, 1, group, 7),
+            dist.P2POp(dist.irecv, got, 3, group, 7),
+        ])
+        for w in works:
+            w.wait()
+        self.assertTrue(torch.equal(got, sent))
+
+    def test_a_receive_from_src_mirrors_the_send_to_minus_src_and_matches_tags(self) -> None:
+        group = standin_group(4)
+        to_2, to_1 = torch.full((3,), 2.0), torch.full((3,), 1.0)
+        got_from_2, got_from_3 = torch.zeros(3), torch.zeros(3)
+        w_recv = dist.irecv(got_from_2, 2, group, tag=5)  # posted before its send: completes when it arrives
+        self.assertFalse(w_recv.is_completed())
+        dist.isend(to_1, 1, group, tag=5)
+        dist.isend(to_2, 2, group, tag=5)
+        self.assertTrue(w_recv.is_completed())
+        dist.irecv(got_from_3, 3, group, tag=5).wait()  # mirrors the send to (0 - 3) mod 4 = 1
+        self.assertTrue(torch.equal(got_from_2, to_2))
+        self.assertTrue(torch.equal(got_from_3, to_1))
+
+    def test_waiting_on_a_receive_that_no_send_mirrors_fails_loudly(self) -> None:
+        group = standin_group(4)
+        work = dist.irecv(torch.zeros(2), 1, group, tag=99)
+        with self.assertRaisesRegex(StandinError, "before this rank posted the send it mirrors"):
+            work.wait()
+        self.assertEqual(group.drop_pending(), 1)
+
+    def test_all_to_all_chunk_s_is_the_input_chunk_for_minus_s_including_functional_collectives(self) -> None:
+        group = standin_group(4)
+        x = torch.arange(10.0)
+        in_splits = [1, 2, 3, 4]
+        out_splits = [in_splits[(-s) % 4] for s in range(4)]  # [1, 4, 3, 2]
+        want = torch.cat([x.split(in_splits)[(-s) % 4] for s in range(4)])
+        out = torch.empty(10)
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        self.assertTrue(torch.equal(out, want))
+        got = funcol.wait_tensor(funcol.all_to_all_single(x, out_splits, in_splits, group))
+        self.assertTrue(torch.equal(got, want))
+
+    def test_all_to_all_splits_that_break_the_mirror_rule_are_refused(self) -> None:
+        group = standin_group(4)
+        with self.assertRaisesRegex(StandinError, "do not mirror input splits"):
+            dist.all_to_all_single(torch.empty(10), torch.zeros(10), [1, 2, 3, 4], [1, 2, 3, 4], group=group)
+
+    def test_gathers_repeat_this_rank_and_reductions_combine_n_copies(self) -> None:
+        group = standin_group(3)
+        row = torch.tensor([1, 2], dtype=torch.int64)
+        out = torch.empty(6, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, row, group=group)
+        self.assertEqual(out.tolist(), [1, 2, 1, 2, 1, 2])
+        t = torch.tensor([2.0, -1.0])
+        dist.all_reduce(t, group=group)
+        self.assertEqual(t.tolist(), [6.0, -3.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        self.assertEqual(t.tolist(), [6.0, -3.0])
+        summed = funcol.wait_tensor(funcol.all_reduce(torch.ones(2), "sum", group))
+        self.assertEqual(summed.tolist(), [3.0, 3.0])
+
+    def test_each_size_gets_its_own_cached_group_and_names_are_never_reused(self) -> None:
+        g4, g8 = standin_group(4), standin_group(8)
+        self.assertIsInstance(g4, StandinGroup)
+        self.assertIs(standin_group(4), g4)
+        self.assertEqual((dist.get_world_size(g4), dist.get_rank(g4), dist.get_world_size(g8)), (4, 0, 8))
+        names = {g4.group_name, g8.group_name}
+        destroy_standin_groups()
+        self.assertFalse(dist.is_initialized())
+        self.assertTrue(names.isdisjoint({standin_group(4).group_name, standin_group(8).group_name}))
+        with self.assertRaisesRegex(ValueError, "size must be in"):
+            standin_group(0)
+
+
+H, F, K, T = 16, 8, 3, 24
+
+
+def _inputs(world: int, e_l: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(world * e_l, generator=gen)[:K] for _ in range(T)])
+    scores = torch.rand(T, K, generator=gen)
+    w = moe_weights(seed, H, F, e_l)
+    return x, ids, scores, [w["w1"], w["w2"], w["w3"]]
+
+
+def _forward_backward(fn, x: Tensor, ids: Tensor, scores: Tensor, weights: list[Tensor], **kw) -> list[Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in (x, scores, *weights)]
+    y = fn(leaves[0], ids, leaves[1], *leaves[2:], **kw)
+    grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    return [y.detach(), *torch.autograd.grad(y, leaves, grad_y)]
+
+
+def _dense_tied(world: int):
+    """Dense reference where every partition's weights are this rank's: ``W[e] = W_local[e mod E_l]``."""
+
+    def fn(x, ids, scores, w1, w2, w3):
+        return dense_moe(x, ids, scores, w1.repeat(world, 1, 1), w2.repeat(world, 1, 1), w3.repeat(world, 1, 1))
+
+    return fn
+
+
+class MoEUnderTheStandinGroup(StandinTestCase):
+    def assert_all_close(self, got: list[Tensor], want: list[Tensor], what: str) -> None:
+        names = ["y", "dx", "d_scores", "dw1", "dw2", "dw3"]
+        for name, g, w in zip(names, got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(),
+                                       msg=lambda m, n=name: f"{what}, {n}: {m}")
+
+    def test_a2a_and_expert_routing_ring_equal_the_dense_layer_with_tied_partitions(self) -> None:
+        for world, e_l in ((2, 2), (4, 2), (8, 1)):
+            group = standin_group(world)
+            x, ids, scores, weights = _inputs(world, e_l, seed=world)
+            dense = _forward_backward(_dense_tied(world), x, ids, scores, weights)
+            a2a = _forward_backward(a2a_moe, x, ids, scores, weights, group=group)
+            self.assert_all_close(a2a, dense, f"a2a_moe at N={world}")
+            for options in ({"overlap": True}, {"overlap": False}, {"max_hop_rows": 5}):
+                ring = _forward_backward(ring_moe, x, ids, scores, weights, group=group, routing="expert", **options)
+                self.assert_all_close(ring, a2a, f"ring_moe(expert, {options}) at N={world}")
+
+    def test_token_routing_ring_computes_n_times_the_pairs_on_this_ranks_experts(self) -> None:
+        # Every hop brings this rank's own tokens back to its own experts (module docstring of standin_group).
+        world, e_l = 4, 2
+        group = standin_group(world)
+        x, ids, scores, weights = _inputs(world, e_l, seed=3)
+
+        def model(x, ids, scores, w1, w2, w3):
+            return world * _dense_tied(world)(x, ids, scores * (ids < e_l), w1, w2, w3)
+
+        want = _forward_backward(model, x, ids, scores, weights)
+        got = _forward_backward(ring_moe, x, ids, scores, weights, group=group, routing="token")
+        self.assert_all_close(got, want, "ring_moe(token) at N=4")
+
+    def test_compiled_rows_pass_the_group_by_name_and_equal_the_eager_a2a(self) -> None:
+        # torch 2.11's Dynamo cannot proxy the stand-in group object (docs/ARCHITECTURE.md, section 5 "Measured
+        # facts"): the name goes in.
+        world, e_l = 4, 2
+        group = standin_group(world)
+        cfg = LayerConfig(name="c", hidden=H, ffn=F, experts=world * e_l, top_k=K, tokens=T, ep=world,
+                          dtype="fp32", device="cpu")
+        x, ids, scores, weights = _inputs(world, e_l, seed=5)
+        groups = []
+
+        def spy(*args, **kwargs):
+            groups.append(kwargs["group"])
+            return a2a_moe(*args, **kwargs)
+
+        with unittest.mock.patch.object(bench_rows, "a2a_moe", spy):
+            got = _forward_backward(compiled_a2a_builder("aot_eager")(cfg, group), x, ids, scores, weights)
+        self.assertEqual(groups, [group.group_name])
+        want = _forward_backward(a2a_moe, x, ids, scores, weights, group=group)
+        self.assert_all_close(got, want, "a2a_moe compiled with the group's name")
+
+
+if __name__ == "__main__":
+    unittest.main()
