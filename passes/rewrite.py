@@ -8,14 +8,17 @@ Contract:
     exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), and so are pure nodes that
     only the region read (shared size arithmetic dies with the last region reading it); nothing else is
     touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
-    whose expert function runs a copy of the region's F eagerly at every hop (``expert_fn.RegionExpertFn``);
+    whose expert function is F recognized and lowered onto grouped experts (``expert_lowering.LoweredFFN``),
+    or else a copy of the region's F run eagerly at every hop (``expert_fn.RegionExpertFn``); the ring node's
+    ``meta["relaymoe_experts"]`` says which (``ExpertsPath``);
     nothing data-dependent is baked into the graph, so new routings do not recompile. Raises ``ValueError``
     (naming the region and node) when the record no longer describes the graph or an option is invalid;
     never leaves a half-rewritten graph behind for those (all checks run before the first mutation).
 
 Pseudo-code:
     # Step 1: check options and that the record still describes gm.
-    # Step 2: wrap region.expert_fn as an ExpertFn (RegionExpertFn); register its RingSpec (key from the spec).
+    # Step 2: the expert function: F lowered onto grouped experts if recognized, else F itself (RegionExpertFn);
+    #         register its RingSpec (key from the spec).
     # Step 3: insert ring_moe(x, topk_ids, topk_scores, [weights], key) before the output, with a fake value.
     # Step 4: route the output's uses to the ring; erase the region's nodes, last first, then the pure
     #         nodes left without users.
@@ -34,6 +37,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from relay_compile.passes.expert_fn import RegionExpertFn
+from relay_compile.passes.expert_lowering import LoweredFFN, choose_expert_fn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import MoERegion, find_moe_regions
@@ -47,7 +51,7 @@ log = logging.getLogger(__name__)
 __all__ = ["moe_ring_pass", "region_fn_name", "rewrite_moe_region"]
 
 
-def region_fn_name(region: MoERegion, fn: RegionExpertFn) -> str:
+def region_fn_name(region: MoERegion, fn: RegionExpertFn | LoweredFFN) -> str:
     """The expert function's name in the ring's spec key: the same region gives the same name in every
     process (F's code and binding, the weights' shapes and dtypes)."""
     weights = [(tuple(v.shape), str(v.dtype)) for v in map(node_value, region.weights) if isinstance(v, Tensor)]
@@ -133,7 +137,7 @@ def rewrite_moe_region(
     _check_record(gm, region)
 
     # Step 2: the expert function and its spec.
-    fn = RegionExpertFn(region.expert_fn, region.binding)
+    fn, path = choose_expert_fn(region)
     spec = RingSpec(
         expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options
     )
@@ -149,6 +153,7 @@ def rewrite_moe_region(
             (region.x, region.topk_ids, region.topk_scores, list(region.weights), key),
             name="ring_moe",
         )
+    ring.meta["relaymoe_experts"] = path
     ring.meta["example_value"] = fake
     ring.meta["val"] = fake
     for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):

@@ -9,8 +9,9 @@ package. Dynamo must see each MoE block whole: with data-dependent split sizes (
 Per Dynamo graph:
 
     find_moe_regions      (passes.match)    regions + refusals, from static information only
-    rewrite_moe_region    (passes.rewrite)  each region -> one relaymoe::ring_moe call; its ring programs
-                                            (remat, overlap) are built on first use
+    rewrite_moe_region    (passes.rewrite)  each region -> one relaymoe::ring_moe call whose experts run on
+                                            grouped GEMMs when F is recognized (passes.expert_lowering), else
+                                            F eagerly; its ring programs (remat, overlap) are built on first use
     inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph
     verify                (option)          the first call also runs the original graph and compares
 
@@ -36,6 +37,7 @@ from torch._logging import trace_structured
 
 from relay_compile.options import Options, resolve
 from relay_compile.passes import MoERegion, find_moe_regions, rewrite_moe_region
+from relay_compile.passes.expert_lowering import choose_expert_fn
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime.programs.pipeline import program_for
 from relay_compile.runtime.specs import spec_state
@@ -132,8 +134,11 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
         if rewrite:
             node = rewrite_moe_region(gm, region, **dataclasses.asdict(opts.ring))
             entry.status, entry.ring_op = "rewritten", str(node.args[-1])
+            entry.experts = node.meta["relaymoe_experts"].summary()
             for name, code in _ring_programs_text(region, entry.ring_op).items():
                 dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
+        else:
+            entry.experts = choose_expert_fn(region)[1].summary()
         report.regions.append(entry)
     report.pass_seconds["rewrite"] = time.perf_counter() - start
     if rewrite:

@@ -76,8 +76,25 @@ class GroupedExperts(Protocol):
     ) -> tuple[Tensor, Tensor, list[Tensor]]: ...
 
 
-Activation = Literal["swiglu", "silu", "gelu"]
-ACTIVATIONS: tuple[str, ...] = ("swiglu", "silu", "gelu")
+Activation = Literal["swiglu", "geglu", "geglu_tanh", "silu", "gelu", "gelu_tanh", "relu", "relu2"]
+ACTIVATIONS: tuple[str, ...] = ("swiglu", "geglu", "geglu_tanh", "silu", "gelu", "gelu_tanh", "relu", "relu2")
+# Gated activations take a third weight (w3, the "up" projection): ``act(x @ w1.T) * (x @ w3.T)``.
+GATED: tuple[str, ...] = ("swiglu", "geglu", "geglu_tanh")
+
+
+def activation_fn(activation: str) -> Callable[[Tensor], Tensor]:
+    """The pointwise function of an activation (of the gate, for gated ones)."""
+    if activation in ("swiglu", "silu"):
+        return nnf.silu
+    if activation in ("geglu", "gelu"):
+        return nnf.gelu
+    if activation in ("geglu_tanh", "gelu_tanh"):
+        return lambda h: nnf.gelu(h, approximate="tanh")
+    if activation == "relu":
+        return nnf.relu
+    if activation == "relu2":
+        return lambda h: nnf.relu(h).square()
+    raise ValueError(f"expert_ffn: unknown activation {activation!r}; use one of {ACTIVATIONS}")
 
 
 def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
@@ -197,35 +214,33 @@ def _ffn(
     w3_LFH: Tensor | None, activation: Activation,
 ) -> Tensor:
     """``expert_ffn`` given the grouping (device offsets, or host counts for the loop path)."""
-    h_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
-    if activation == "swiglu":
-        assert w3_LFH is not None, "swiglu needs w3"
-        h_SF = nnf.silu(h_SF) * _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
-    elif activation == "silu":
-        h_SF = nnf.silu(h_SF)
-    elif activation == "gelu":
-        h_SF = nnf.gelu(h_SF)
-    else:
-        raise ValueError(f"expert_ffn: unknown activation {activation!r}; use one of {ACTIVATIONS}")
+    act = activation_fn(activation)
+    h_SF = act(_grouped_linear(x_SH, w1_LFH, offsets_L, counts_host))
+    if activation in GATED:
+        assert w3_LFH is not None, f"{activation} needs w3"
+        h_SF = h_SF * _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
     return _grouped_linear(h_SF, w2_LHF, offsets_L, counts_host)
 
 
-def _swiglu_packed(
-    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor
+def _gated_packed(
+    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
+    activation: str,
 ) -> Tensor:
-    """SwiGLU experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3``."""
+    """Gated experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3``."""
     ffn = w2_LHF.shape[-1]
     h13_SG = _grouped_linear(x_SH, w13_LGH, offsets_L, counts_host)
-    return _grouped_linear(nnf.silu(h13_SG[:, :ffn]) * h13_SG[:, ffn:], w2_LHF, offsets_L, counts_host)
+    h_SF = activation_fn(activation)(h13_SG[:, :ffn]) * h13_SG[:, ffn:]
+    return _grouped_linear(h_SF, w2_LHF, offsets_L, counts_host)
 
 
 class GroupedFFN:
     """``expert_ffn`` as the ring's expert function: the ``ExpertFn`` contract (weights ``(w1, w2)`` or
     ``(w1, w2, w3)``), ``vjp`` (swiglu) and the ``GroupedExperts`` entry points.
 
-    Packed layout: swiglu circulates ``[w13, w2]`` with ``w13 = cat([w1, w3], dim=1)`` ``(E_l, 2F, H)``, so the
-    forward runs two grouped GEMMs per chunk instead of three and the backward five instead of eight, and a
-    hop moves two tensors (and two gradients) instead of three. Other activations circulate ``[w1, w2]``.
+    Packed layout: gated activations circulate ``[w13, w2]`` with ``w13 = cat([w1, w3], dim=1)``
+    ``(E_l, 2F, H)``, so the forward runs two grouped GEMMs per chunk instead of three (swiglu's fused
+    backward five instead of eight), and a hop moves two tensors (and two gradients) instead of three. Other
+    activations circulate ``[w1, w2]``.
     """
 
     def __init__(self, activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> None:
@@ -251,16 +266,16 @@ class GroupedFFN:
         )
 
     def num_packed(self, num_weights: int) -> int:
-        return 2 if self.activation == "swiglu" else num_weights
+        return 2 if self.activation in GATED else num_weights
 
     def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
-        if self.activation != "swiglu":
+        if self.activation not in GATED:
             return list(weights)
         w1, w2, w3 = weights
         return [torch.cat([w1, w3], dim=1), w2]
 
     def unpack_grads(self, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
-        if self.activation != "swiglu":
+        if self.activation not in GATED:
             return list(grads)
         dw13, dw2 = grads
         dw1, dw3 = _split_w13(dw13, weights[1].shape[-1])
@@ -278,8 +293,8 @@ class GroupedFFN:
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
     ) -> Tensor:
         grouping = self._grouping(x_SH, offsets_G, rows_G, weights)
-        if self.activation == "swiglu":
-            return _swiglu_packed(x_SH, *grouping, *weights)
+        if self.activation in GATED:
+            return _gated_packed(x_SH, *grouping, *weights, self.activation)
         return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation)
 
     def vjp_rows(

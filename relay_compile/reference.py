@@ -35,7 +35,7 @@ import torch.nn.functional as nnf
 from torch import Tensor, nn
 from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve_process_group
 
-from relay_compile.experts import ACTIVATIONS, Activation, expert_ffn
+from relay_compile.experts import ACTIVATIONS, GATED, Activation, activation_fn, expert_ffn
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def a2a_moe(
         x_TH: this rank's tokens ``(T, H)``.
         topk_ids_TK: GLOBAL expert ids ``(T, K)``; expert e lives on rank ``e // E_l`` of ``group``.
         topk_scores_TK: routing weights ``(T, K)``.
-        w1_LFH, w3_LFH: this rank's experts ``(E_l, F, H)`` (w3 only for ``swiglu``); w2_LHF: ``(E_l, H, F)``.
+        w1_LFH, w3_LFH: this rank's experts ``(E_l, F, H)`` (w3 only for gated activations); w2_LHF: ``(E_l, H, F)``.
         group: the EP group, or its name (``group.group_name``: what compiled callers pass,
             docs/ARCHITECTURE.md section 5); None means the default group, or one process without collectives.
         use_grouped_mm: see ``expert_ffn``; False for fp32 under ``torch.compile``.
@@ -340,7 +340,7 @@ def moe_weights(
     """
     experts = range(num_experts) if experts is None else experts
     shapes = {"w1": ((ffn, hidden), hidden), "w2": ((hidden, ffn), ffn)}
-    if activation == "swiglu":
+    if activation in GATED:
         shapes["w3"] = ((ffn, hidden), hidden)
     out = {"gate": _seeded_randn(seed, "gate", 0, (num_experts, hidden), hidden)}
     for name, (shape, fan_in) in shapes.items():
@@ -400,7 +400,7 @@ class AllToAllMoE(nn.Module):
         self.router = Qwen3Router(hidden, num_experts, top_k, norm_topk_prob, **factory)
         self.w1 = nn.Parameter(torch.empty(num_local, ffn, hidden, **factory))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn, **factory))
-        self.w3 = nn.Parameter(torch.empty(num_local, ffn, hidden, **factory)) if activation == "swiglu" else None
+        self.w3 = nn.Parameter(torch.empty(num_local, ffn, hidden, **factory)) if activation in GATED else None
         if shared_ffn > 0:
             self.shared_w1 = nn.Parameter(torch.empty(shared_ffn, hidden, **factory))
             self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_ffn, **factory))
@@ -467,14 +467,10 @@ class AllToAllMoE(nn.Module):
 
 def _dense_ffn(x_XH: Tensor, w1_FH: Tensor, w2_HF: Tensor, w3_FH: Tensor | None, activation: Activation) -> Tensor:
     """One expert's FFN on its rows ``(X, H) -> (X, H)``."""
-    h_XF = x_XH @ w1_FH.T
-    if activation == "swiglu":
-        assert w3_FH is not None, "swiglu needs w3"
-        h_XF = nnf.silu(h_XF) * (x_XH @ w3_FH.T)
-    elif activation == "silu":
-        h_XF = nnf.silu(h_XF)
-    else:
-        h_XF = nnf.gelu(h_XF)
+    h_XF = activation_fn(activation)(x_XH @ w1_FH.T)
+    if activation in GATED:
+        assert w3_FH is not None, f"{activation} needs w3"
+        h_XF = h_XF * (x_XH @ w3_FH.T)
     return h_XF @ w2_HF.T
 
 

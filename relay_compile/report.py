@@ -73,6 +73,8 @@ class RegionReport:
     predicted_peak_bytes: dict[str, int] = field(default_factory=dict)
     shape: dict[str, int] = field(default_factory=dict)
     ring_op: str = ""
+    # How the experts run at each hop: "grouped: <what F was recognized as>" or "eager: <why not>".
+    experts: str = ""
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
@@ -118,6 +120,8 @@ class GraphReport:
                 f" -> {r.routing_predicted}, predicted peak a2a {peak['a2a'] / 2**20:.1f} MiB, ring "
                 f"{peak['ring'] / 2**20:.1f} MiB ({peak['a2a'] / max(1, peak['ring']):.1f}x)"
             )
+            if r.experts:
+                lines.append(f"    experts {r.experts}")
         return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_fn
+from relay_compile.experts import ACTIVATIONS, GATED, Activation, ExpertFn, ffn_expert_fn
 from relay_compile.runtime.ops import ring_moe_op
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
@@ -63,8 +63,11 @@ def _check_ffn_weights(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, act
     e_l, f, h = w1.shape
     if tuple(w2.shape) != (e_l, h, f):
         raise ValueError(f"ring_moe: w2 must be (E_local, H, F) = {(e_l, h, f)}, got {tuple(w2.shape)}")
-    if (activation == "swiglu") != (w3 is not None):
-        raise ValueError(f"ring_moe: w3 is needed by swiglu and only by it (activation={activation!r})")
+    if (activation in GATED) != (w3 is not None):
+        raise ValueError(
+            f"ring_moe: w3 is needed by swiglu and the other gated activations {GATED}, and only by them "
+            f"(activation={activation!r})"
+        )
     if w3 is not None and w3.shape != w1.shape:
         raise ValueError(f"ring_moe: w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):

@@ -1,0 +1,458 @@
+"""expert_block: recognize F as a feed-forward network of experts, structurally, whatever idiom wrote it.
+
+F (``expert_fn``) is the block between a region's two all-to-alls. Codebases write it in many idioms
+(torchtitan's ``torch._grouped_mm`` over offsets with a permute and a ``setitem`` unpermute; the project's
+reference layer's argsort permute; Megatron's ``torch.split`` into (source, expert) chunks and a loop over a
+``ModuleList`` of ``nn.Linear`` experts; weights ``(E, F, H)``, ``(E, H, F)`` or ``Linear``'s ``(out, in)``),
+but what each row goes through is the same small program. ``recognize_expert_ffn`` finds that program by
+abstract interpretation of F's graph:
+
+- every value is *rows* (with the expression of one row's content, and the local expert whose rows these are
+  when the idiom loops over experts), a *weight* (a placeholder, maybe transposed, cast or indexed), a tuple
+  of row pieces, or *opaque* (indices, counts, sizes: what decides the row order, never a row's content);
+- ops that only move rows (gathers by index, ``split``, ``cat``, ``setitem`` into a fresh buffer, views that
+  keep ``(rows, features)``) keep the content expression; ops that compute on rows extend it: grouped GEMM /
+  ``linear`` / ``@`` with a weight, the activation, the gating product, ``chunk`` of a fused projection, casts;
+- anything else that touches rows or weights means F is not (only) an FFN of experts: not recognized, with the
+  node named.
+
+The content expression of F's output is then matched against the FFN templates
+
+    down( act(gate(x)) [* up(x)] )        separate gate/up projections, or one fused projection chunked in two
+    down( relu(gate(x)) ** 2 )            squared ReLU
+
+with ``act`` one of silu, gelu (exact or tanh), relu; giving an ``ExpertFFN`` record: the activation, where each
+projection's weights are (one stacked tensor, or one tensor or slice per local expert), their layout, and the
+dtype F computes in. What moves rows is *not* proven here: that F puts each row's result back in its place and
+groups rows by the right expert is checked by ``expert_lowering`` on probe inputs before the recognized program
+replaces F.
+
+Legend: S rows, H hidden, F expert FFN width, E_l experts per rank.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as nnf
+
+from relay_compile.passes.expert_fn import ExpertFnBinding
+from relay_compile.passes.fx_nodes import arg, as_list, describe, is_call, is_item, is_method_call, node_value, shape_of
+from relay_compile.passes.roles import flat_index_of_item
+
+Layout = Literal["out_in", "in_out"]
+# One row's content: ("x",) | ("cast", dtype, e) | ("gemm", WeightKey, e) | ("act", name, e) | ("mul", a, b)
+# | ("chunk", i, n, e) | ("square", e). Tuples, so that equal programs compare equal.
+Expr = tuple
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightRole:
+    """Where one projection's weights are among the region's weights, and how they are laid out.
+
+    ``stacked``: position of one ``(E_l, a, b)`` tensor used by a grouped GEMM. Otherwise ``per_expert[e]`` is
+    ``(position, index)``: local expert ``e`` uses ``weights[position]`` (``index`` None) or
+    ``weights[position][index]``. ``layout`` is one expert's matrix: ``"out_in"`` (``nn.Linear``'s ``(out, in)``,
+    torchtitan's ``w1 (E, F, H)``) or ``"in_out"``.
+    """
+
+    stacked: int | None = None
+    per_expert: tuple[tuple[int, int | None], ...] = ()
+    layout: Layout = "out_in"
+
+    def positions(self) -> set[int]:
+        return {self.stacked} if self.stacked is not None else {p for p, _ in self.per_expert}
+
+    def describe(self) -> str:
+        where = f"weights[{self.stacked}] stacked" if self.stacked is not None else (
+            "per expert " + ", ".join(f"weights[{p}]" + (f"[{i}]" if i is not None else "") for p, i in self.per_expert)
+        )
+        return f"{where} ({self.layout})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertFFN:
+    """F recognized: ``down(act(gate(x)) * up(x))`` (gated) or ``down(act(gate(x)))`` per row, by expert."""
+
+    activation: str  # an ``relay_compile.experts.ACTIVATIONS`` name
+    gate: WeightRole  # w1; with ``fused_gate_up``, the (2F, H) projection whose halves are [gate, up]
+    up: WeightRole | None  # w3 (gated activations with separate projections)
+    down: WeightRole  # w2
+    fused_gate_up: bool
+    compute_dtype: torch.dtype | None  # F casts rows and weights to this before its GEMMs (None: no cast)
+
+    def roles(self) -> list[WeightRole]:
+        return [r for r in (self.gate, self.up, self.down) if r is not None]
+
+    def describe(self) -> str:
+        parts = [f"{self.activation} experts", f"gate{'+up' if self.fused_gate_up else ''} {self.gate.describe()}"]
+        if self.up is not None:
+            parts.append(f"up {self.up.describe()}")
+        parts.append(f"down {self.down.describe()}")
+        if self.compute_dtype is not None:
+            parts.append(f"computed in {self.compute_dtype}")
+        return ", ".join(parts)
+
+
+class NotAnFFN(Exception):
+    """F is not (only) a feed-forward network of experts; the message names the node and why."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Abstract values
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rows:
+    expr: Expr
+    expert: int | None  # rows of one local expert (loop idioms); None: rows of any expert
+
+
+@dataclass(frozen=True)
+class _Weight:
+    position: int
+    stacked: bool  # (E_l, a, b) as F reads it
+    transposed: bool = False
+    index: int | None = None  # weights[position][index]
+    dtype: torch.dtype | None = None  # cast to
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    items: tuple[_Rows, ...]
+
+
+_Value = _Rows | _Weight | _Pieces | None  # None: opaque (indices, counts, sizes)
+
+_CAST_METHODS = {"bfloat16": torch.bfloat16, "float": torch.float32, "half": torch.float16, "double": torch.float64}
+_MOVE_METHODS = ("contiguous", "clone")
+_FRESH_BUFFERS = ("new_empty", "new_zeros", "empty_like", "zeros_like")
+_ACTIVATIONS = {nnf.silu: "silu", nnf.relu: "relu", torch.relu: "relu"}
+# Reading a tensor's metadata is opaque: it decides sizes, not a row's content.
+_METADATA_METHODS = ("size", "dim", "numel", "stride", "get_device")
+
+
+def _weight_key(w: _Weight, layout: Layout, expert: int | None) -> tuple:
+    """A GEMM's weight inside an expression: stacked, or one expert's tensor (merged across experts by cat)."""
+    if w.stacked and w.index is None:
+        return ("w", ("stacked", w.position), layout, w.dtype)
+    if expert is None:
+        raise NotAnFFN(f"weights[{w.position}] is one expert's weight, applied to rows of no single expert")
+    return ("w", (("expert", expert, w.position, w.index),), layout, w.dtype)
+
+
+def _merge(a: Expr, b: Expr) -> Expr:
+    """One expression for rows of two experts: equal up to which expert's weights each GEMM reads."""
+    if a == b:
+        return a
+    if not (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and a[:1] == b[:1]):
+        raise NotAnFFN(f"rows of different experts go through different programs: {a} vs {b}")
+    if a[0] == "w":
+        if a[2:] != b[2:] or a[1][0] == "stacked" or b[1][0] == "stacked":
+            raise NotAnFFN(f"experts read weights of different kinds: {a} vs {b}")
+        return ("w", tuple(sorted(set(a[1]) | set(b[1]))), *a[2:])
+    return tuple(_merge(x, y) if isinstance(x, tuple) else _same(x, y) for x, y in zip(a, b))
+
+
+def _same(x: object, y: object) -> object:
+    if x != y:
+        raise NotAnFFN(f"rows of different experts differ in {x!r} vs {y!r}")
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Abstract interpretation of F
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Interpreter:
+    def __init__(self, fn: fx.GraphModule, binding: ExpertFnBinding, experts_per_rank: int) -> None:
+        self.fn, self.binding, self.experts_per_rank = fn, binding, experts_per_rank
+        self.env: dict[fx.Node, _Value] = {}
+        self.expert_of_split: dict[fx.Node, int] = {}
+
+    def run(self) -> _Rows:
+        placeholders = self.fn.graph.find_nodes(op="placeholder")
+        weight_positions = {pos: i for i, pos in enumerate(self.binding.weights)}
+        for s, row in enumerate(self.binding.splits):
+            for e, pos in enumerate(row):
+                if pos is not None and self.binding.split_kind == "source_expert":
+                    self.expert_of_split[placeholders[pos]] = e
+        for pos, ph in enumerate(placeholders):
+            if pos == self.binding.rows:
+                self.env[ph] = _Rows(("x",), None)
+            elif pos in weight_positions:
+                val = node_value(ph)
+                self.env[ph] = _Weight(weight_positions[pos], stacked=getattr(val, "dim", lambda: 0)() == 3)
+            else:
+                self.env[ph] = None
+        for n in self.fn.graph.nodes:
+            if n.op in ("call_function", "call_method"):
+                self.env[n] = self.step(n)
+            elif n.op == "output":
+                out = self.value(n.args[0])
+                if not isinstance(out, _Rows):
+                    raise NotAnFFN("F's output is not rows computed from the received rows")
+                return out
+            elif n.op == "get_attr":
+                self.env[n] = None
+        raise NotAnFFN("F has no output")
+
+    def value(self, a: object) -> _Value:
+        return self.env.get(a) if isinstance(a, fx.Node) else None
+
+    def step(self, n: fx.Node) -> _Value:
+        args = [self.value(a) for a in n.args] + [self.value(a) for a in n.kwargs.values()]
+        lists = [self.value(x) for a in n.args if isinstance(a, (list, tuple)) for x in a]
+        if all(v is None for v in args + lists):
+            return None  # index / size arithmetic: decides where rows go, not what they hold
+        first = self.value(n.args[0]) if n.args else None
+        if is_call(n, operator.setitem) or is_method_call(n, "index_copy_", "index_put_"):
+            return self.write_rows(n)
+        if isinstance(first, _Pieces) and is_call(n, operator.getitem) and isinstance(n.args[1], int):
+            return first.items[n.args[1]]
+        if isinstance(first, _Weight):
+            return self.weight_op(n, first)
+        if isinstance(first, _Rows):
+            return self.rows_op(n, first)
+        if is_call(n, torch.cat):
+            return self.cat(n)
+        if is_call(n, torch._grouped_mm, torch.matmul, operator.matmul, torch.nn.functional.linear):
+            raise NotAnFFN(f"{describe(n)} multiplies a weight by rows in an unsupported order")
+        raise NotAnFFN(f"{describe(n)} computes on rows or weights in a way the FFN templates do not cover")
+
+    # --- weights ---
+
+    def weight_op(self, n: fx.Node, w: _Weight) -> _Value:
+        if is_method_call(n, "transpose") and sorted(int(d) % 3 for d in n.args[1:3]) == [1, 2] and w.stacked:
+            return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
+        transpose_2d = is_method_call(n, "t", "transpose") or is_call(n, getattr) and n.args[1] in ("T", "mT")
+        if transpose_2d and not w.stacked:
+            return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
+        if is_method_call(n, *_CAST_METHODS) and not n.args[1:]:
+            return _Weight(w.position, w.stacked, w.transposed, w.index, _CAST_METHODS[str(n.target)])
+        dtype = n.args[1] if is_method_call(n, "to") and len(n.args) > 1 else None
+        if isinstance(dtype, torch.dtype):
+            return _Weight(w.position, w.stacked, w.transposed, w.index, dtype)
+        if is_method_call(n, *_MOVE_METHODS):
+            return w
+        if is_call(n, operator.getitem) and isinstance(n.args[1], int) and w.stacked and w.index is None:
+            return _Weight(w.position, False, w.transposed, n.args[1], w.dtype)
+        raise NotAnFFN(f"{describe(n)} uses weights[{w.position}] in a way the FFN templates do not cover")
+
+    # --- rows ---
+
+    def rows_op(self, n: fx.Node, r: _Rows) -> _Value:
+        if self.moves_rows(n):
+            return r
+        if is_method_call(n, *_METADATA_METHODS) or is_call(n, getattr) and n.args[1] in ("shape", "dtype", "device"):
+            return None
+        if is_method_call(n, *_FRESH_BUFFERS) or is_call(n, torch.empty_like, torch.zeros_like):
+            return _Rows(("fresh",), None)
+        if is_method_call(n, *_CAST_METHODS, "to", "type_as"):
+            return self.cast(n, r)
+        if is_call(n, torch.functional.split, torch.split) or is_method_call(n, "split"):
+            return self.split(n)
+        if is_method_call(n, "chunk") and arg(n, 1, "chunks") == 2 and arg(n, 2, "dim", 0) in (-1, 1):
+            return _Pieces(tuple(_Rows(("chunk", i, 2, r.expr), r.expert) for i in range(2)))
+        if is_call(n, torch._grouped_mm):
+            return self.gemm(n, r, self.value(n.args[1]), grouped=True)
+        if is_call(n, torch.nn.functional.linear, torch._C._nn.linear):
+            if arg(n, 2, "bias") is not None:
+                raise NotAnFFN(f"{describe(n)} adds a bias (not supported by the grouped experts yet)")
+            return self.gemm(n, r, self.value(n.args[1]), grouped=False, linear=True)
+        if is_call(n, torch.matmul, operator.matmul) or is_method_call(n, "matmul"):
+            return self.gemm(n, r, self.value(n.args[1]), grouped=False)
+        if is_call(n, *_ACTIVATIONS) or is_method_call(n, "relu"):
+            name = _ACTIVATIONS[n.target] if n.op == "call_function" else "relu"
+            return _Rows(("act", name, r.expr), r.expert)
+        if is_call(n, nnf.gelu, torch.nn.functional.gelu):
+            approximate = n.kwargs.get("approximate", "none")
+            return _Rows(("act", "gelu_tanh" if approximate == "tanh" else "gelu", r.expr), r.expert)
+        if is_call(n, operator.mul, torch.mul) or is_method_call(n, "mul"):
+            return self.product(n)
+        if (is_call(n, operator.pow, torch.pow) or is_method_call(n, "pow")) and n.args[1] == 2:
+            return _Rows(("square", r.expr), r.expert)
+        if is_method_call(n, "square") or is_call(n, torch.square):
+            return _Rows(("square", r.expr), r.expert)
+        raise NotAnFFN(f"{describe(n)} computes on rows in a way the FFN templates do not cover")
+
+    def moves_rows(self, n: fx.Node) -> bool:
+        """Gathers of whole rows by an index, and views that keep (rows, features)."""
+        if is_call(n, operator.getitem):
+            index = n.args[1]
+            if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
+                index = index[0]
+            return isinstance(index, fx.Node) and self.value(index) is None
+        if is_method_call(n, "index_select") or is_call(n, torch.index_select):
+            return arg(n, 1, "dim") == 0 and self.value(arg(n, 2, "index")) is None
+        if is_method_call(n, *_MOVE_METHODS, "view", "reshape"):
+            before, after = node_value(n.args[0]), node_value(n)
+            return getattr(before, "dim", lambda: 0)() == 2 and getattr(after, "dim", lambda: 0)() == 2 and (
+                before.shape[-1] == after.shape[-1]
+            )
+        return False
+
+    def cast(self, n: fx.Node, r: _Rows) -> _Rows:
+        before, after = node_value(n.args[0]), node_value(n)
+        if before is None or after is None or before.dtype == after.dtype:
+            return r
+        return _Rows(("cast", after.dtype, r.expr), r.expert)
+
+    def split(self, n: fx.Node) -> _Pieces:
+        if arg(n, 2, "dim", 0) != 0:
+            raise NotAnFFN(f"{describe(n)} splits rows along features")
+        sizes = as_list(arg(n, 1, "split_size_or_sections"))
+        if not sizes:
+            raise NotAnFFN(f"{describe(n)} splits rows into equal sizes, not by expert")
+        r = self.value(n.args[0])
+        assert isinstance(r, _Rows)
+        experts = [self._expert_of_size(s) for s in sizes]
+        return _Pieces(tuple(_Rows(r.expr, e if e is not None else r.expert) for e in experts))
+
+    def _expert_of_size(self, size: object) -> int | None:
+        """The local expert whose rows a split piece holds, when its size says so: a (source, expert) split
+        SymInt of F's binding, or ``counts_L[e].item()`` of a per-expert count vector."""
+        if not isinstance(size, fx.Node):
+            return None
+        if size in self.expert_of_split:
+            return self.expert_of_split[size]
+        flat = flat_index_of_item(size) if is_item(size) else None
+        if flat is not None and shape_of(flat[0]) == (self.experts_per_rank,):
+            return flat[1]
+        return None
+
+    def cat(self, n: fx.Node) -> _Rows:
+        if arg(n, 1, "dim", 0) != 0:
+            raise NotAnFFN(f"{describe(n)} concatenates along features")
+        parts = [self.value(a) for a in as_list(n.args[0])]
+        if not parts or not all(isinstance(p, _Rows) for p in parts):
+            raise NotAnFFN(f"{describe(n)} concatenates rows with something else")
+        rows = [p for p in parts if isinstance(p, _Rows)]
+        expr = rows[0].expr
+        for p in rows[1:]:
+            expr = _merge(expr, p.expr)
+        experts = {p.expert for p in rows}
+        return _Rows(expr, experts.pop() if len(experts) == 1 else None)
+
+    def write_rows(self, n: fx.Node) -> None:
+        """``buf[idx] = rows`` into a fresh buffer: ``buf`` now holds those rows (in the order idx gives)."""
+        target, src = n.args[0], self.value(n.args[-1])
+        if not (isinstance(target, fx.Node) and self.value(target) == _Rows(("fresh",), None)):
+            raise NotAnFFN(f"{describe(n)} writes rows into a buffer that is not fresh")
+        if not isinstance(src, _Rows):
+            raise NotAnFFN(f"{describe(n)} writes something other than rows")
+        self.env[target] = src
+        return None
+
+    def gemm(self, n: fx.Node, r: _Rows, w: _Value, *, grouped: bool, linear: bool = False) -> _Rows:
+        if not isinstance(w, _Weight) or (grouped and not (w.stacked and w.index is None)):
+            raise NotAnFFN(f"{describe(n)} multiplies rows by something other than an expert weight")
+        if not grouped and w.stacked and w.index is None:
+            raise NotAnFFN(f"{describe(n)} multiplies rows by all experts' stacked weights at once")
+        # grouped_mm(a, b[e]) and a @ b compute a @ b: b stored (in, out) unless transposed; linear(a, b) is a @ b.T.
+        stored_out_in = w.transposed != linear
+        layout: Layout = "out_in" if stored_out_in else "in_out"
+        return _Rows(("gemm", _weight_key(w, layout, r.expert), r.expr), r.expert)
+
+    def product(self, n: fx.Node) -> _Rows:
+        a, b = self.value(n.args[0]), self.value(n.args[1])
+        if not (isinstance(a, _Rows) and isinstance(b, _Rows)):
+            raise NotAnFFN(f"{describe(n)} scales rows by something other than rows (a constant or a score)")
+        experts = {a.expert, b.expert}
+        return _Rows(("mul", *sorted((a.expr, b.expr), key=repr)), experts.pop() if len(experts) == 1 else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Templates
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _role(key: tuple, experts_per_rank: int) -> tuple[WeightRole, torch.dtype | None]:
+    _, where, layout, dtype = key
+    if where[0] == "stacked":
+        return WeightRole(stacked=where[1], layout=layout), dtype
+    by_expert = {e: (pos, index) for _, e, pos, index in where}
+    if sorted(by_expert) != list(range(experts_per_rank)):
+        raise NotAnFFN(f"the expert loop covers local experts {sorted(by_expert)}, not all {experts_per_rank}")
+    positions = {pos for pos, _ in by_expert.values()}
+    if len(positions) == 1 and all(index == e for e, (_, index) in by_expert.items()):
+        # A loop over w[e] of one stacked weight is that stacked weight: no copy to pack it.
+        return WeightRole(stacked=positions.pop(), layout=layout), dtype
+    return WeightRole(per_expert=tuple(by_expert[e] for e in range(experts_per_rank)), layout=layout), dtype
+
+
+def _gemm(e: Expr) -> tuple[tuple, Expr] | None:
+    return (e[1], e[2]) if e[0] == "gemm" else None
+
+
+def _gated_name(act: str) -> str:
+    names = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
+    if act not in names:
+        raise NotAnFFN(f"gated {act} experts are not supported (gated silu, gelu and gelu-tanh are)")
+    return names[act]
+
+
+def _match_ffn(expr: Expr, experts_per_rank: int) -> ExpertFFN:
+    """``down(act(gate(x)) [* up(x)])`` from the output's content expression."""
+    if expr[0] == "cast":  # back to the rows' dtype after computing in another one
+        expr = expr[2]
+    down = _gemm(expr)
+    if down is None:
+        raise NotAnFFN("F's output is not a projection by an expert weight")
+    down_key, h = down
+    up_key: tuple | None = None
+    fused = False
+    if h[0] == "mul":
+        acts = [t for t in h[1:] if t[0] == "act"]
+        if len(acts) != 1:
+            raise NotAnFFN("the gating product multiplies no activation (or two)")
+        other = h[2] if h[1] is acts[0] else h[1]
+        activation, gate = _gated_name(acts[0][1]), acts[0][2]
+        if gate[0] == "chunk" and other[0] == "chunk" and gate[3] == other[3] and (gate[1], other[1]) == (0, 1):
+            fused, gate = True, gate[3]
+        else:
+            up = _gemm(other)
+            if up is None:
+                raise NotAnFFN("the gate's activation is multiplied by something other than a projection")
+            up_key, up_in = up
+            gate_gemm = _gemm(gate)
+            if gate_gemm is None or gate_gemm[1] != up_in:
+                raise NotAnFFN("the gate and up projections read different inputs")
+    elif h[0] == "square" and h[1][0] == "act" and h[1][1] == "relu":
+        activation, gate = "relu2", h[1][2]
+    elif h[0] == "act":
+        activation, gate = h[1], h[2]
+    else:
+        raise NotAnFFN("the down projection's input is not an activation of a projection")
+    gated = _gemm(gate)
+    if gated is None:
+        raise NotAnFFN("the activation's input is not a projection by an expert weight")
+    gate_key, x_in = gated
+    compute = x_in[1] if x_in[0] == "cast" else None
+    if (x_in[2] if x_in[0] == "cast" else x_in) != ("x",):
+        raise NotAnFFN("the first projection does not read the received rows")
+    roles = [_role(k, experts_per_rank) for k in (gate_key, up_key, down_key) if k is not None]
+    if {dtype for _, dtype in roles} != {compute}:
+        raise NotAnFFN(f"rows are computed in {compute} but weights cast to {sorted(map(str, {d for _, d in roles}))}")
+    gate_role, *rest = [r for r, _ in roles]
+    up_role = rest[0] if up_key is not None else None
+    return ExpertFFN(
+        activation=activation, gate=gate_role, up=up_role, down=rest[-1], fused_gate_up=fused,
+        compute_dtype=compute,
+    )
+
+
+def recognize_expert_ffn(fn: fx.GraphModule, binding: ExpertFnBinding, experts_per_rank: int) -> ExpertFFN:
+    """The FFN program F runs on each row (see the module docstring); raises ``NotAnFFN`` with the reason."""
+    out = _Interpreter(fn, binding, experts_per_rank).run()
+    plan = _match_ffn(out.expr, experts_per_rank)
+    used = set().union(*(r.positions() for r in plan.roles()))
+    if used != set(range(len(binding.weights))):
+        raise NotAnFFN(f"F reads weights {sorted(set(range(len(binding.weights))) - used)} outside the FFN")
+    return plan

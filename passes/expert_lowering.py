@@ -1,0 +1,235 @@
+"""expert_lowering: run a recognized F on the engine's grouped experts, after proving it on probe inputs.
+
+    choose_expert_fn(region) -> (ExpertFn, ExpertsPath)
+
+1. ``expert_block.recognize_expert_ffn`` reads F's per-row program (activation, projections, layouts).
+2. ``LoweredFFN`` is that program as a ``GroupedExperts`` (``relay_compile.experts``): the region's weights are
+   packed once per step into the engine's layout (``[w13 (E_l, 2F, H), w2 (E_l, H, F)]`` for gated
+   activations, ``[w1, w2]`` otherwise; a view where the layout already is the engine's, one copy otherwise),
+   circulate packed, run as grouped GEMMs per chunk with the fused SwiGLU backward where it applies, and their
+   gradients are unpacked to the region's layout at the end of the step.
+3. The probe: on small inputs drawn from a fixed seed (rows of one source, an empty expert among the counts,
+   the region's weight shapes and dtypes, on the weights' device), ``LoweredFFN`` and F itself
+   (``RegionExpertFn``) must agree to the dtype's rounding. This proves what the structural step does not:
+   that F's row moves (permute, split, unpermute) put each row back in place and group rows by the right
+   expert. Every rank probes the same F with the same inputs, so every rank decides the same.
+
+When any step fails, F runs eagerly per hop (``RegionExpertFn``), and ``ExpertsPath.reason`` says why.
+
+Legend: S rows, H hidden, F expert FFN width, N ranks, E_l experts per rank, G = 2F.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from relay_compile.experts import GroupedFFN
+from relay_compile.passes.expert_block import ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
+from relay_compile.passes.expert_fn import RegionExpertFn
+from relay_compile.passes.fx_nodes import node_value
+from relay_compile.passes.match import MoERegion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsPath:
+    """How a region's experts run at each hop: ``"grouped"`` (recognized, on grouped GEMMs) or ``"eager"``."""
+
+    kind: str
+    description: str  # what was recognized, or ""
+    reason: str = ""  # why not grouped
+
+    def summary(self) -> str:
+        return f"{self.kind}: {self.description or self.reason}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights between the region's layout and the engine's
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _expert_matrix(weights: Sequence[Tensor], role: WeightRole, e: int) -> Tensor:
+    position, index = role.per_expert[e]
+    w = weights[position] if index is None else weights[position][index]
+    return w if role.layout == "out_in" else w.t()
+
+
+def _canonical(weights: Sequence[Tensor], role: WeightRole, experts: int) -> Tensor:
+    """The role's weights as ``(E_l, out, in)`` (a view for a stacked out-in weight)."""
+    if role.stacked is not None:
+        w = weights[role.stacked]
+        return w if role.layout == "out_in" else w.transpose(-2, -1)
+    return torch.stack([_expert_matrix(weights, role, e) for e in range(experts)])
+
+
+def _owned(g: Tensor, dtype: torch.dtype) -> Tensor:
+    """``g`` in ``dtype``, contiguous, and not a view: custom-op outputs must not alias each other."""
+    if g.dtype != dtype:
+        return g.to(dtype, memory_format=torch.contiguous_format)
+    return g.clone(memory_format=torch.contiguous_format) if g._base is not None else g.contiguous()
+
+
+def _scatter_grad(grads: list[Tensor | None], weights: Sequence[Tensor], role: WeightRole, g_LOI: Tensor) -> None:
+    """Write the role's gradient ``(E_l, out, in)`` into ``grads`` in the region's layout and dtypes."""
+    if role.stacked is not None:
+        g = g_LOI if role.layout == "out_in" else g_LOI.transpose(-2, -1)
+        grads[role.stacked] = _owned(g, weights[role.stacked].dtype)
+        return
+    for e, (position, index) in enumerate(role.per_expert):
+        g = g_LOI[e] if role.layout == "out_in" else g_LOI[e].t()
+        if index is None:
+            grads[position] = _owned(g, weights[position].dtype)
+            continue
+        whole = grads[position]
+        if whole is None:
+            whole = grads[position] = torch.zeros_like(weights[position])
+        whole[index] += g.to(whole.dtype)
+
+
+class LoweredFFN:
+    """A recognized F as the ring's expert function (``ExpertFn`` and ``GroupedExperts``).
+
+    Args:
+        plan: what F computes per row (``expert_block.ExpertFFN``).
+        experts_per_rank: E_l.
+        identity: the F it stands for (``RegionExpertFn.digest()``), part of its equality and its spec key.
+    """
+
+    def __init__(self, plan: ExpertFFN, experts_per_rank: int, identity: str) -> None:
+        self.plan, self.experts_per_rank, self._identity = plan, experts_per_rank, identity
+        self.inner = GroupedFFN(plan.activation)
+        # The fused backward computes in the weights' dtype on rows it gathers itself: only without casts.
+        self.has_fused_backward = self.inner.has_fused_backward and plan.compute_dtype is None
+        self.__qualname__ = f"LoweredFFN[{plan.activation},{self.digest()}]"
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr((self._identity, self.plan)).encode()).hexdigest()[:12]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoweredFFN) and (other._identity, other.plan) == (self._identity, self.plan)
+
+    def __hash__(self) -> int:
+        return hash((self._identity, self.plan))
+
+    # --- GroupedExperts: packing ---
+
+    def num_packed(self, num_weights: int) -> int:
+        return 2
+
+    def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
+        plan, experts = self.plan, self.experts_per_rank
+        gate = _canonical(weights, plan.gate, experts)
+        if plan.up is not None:
+            gate = torch.cat([gate, _canonical(weights, plan.up, experts)], dim=1)
+        down = _canonical(weights, plan.down, experts)
+        dtype = plan.compute_dtype or weights[0].dtype
+        return [w.to(dtype, memory_format=torch.contiguous_format) for w in (gate, down)]
+
+    def unpack_grads(self, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
+        plan = self.plan
+        d_gate, d_down = grads
+        out: list[Tensor | None] = [None] * len(weights)
+        if plan.up is not None:
+            ffn = d_down.shape[-1]
+            _scatter_grad(out, weights, plan.up, d_gate[:, ffn:])
+            d_gate = d_gate[:, :ffn]
+        _scatter_grad(out, weights, plan.gate, d_gate)
+        _scatter_grad(out, weights, plan.down, d_down)
+        assert all(g is not None for g in out), "LoweredFFN: a weight got no gradient"
+        return [g for g in out if g is not None]
+
+    # --- GroupedExperts: entry points ---
+
+    def _compute(self, x: Tensor) -> Tensor:
+        dtype = self.plan.compute_dtype
+        return x if dtype is None else x.to(dtype)
+
+    def forward_rows(
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
+    ) -> Tensor:
+        return self.inner.forward_rows(self._compute(x_SH), offsets_G, rows_G, weights).to(x_SH.dtype)
+
+    def vjp_rows(
+        self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
+        dy_TH: Tensor, score_S: Tensor,
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        assert self.has_fused_backward, f"{self.__qualname__}: no fused backward"
+        return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S)
+
+    # --- ExpertFn (the probe, and callers without grouped entry points) ---
+
+    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
+        counts_L = counts_NL.sum(0)
+        offsets_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
+        return self.forward_rows(x_SH, offsets_L, counts_L.tolist(), self.pack(weights))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The probe
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tolerance(*dtypes: torch.dtype | None) -> float:
+    low = any(d in (torch.bfloat16, torch.float16) for d in dtypes)
+    return 3e-2 if low else 1e-5
+
+
+def probe_error(
+    eager: RegionExpertFn, lowered: LoweredFFN, rows_like: Tensor, weights_like: Sequence[Tensor], group_size: int
+) -> float:
+    """Max relative difference of ``lowered`` and F (``eager``) on the probe inputs (see the module docstring).
+
+    ``rows_like``/``weights_like``: (fake) tensors with the dtypes, devices and weight shapes of the region.
+    """
+    device, hidden = weights_like[0].device, int(rows_like.shape[-1])
+    gen = torch.Generator().manual_seed(20261201)
+    e_l, n = lowered.experts_per_rank, group_size
+    weights = [
+        (torch.randn(tuple(int(d) for d in w.shape), generator=gen) / max(1, int(w.shape[-1])) ** 0.5)
+        .to(device=device, dtype=w.dtype) for w in weights_like
+    ]
+    worst = 0.0
+    for src in sorted({0, n - 1}):
+        rows_L = [(3 * e + 2 + src) % 5 for e in range(e_l)]
+        rows_L[e_l // 2] = 0  # an expert without rows
+        counts_NL = torch.zeros(n, e_l, dtype=torch.int64)
+        counts_NL[src] = torch.tensor(rows_L)
+        splits_N = [0] * n
+        splits_N[src] = sum(rows_L)
+        x_SH = torch.randn(sum(rows_L), hidden, generator=gen).to(device=device, dtype=rows_like.dtype)
+        counts_NL = counts_NL.to(device)
+        with torch.no_grad():
+            want = eager(x_SH, counts_NL, splits_N, weights).float()
+            got = lowered(x_SH, counts_NL, splits_N, weights).float()
+        scale = want.abs().max().clamp_min(1e-12)
+        worst = max(worst, ((got - want).abs().max() / scale).item())
+    return worst
+
+
+def choose_expert_fn(region: MoERegion) -> tuple[RegionExpertFn | LoweredFFN, ExpertsPath]:
+    """The expert function a region's ring runs, and the path it takes (see the module docstring)."""
+    eager = RegionExpertFn(region.expert_fn, region.binding)
+    try:
+        plan = recognize_expert_ffn(region.expert_fn, region.binding, region.experts_per_rank)
+    except NotAnFFN as e:
+        return eager, ExpertsPath(kind="eager", description="", reason=f"F is not recognized: {e}")
+    lowered = LoweredFFN(plan, region.experts_per_rank, eager.digest())
+    rows_like, weights_like = node_value(region.recv), [node_value(w) for w in region.weights]
+    try:
+        error = probe_error(eager, lowered, rows_like, weights_like, region.group_size)
+    except Exception as e:  # F or the lowering cannot run on probe inputs: keep F
+        log.debug("expert_lowering: probe of %s failed", region.describe(), exc_info=True)
+        return eager, ExpertsPath(kind="eager", description="", reason=f"the probe could not run: {e!r}")
+    if not error <= _tolerance(rows_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
+        return eager, ExpertsPath(
+            kind="eager", description="",
+            reason=f"recognized as {plan.describe()}, but it differs from F on probe inputs by {error:.2e}",
+        )
+    return lowered, ExpertsPath(kind="grouped", description=plan.describe())
