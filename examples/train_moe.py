@@ -67,8 +67,6 @@ from relay_compile.backend import compiled_reports  # noqa: E402
 from relay_compile.memory import PeakMemory, memory_timeline  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
 
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Options
 # ----------------------------------------------------------------------------------------------------------

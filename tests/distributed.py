@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
-
 # A rank stuck in a collective because a peer failed gives up after this long, not gloo's 30 minutes.
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 

@@ -7,7 +7,7 @@ import unittest
 
 import torch
 
-from relay_compile.routing import split_experts, plan_chunks
+from relay_compile.routing import plan_chunks, split_experts
 
 
 class SplitExperts(unittest.TestCase):
