@@ -12,19 +12,27 @@ Legend: T local tokens, H hidden, K top-k, E experts in the group, E_l = E / N l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relay_compile.experts import ACTIVATIONS, GATED, Activation, ExpertFn, ffn_expert_fn
-from relay_compile.runtime.ops import ring_moe_op
+from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_fn
+from relay_compile.runtime.agreement import BadArgument, fail_together
+from relay_compile.runtime.fn_identity import describe
+from relay_compile.runtime.ops import check_routing_args, ring_moe_op
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
+from relay_compile.runtime.transport import RingGroup
 
-_FFN_FNS: dict[tuple[str, bool | None], ExpertFn] = {}
-_CUSTOM_FN_NAMES: dict[int, str] = {}
+# Every FFN expert function, made once: building one while torch.compile traces ``ring_moe`` would make
+# Dynamo reconstruct a new object (it cannot).
+_FFN_FNS: dict[tuple[str, bool | None], ExpertFn] = {
+    (activation, grouped): ffn_expert_fn(activation, grouped) for activation in ACTIVATIONS
+    for grouped in (None, True, False)
+}
 
 
 def _group_name(group: dist.ProcessGroup | str | None) -> str:
@@ -38,48 +46,47 @@ def _group_name(group: dist.ProcessGroup | str | None) -> str:
     return group.group_name
 
 
-def _check_routing_args(x: Tensor, topk_ids: Tensor, topk_scores: Tensor) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"ring_moe: x must be (T, H) local tokens, got shape {tuple(x.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"ring_moe: topk_ids must be (T, K) with T = x.shape[0] = {x.shape[0]}, got {tuple(topk_ids.shape)}"
-        )
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise ValueError(f"ring_moe: topk_ids must hold integer expert ids, got dtype {topk_ids.dtype}")
-    if topk_scores.shape != topk_ids.shape:
-        raise ValueError(
-            f"ring_moe: topk_scores must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_scores.shape)}"
-        )
-    if not topk_scores.dtype.is_floating_point:
-        raise ValueError(f"ring_moe: topk_scores must be floating point, got {topk_scores.dtype}")
+@contextlib.contextmanager
+def _raising_together(group_name: str, x: Tensor) -> Iterator[None]:
+    """A check that fails on this rank of a multi-rank group fails on every rank, before any transfer.
+
+    Its peers are already in the op's exchange (``runtime.agreement``): this rank joins it with the problem,
+    and every rank raises (this one its own error, the others ``RingInputError`` naming this rank and the
+    argument). A ring of one, and a trace under torch.compile, raise at once.
+    """
+    try:
+        yield
+    except Exception as e:
+        if torch.compiler.is_compiling() or not group_name:
+            raise
+        ring = RingGroup.resolve(group_name)
+        if ring.size == 1:
+            raise
+        fail_together(ring, e, x.device if isinstance(x, Tensor) else torch.device("cpu"))
 
 
 def _check_ffn_weights(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"ring_moe: activation={activation!r} is not one of {ACTIVATIONS}")
+        raise BadArgument("activation", f"ring_moe: activation={activation!r} is not one of {ACTIVATIONS}")
     if w1.dim() != 3 or w1.shape[2] != x.shape[1]:
-        raise ValueError(f"ring_moe: w1 must be (E_local, F, H={x.shape[1]}), got {tuple(w1.shape)}")
+        raise BadArgument("w1", f"ring_moe: w1 must be (E_local, F, H={x.shape[1]}), got {tuple(w1.shape)}")
     e_l, f, h = w1.shape
     if tuple(w2.shape) != (e_l, h, f):
-        raise ValueError(f"ring_moe: w2 must be (E_local, H, F) = {(e_l, h, f)}, got {tuple(w2.shape)}")
-    if (activation in GATED) != (w3 is not None):
-        raise ValueError(
-            f"ring_moe: w3 is needed by swiglu and the other gated activations {GATED}, and only by them "
-            f"(activation={activation!r})"
-        )
+        raise BadArgument("w2", f"ring_moe: w2 must be (E_local, H, F) = {(e_l, h, f)}, got {tuple(w2.shape)}")
+    if (activation == "swiglu") != (w3 is not None):
+        raise BadArgument("w3", f"ring_moe: w3 is needed by swiglu and only by it (activation={activation!r})")
     if w3 is not None and w3.shape != w1.shape:
-        raise ValueError(f"ring_moe: w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
+        raise BadArgument("w3", f"ring_moe: w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
         if w is not None and (w.dtype != x.dtype or w.device != x.device):
-            raise ValueError(
-                f"ring_moe: {name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; they must agree"
-            )
+            raise BadArgument(name, (
+                f"ring_moe: {name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; they must agree"))
 
 
 def _check_experts_per_rank(experts_per_rank: int) -> None:
     if experts_per_rank < 1:
-        raise ValueError(f"ring_moe: each rank must hold at least one expert, got {experts_per_rank}")
+        raise BadArgument("experts_per_rank", (
+            f"ring_moe: each rank must hold at least one expert, got {experts_per_rank}"))
 
 
 def ring_moe_experts(
@@ -103,19 +110,23 @@ def ring_moe_experts(
         weights: this rank's partition, leading dimension ``experts_per_rank`` by convention; every rank
             passes tensors of the same shapes.
         expert_fn: ``F(x_SH, counts_NL, splits_N, weights) -> out_SH``, called per hop (or chunk).
-        name: a stable name for ``expert_fn`` in the op's spec string (default: its qualified name).
+        name: what ``expert_fn`` computes, as a name: every rank passes the same one, and a call with
+            another function under the same name replaces it (a closure made at every step). Default: the
+            function's code and what it captures (``runtime.fn_identity``), so a new closure over equal
+            values is the same expert function, and a different one is told apart.
     """
-    _check_routing_args(x, topk_ids, topk_scores)
     group_name = _group_name(group)
-    options = RingOptions.checked(
-        "ring_moe", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
-    )
-    _check_experts_per_rank(experts_per_rank)
-    fn_name = name or _CUSTOM_FN_NAMES.setdefault(
-        id(expert_fn), f"{getattr(expert_fn, '__qualname__', 'expert_fn')}#{len(_CUSTOM_FN_NAMES)}"
-    )
-    spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, options=options)
-    key = register_spec(spec, fn_name)
+    with _raising_together(group_name, x):
+        check_routing_args(x, topk_ids, topk_scores)
+        options = RingOptions.checked(
+            "ring_moe", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
+        )
+        _check_experts_per_rank(experts_per_rank)
+        fn_name, identity = (name, name) if name else describe(expert_fn)
+        spec = RingSpec(
+            expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, options=options
+        )
+        key = register_spec(spec, fn_name, identity=identity, functional=True)
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
@@ -156,18 +167,26 @@ def ring_moe(
         ``(T, H)`` in ``x``'s dtype.
 
     Raises:
-        ValueError: shapes, dtypes or options that disagree (names the argument), expert count not a
-            multiple of the group size, weights that differ in shape across ranks (first call).
-        RingInputError: expert ids outside ``[0, E)`` on any rank; raised on every rank before any hop.
+        ValueError: a bad argument on this rank (names the argument; with a multi-rank group, after the
+            other ranks learned of it, so none waits).
+        RingInputError: on every rank alike, before any transfer: a bad argument on another rank (names the
+            rank and the argument), arguments or options that differ across ranks (names both ranks: shapes,
+            dtypes, experts per rank, routing, overlap, remat, the expert function; ``max_hop_rows`` may
+            differ), or expert ids outside ``[0, E)`` on any rank.
+        RingPeerError: another rank failed inside the ring and this rank received data it sent after that
+            (``runtime.transport``); a failure inside a hop raises on its own rank after the ring's last
+            transfer, and the group stays usable.
     """
-    _check_routing_args(x, topk_ids, topk_scores)
-    _check_ffn_weights(x, w1, w2, w3, activation)
-    fn = _FFN_FNS.get((activation, use_grouped_mm))
-    if fn is None:
-        fn = _FFN_FNS[(activation, use_grouped_mm)] = ffn_expert_fn(activation, use_grouped_mm)
+    group_name = _group_name(group)
+    with _raising_together(group_name, x):
+        check_routing_args(x, topk_ids, topk_scores)
+        _check_ffn_weights(x, w1, w2, w3, activation)
+        if use_grouped_mm not in (None, True, False):
+            raise BadArgument("use_grouped_mm", f"ring_moe: use_grouped_mm must be None or a bool, got {use_grouped_mm!r}")
+    fn = _FFN_FNS[(activation, use_grouped_mm)]
     weights = [w1, w2] if w3 is None else [w1, w2, w3]
     return ring_moe_experts(
-        x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group,
+        x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
         name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
     )

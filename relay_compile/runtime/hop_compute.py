@@ -24,7 +24,8 @@ Legend: T tokens, H hidden, K top-k, P = T*K pairs, C rows of a chunk, N ranks, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,14 +33,14 @@ from torch import Tensor
 
 from relay_compile.experts import ExpertFn, GroupedExperts
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
-from relay_compile.runtime.transport import RingGroup, all_gather_rows, all_reduce_max
+from relay_compile.runtime.agreement import RingInputError, StepCounts, raise_bad_ids
+from relay_compile.runtime.transport import RingGroup, active_run
+
+# ``relay_compile.RingInputError`` is imported from here.
+RingInputError = RingInputError
 
 # Dtype of the per-pair score-gradient reductions (a dot product over H per pair).
 ACC_DTYPE = torch.float32
-
-
-class RingInputError(ValueError):
-    """A rank's inputs failed the step's validation; raised on every rank so none waits on a transfer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,31 +241,114 @@ class WeightGrads:
         )
 
 
+def _zeros_like(t: Tensor) -> Tensor:
+    """Zeros of ``t``'s shape and dtype without allocating them (materialized only where they are sent)."""
+    return t.new_zeros(()).expand(t.shape)
+
+
+def _guarded(where: Callable[[], str], compute: Callable[[], object], idle: Callable[[], object]) -> object:
+    """``compute()``; inside a multi-rank ``RingRun``, an exception marks the run failed instead of leaving,
+    and from then on ``idle()`` stands in for every guarded computation of the run.
+
+    ``idle`` gives zeros of the partials' shapes, so the program still posts and completes every transfer of
+    the schedule and no peer waits on this rank (``transport`` says how the failure is then reported). A
+    step driven directly (no run) or a ring of one raises at once.
+    """
+    run = active_run()
+    if run is None or not run.drains:
+        return compute()
+    if run.failure is None:
+        try:
+            return compute()
+        except Exception as e:  # any failure: the run raises it once the ring's transfers are done
+            run.fail(e, where())
+    return idle()
+
+
+def _drains(idle: Callable[..., object]) -> Callable[[Callable[..., object]], Callable[..., object]]:
+    """A step method run through ``_guarded``, ``idle(step, *args)`` standing in once the run failed."""
+
+    def wrap(method: Callable[..., object]) -> Callable[..., object]:
+        @functools.wraps(method)
+        def drained(self, *args):
+            hop = f" of hop {args[0]}" if args and isinstance(args[0], int) else ""
+            return _guarded(lambda: f"{method.__name__}{hop}", lambda: method(self, *args), lambda: idle(self, *args))
+
+        return drained
+
+    return wrap
+
+
+def _no_partials(step: RingStep, *args: object) -> tuple[Tensor, ...]:
+    return ()
+
+
+def _weight_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, ...]:
+    """Zero weight-gradient partials (expert routing backward): one per circulating weight."""
+    return tuple(_zeros_like(t) for t in args if isinstance(t, Tensor))
+
+
+def _token_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, ...]:
+    """Zero partials of the visiting tokens: ``y`` (forward), ``dx`` and ``d_scores`` (backward)."""
+    x_TH, _, scores_TK, *_ = [t for t in args if isinstance(t, Tensor)]
+    return (_zeros_like(x_TH), _zeros_like(scores_TK)) if step.backward else (_zeros_like(x_TH),)
+
+
+def _no_activations(step: RingStep, *args: object) -> HopActivations:
+    return HopActivations()
+
+
+def _trailing(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
+    return trailing
+
+
+def _setup(step: RingStep, plan: Callable[[], None]) -> None:
+    """The step's planning after the agreement, guarded like a hop (a failure there drains too)."""
+    _guarded(lambda: f"the setup of {type(step).__name__}", plan, lambda: None)
+
+
+def local_counts(cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor) -> StepCounts:
+    """The counts of a ring of one, without an agreement (a step driven directly); raises on bad ids."""
+    assert cfg.ring.size == 1, "ring_moe: a step of a multi-rank ring plans from the agreed counts"
+    ids_TK, bad = clamped_ids(cfg.num_experts, topk_ids_TK)
+    # NOTE: device-to-host sync, once per step.
+    local_bad, *counts = torch.cat([bad, PairRouting.counts(ids_TK, cfg.num_experts)]).tolist()
+    if local_bad:
+        raise_bad_ids(cfg.ring.rank, cfg.num_experts, [cfg.ring.rank])
+    return StepCounts(tokens_N=[x_TH.shape[0]], counts_NE=[counts])
+
+
 class ExpertRoutingStep:
-    """Expert routing: ``x`` stays, weight partitions circulate (and their gradients one hop behind)."""
+    """Expert routing: ``x`` stays, weight partitions circulate (and their gradients one hop behind).
+
+    ``counts``: the agreed counts (``runtime.agreement``; None: a ring of one counts its own). ``packed``:
+    the weights already in the expert function's packed layout.
+    """
 
     def __init__(
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-        weights: Sequence[Tensor], grad_y_TH: Tensor | None = None,
+        weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
+        packed: list[Tensor] | None = None,
     ) -> None:
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
-        self.weights = _pack(cfg, weights)
+        self.weights = pack_weights(cfg, weights) if packed is None else packed
         self.grad_y_TH = grad_y_TH
-        e_l = cfg.experts_per_rank
-        ids_TK, bad = _clamped_ids(cfg, topk_ids_TK)
-        counts_E = PairRouting.counts(ids_TK, cfg.num_experts)
-        any_bad = all_reduce_max(cfg.ring, bad.clone())
-        # NOTE: device-to-host sync, once per step: sizes every hop's chunks (and reads the error flags).
-        local_bad, any_bad, *counts_host = torch.cat([bad, any_bad, counts_E]).tolist()
-        _raise_if_bad(cfg, local_bad, any_bad)
-        self.routing = routing = PairRouting.build(topk_ids_TK, counts_host, e_l)
+        self.backward = grad_y_TH is not None
+        self.topk_shape = topk_scores_TK.shape
+        counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
+        _setup(self, lambda: self._plan(topk_ids_TK, topk_scores_TK, counts))
+
+    def _plan(self, topk_ids_TK: Tensor, topk_scores_TK: Tensor, counts: StepCounts) -> None:
+        cfg, e_l, x_TH = self.cfg, self.cfg.experts_per_rank, self.x_TH
+        own = counts.counts_NE[cfg.ring.rank]
+        assert own is not None, "ring_moe: the agreement gave no counts of this rank"
+        self.routing = routing = PairRouting.build(topk_ids_TK, own, e_l)
         self.chunks = plan_chunks([
             split_experts(routing.rows_per_expert(owner), routing.starts_host[owner * e_l], cfg.max_hop_rows)
             for owner in range(cfg.ring.size)
         ], e_l, x_TH.device)
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
-        self.topk_shape = topk_scores_TK.shape
-        if grad_y_TH is None:
+        if self.grad_y_TH is None:
             self.y_TH = torch.zeros_like(x_TH)
         else:
             self.dx_TH = torch.zeros_like(x_TH)
@@ -275,7 +359,7 @@ class ExpertRoutingStep:
         return self.weights
 
     def receive_buffers(self, hop: int, num_circulating: int, payload: Sequence[Tensor]) -> list[Tensor]:
-        # Every partition (and its gradient) has the shapes of the local one: checked at the first call.
+        # Every partition (and its gradient) has the shapes of the local one: agreed at every call.
         return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in payload]
 
     def _rows(self, hop: int) -> HopRows:
@@ -283,20 +367,24 @@ class ExpertRoutingStep:
         return HopRows(routing=self.routing, chunks=self.chunks[owner], src=self.cfg.ring.rank,
                        scores_S=self.scores_S)
 
+    @_drains(_no_partials)
     def forward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
         segment_forward(self.cfg, self._rows(hop), self.x_TH, weights, self.y_TH)
         return ()
 
+    @_drains(_weight_partials)
     def backward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
         dw = WeightGrads(weights)
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
         return dw.result()
 
+    @_drains(_no_activations)
     def recompute_hop(self, hop: int, *weights: Tensor) -> HopActivations:
         rows = self._rows(hop)
         return HopActivations(chunks=[_recompute_chunk(self.cfg, rows, c, self.x_TH, weights) for c in rows.chunks])
 
+    @_drains(_weight_partials)
     def vjp_hop(self, hop: int, acts: HopActivations, *weights: Tensor) -> tuple[Tensor, ...]:
         dw = WeightGrads(weights)
         assert self.grad_y_TH is not None
@@ -306,6 +394,7 @@ class ExpertRoutingStep:
         acts.chunks.clear()
         return dw.result()
 
+    @_drains(_trailing)
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         if self.grad_y_TH is None:
             return (self.y_TH,)
@@ -315,41 +404,38 @@ class ExpertRoutingStep:
 
 
 class TokenRoutingStep:
-    """Token routing: experts stay, token partitions circulate (and their accumulators one hop behind)."""
+    """Token routing: experts stay, token partitions circulate (and their accumulators one hop behind).
+
+    ``counts``: the agreed counts, every rank's (``runtime.agreement``; None: a ring of one counts its own).
+    """
 
     def __init__(
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-        weights: Sequence[Tensor], grad_y_TH: Tensor | None = None,
+        weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
+        packed: list[Tensor] | None = None,
     ) -> None:
         self.cfg, self.given_weights = cfg, list(weights)
-        self.weights = _pack(cfg, weights)
+        self.weights = pack_weights(cfg, weights) if packed is None else packed
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
         if grad_y_TH is not None:
             self.circulating.append(grad_y_TH)
             self.dw = WeightGrads(self.weights)
         self.backward = grad_y_TH is not None
-        # One small collective per step: every rank learns every partition's size and per-expert counts,
-        # so receive buffers and chunks are sized on the host without syncing in the hop loop.
-        ids_TK, bad = _clamped_ids(cfg, topk_ids_TK)
-        row = torch.cat([
-            torch.tensor([x_TH.shape[0]], dtype=torch.int64, device=x_TH.device),
-            bad,
-            PairRouting.counts(ids_TK, cfg.num_experts),
-        ])
-        table_NR = all_gather_rows(cfg.ring, row)
-        # NOTE: device-to-host sync, once per step.
-        table_host = table_NR.tolist()
-        _raise_if_bad(cfg, table_host[cfg.ring.rank][1], max(r[1] for r in table_host))
-        # Per source rank: its token count, then its pairs per global expert.
-        self.rows_N = [r[0] for r in table_host]
-        self.counts_host_NE = [r[2:] for r in table_host]
-        e_l, rank = cfg.experts_per_rank, cfg.ring.rank
+        counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
+        # Per source rank: its token count, then its pairs per global expert (every rank's: token routing).
+        self.rows_N = counts.tokens_N
+        self.counts_host_NE: list[list[int]] = [c for c in counts.counts_NE if c is not None]
+        assert len(self.counts_host_NE) == cfg.ring.size, "ring_moe: token routing needs every rank's counts"
+        _setup(self, self._plan)
+
+    def _plan(self) -> None:
+        e_l, rank = self.cfg.experts_per_rank, self.cfg.ring.rank
         own = slice(rank * e_l, (rank + 1) * e_l)
         self.chunks = plan_chunks([
             split_experts(self.counts_host_NE[src][own], sum(self.counts_host_NE[src][: own.start]),
-                          cfg.max_hop_rows)
-            for src in map(self._source, range(cfg.ring.size))
-        ], e_l, x_TH.device)
+                          self.cfg.max_hop_rows)
+            for src in map(self._source, range(self.cfg.ring.size))
+        ], e_l, self.circulating[0].device)
 
     def initial_circulating(self) -> list[Tensor]:
         return self.circulating
@@ -383,11 +469,13 @@ class TokenRoutingStep:
         ds_P = torch.zeros_like(ds_S).index_copy_(0, rows.routing.order_P[a:b], ds_S[a:b])
         return ds_P.to(scores_TK.dtype).view(scores_TK.shape)
 
+    @_drains(_token_partials)
     def forward_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> tuple[Tensor, ...]:
         y_TH = torch.zeros_like(x_TH)
         segment_forward(self.cfg, self._rows(hop, ids_TK, scores_TK), x_TH, self.weights, y_TH)
         return (y_TH,)
 
+    @_drains(_token_partials)
     def backward_hop(
         self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
@@ -397,10 +485,12 @@ class TokenRoutingStep:
         segment_backward(self.cfg, rows, x_TH, self.weights, dy_TH, dx_TH, ds_S, self.dw)
         return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
 
+    @_drains(_no_activations)
     def recompute_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> HopActivations:
         rows = self._rows(hop, ids_TK, scores_TK)
         return HopActivations(chunks=[_recompute_chunk(self.cfg, rows, c, x_TH, self.weights) for c in rows.chunks])
 
+    @_drains(_token_partials)
     def vjp_hop(
         self, hop: int, acts: HopActivations, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
@@ -412,13 +502,14 @@ class TokenRoutingStep:
         acts.chunks.clear()
         return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
 
+    @_drains(_trailing)
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         if not self.backward:
             return trailing
         return (*trailing, *_unpack_grads(self.cfg, self.dw.result(), self.given_weights))
 
 
-def _pack(cfg: RingStepConfig, weights: Sequence[Tensor]) -> list[Tensor]:
+def pack_weights(cfg: RingStepConfig, weights: Sequence[Tensor]) -> list[Tensor]:
     """The weights in the expert function's packed layout (what circulates and what chunks slice)."""
     return cfg.grouped.pack(weights) if cfg.grouped is not None else list(weights)
 
@@ -431,24 +522,7 @@ def _unpack_grads(cfg: RingStepConfig, grads: Sequence[Tensor], weights: Sequenc
 RingStep = ExpertRoutingStep | TokenRoutingStep
 
 
-def _clamped_ids(cfg: RingStepConfig, topk_ids_TK: Tensor) -> tuple[Tensor, Tensor]:
+def clamped_ids(num_experts: int, topk_ids_TK: Tensor) -> tuple[Tensor, Tensor]:
     """Ids safe to count with, and a ``(1,)`` int64 flag: does this rank hold ids outside ``[0, E)``?"""
-    bad = ((topk_ids_TK < 0) | (topk_ids_TK >= cfg.num_experts)).any().to(torch.int64).reshape(1)
-    return topk_ids_TK.clamp(0, cfg.num_experts - 1), bad
-
-
-def _raise_if_bad(cfg: RingStepConfig, local_bad: int, any_bad: int) -> None:
-    """Raise on every rank if any rank had bad ids.
-
-    The flags are exchanged before any transfer is posted, so a rank with bad ids never leaves its peers
-    waiting on a hop.
-    """
-    if local_bad:
-        raise RingInputError(
-            f"ring_moe: topk_ids holds expert ids outside [0, {cfg.num_experts}) on rank {cfg.ring.rank}"
-        )
-    if any_bad:
-        raise RingInputError(
-            f"ring_moe: another rank of the EP group passed expert ids outside [0, {cfg.num_experts}); "
-            f"rank {cfg.ring.rank} stops with it so no rank waits on a transfer"
-        )
+    bad = ((topk_ids_TK < 0) | (topk_ids_TK >= num_experts)).any().to(torch.int64).reshape(1)
+    return topk_ids_TK.clamp(0, num_experts - 1), bad

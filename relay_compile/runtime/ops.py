@@ -7,21 +7,105 @@
 that the ring runs at run time under aot_autograd (a Python ``register_autograd`` backward runs only while
 tracing). Both ops have fake implementations, so they trace under torch.compile without communicating.
 
-Per call: the spec's first-call agreement across ranks (``specs.agree_on_first_call``), one ``RingStep``
-(``hop_compute``: what the hops compute), and the spec's program (``programs.pipeline.program_for``: when).
+Per call:
+
+1. local preparation: the arguments' checks, expert-id counts, the weights' packing; any error here becomes
+   this rank's problem instead of leaving the op;
+2. the agreement (``runtime.agreement.agree``): one exchange, every rank raises alike on a problem or a
+   disagreement, ``routing="auto"`` resolved;
+3. one ``RingStep`` (``hop_compute``: what the hops compute) and the spec's program
+   (``programs.pipeline.program_for``: when), run inside a ``transport.RingRun``: a failure inside a hop
+   drains the ring and raises after the last transfer; nothing is left posted when the op raises.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from relay_compile.runtime.hop_compute import ExpertRoutingStep, RingStepConfig, TokenRoutingStep
+from relay_compile.routing import PairRouting
+from relay_compile.runtime.agreement import BadArgument, Claims, agree
+from relay_compile.runtime.hop_compute import (
+    ExpertRoutingStep,
+    RingStepConfig,
+    TokenRoutingStep,
+    clamped_ids,
+    pack_weights,
+)
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import program_for
 from relay_compile.runtime.programs.schedule import Direction
-from relay_compile.runtime.specs import agree_on_first_call, spec_state
-from relay_compile.runtime.transport import RingGroup
+from relay_compile.runtime.specs import SpecState, holding, spec_state
+from relay_compile.runtime.transport import RingGroup, RingRun
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class _Local:
+    """What a rank prepares before the agreement: its claims, and what the step reuses."""
+
+    claims: Claims
+    bad_ids: Tensor
+    counts_E: Tensor
+    packed: list[Tensor] | None = None
+
+
+def check_routing_args(x: Tensor, topk_ids: Tensor, topk_scores: Tensor) -> None:
+    """Shapes and dtypes of the routing arguments; ``BadArgument`` naming the argument."""
+    if x.dim() != 2:
+        raise BadArgument("x", f"ring_moe: x must be (T, H) local tokens, got shape {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise BadArgument("topk_ids", (
+            f"ring_moe: topk_ids must be (T, K) with T = x.shape[0] = {x.shape[0]}, got {tuple(topk_ids.shape)}"))
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise BadArgument("topk_ids", f"ring_moe: topk_ids must hold integer expert ids, got dtype {topk_ids.dtype}")
+    if topk_scores.shape != topk_ids.shape:
+        raise BadArgument("topk_scores", (
+            f"ring_moe: topk_scores must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_scores.shape)}"))
+    if not topk_scores.dtype.is_floating_point:
+        raise BadArgument("topk_scores", f"ring_moe: topk_scores must be floating point, got {topk_scores.dtype}")
+
+
+def _check_grad(x: Tensor, grad_y: Tensor | None) -> None:
+    if grad_y is not None and (grad_y.shape != x.shape or grad_y.dtype != x.dtype):
+        raise BadArgument("grad_y", (
+            f"ring_moe: grad_y must have x's shape and dtype {tuple(x.shape)} {x.dtype}, got "
+            f"{tuple(grad_y.shape)} {grad_y.dtype}"))
+
+
+def _prepare(
+    direction: Direction, state: SpecState, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor, topk_scores: Tensor,
+    weights: Sequence[Tensor], grad_y: Tensor | None,
+) -> _Local:
+    """Step 1 of the module docstring: this rank's claims; an error becomes its problem."""
+    spec = state.spec
+    no_counts = torch.zeros(0, dtype=torch.int64, device=x.device)
+    try:
+        check_routing_args(x, topk_ids, topk_scores)
+        _check_grad(x, grad_y)
+        ids_TK, bad = clamped_ids(cfg.num_experts, topk_ids)
+        counts_E = PairRouting.counts(ids_TK, cfg.num_experts)
+        packed = pack_weights(cfg, weights)
+        circulating = len(packed)
+        assert circulating == spec.circulating_weights(len(weights)), (
+            f"ring_moe: the expert function packs {len(weights)} weights into {circulating} tensors, "
+            f"not the {spec.circulating_weights(len(weights))} its num_packed promises"
+        )
+    except Exception as e:  # any local failure: reported in the exchange, so no peer waits on this rank
+        return _Local(claims=Claims(direction=direction, problem=e), bad_ids=no_counts.new_zeros(1),
+                      counts_E=no_counts)
+    claims = Claims(
+        direction=direction, tokens=x.shape[0], hidden=x.shape[1], top_k=topk_ids.shape[1],
+        dtypes=(x.dtype, topk_ids.dtype, topk_scores.dtype, None if grad_y is None else grad_y.dtype),
+        experts_per_rank=spec.experts_per_rank, options=spec.options, expert_fn=state.identity_code,
+        weights=tuple((w.dtype, tuple(w.shape)) for w in weights),
+    )
+    return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 
 
 def _run(
@@ -31,22 +115,26 @@ def _run(
     state = spec_state(key)
     ring = RingGroup.resolve(state.spec.group_name)
     if ring != state.ring:
-        # The group behind the name was destroyed and created anew (tests, elastic restarts): check again.
-        state.ring, state.resolved = ring, None
-    routing = agree_on_first_call(state, x, topk_ids, weights)
+        state.ring = ring  # the group behind the name was destroyed and created anew (tests, elastic restarts)
     spec = state.spec
     cfg = RingStepConfig(
-        expert_fn=spec.expert_fn, ring=state.ring, num_experts=spec.experts_per_rank * state.ring.size,
+        expert_fn=spec.expert_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
         max_hop_rows=spec.options.max_hop_rows,
     )
-    step_cls = ExpertRoutingStep if routing == "expert" else TokenRoutingStep
-    step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y)
-    program = program_for(spec, direction, routing, state.ring.size, len(weights))
-    assert len(step.weights) == spec.circulating_weights(len(weights)), (
-        f"ring_moe: the expert function packs {len(weights)} weights into {len(step.weights)} tensors, "
-        f"not the {spec.circulating_weights(len(weights))} its num_packed promises"
-    )
-    return run_program(program, step, step.initial_circulating())
+    local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
+    agreed = agree(ring, local.claims, local.bad_ids, local.counts_E,
+                   weight_bytes=sum(w.numel() * w.element_size() for w in weights), elem_bytes=x.element_size())
+    if agreed.routing != state.resolved:
+        log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", agreed.routing, spec.options.routing,
+                 agreed.volumes)
+    state.resolved, state.volumes = agreed.routing, agreed.volumes
+    program = program_for(spec, direction, agreed.routing, ring.size, len(weights))
+    step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
+    with RingRun(ring, x.device, direction) as run:
+        step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed)
+        out = run_program(program, step, step.initial_circulating())
+    run.outcome()
+    return out
 
 
 @torch.library.custom_op("relaymoe::ring_moe", mutates_args=())
@@ -80,13 +168,16 @@ def _setup_context(ctx, inputs, output) -> None:
     x, topk_ids, topk_scores, weights, spec = inputs
     ctx.save_for_backward(x, topk_ids, topk_scores, *weights)
     ctx.spec = spec
+    # The backward runs with this very spec, even if the registry evicted or replaced it meanwhile.
+    ctx.spec_state = spec_state(spec)
 
 
 def _backward(ctx, grad_y: Tensor):
     x, topk_ids, topk_scores, *weights = ctx.saved_tensors
-    dx, d_scores, *d_weights = torch.ops.relaymoe.ring_moe_backward(
-        grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec
-    )
+    with holding(ctx.spec_state):
+        dx, d_scores, *d_weights = torch.ops.relaymoe.ring_moe_backward(
+            grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec
+        )
     return dx, None, d_scores, d_weights, None
 
 

@@ -1,33 +1,46 @@
 """Ring specs: everything about a ring that is not a tensor, registered under a string key.
 
 The ``relaymoe`` custom ops take a spec *key* (custom ops cannot take callables, and a string keeps compiled
-graphs printable and cacheable). ``register_spec`` derives the key from the spec, so every rank that
-registers the same ring gets the same key, whichever entry point (``ring_moe``, the rewrite pass) made it.
+graphs printable and cacheable). ``register_spec`` derives the key from the spec and the expert function's
+name, so every process that registers the same ring gets the same key, whichever entry point made it. The key
+is a key of this process's registry only: nothing about it has to match across ranks (``max_hop_rows`` is in
+it and may differ per rank). What the ranks must agree on is checked at every call by ``runtime.agreement``,
+from the spec's options and its ``identity`` (the expert function's, from ``fn_identity``).
 
-At the first call of a spec, ``agree_on_first_call`` checks once, with one small all-gather, that all ranks
-pass tokens and weights of the same shapes and dtype (a mismatch would make the ring's receives wrong), and
-resolves ``routing="auto"`` from the shapes of all ranks, so every rank takes the same decision.
+Two kinds of registrations:
+
+- *pinned* (the rewrite pass, and anything registered while torch.compile traces): a compiled graph keeps
+  the key for its lifetime, so these are never evicted; re-registering a key with another spec raises.
+- *functional* (``ring_moe_experts`` called eagerly): a call registers and runs at once, so re-registering a
+  key replaces its spec (the latest expert function wins: the key says it computes the same), and at most
+  ``MAX_FUNCTIONAL_SPECS`` stay registered, least recently used evicted first. A forward's autograd context
+  holds its spec, and its backward runs with that one (``holding``), evicted or replaced since or not.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import contextvars
+import functools
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
 from relay_compile.experts import ExpertFn, GroupedExperts
-from relay_compile.routing import Routing, choose_routing, per_hop_bytes
+from relay_compile.routing import Routing
+from relay_compile.runtime.fn_identity import identity_code
 from relay_compile.runtime.ring_options import RingOptions
-from relay_compile.runtime.transport import RingGroup, all_gather_rows
+from relay_compile.runtime.transport import RingGroup
 
-log = logging.getLogger(__name__)
+# Functional registrations kept at once (one per live expert function and max_hop_rows, typically a few).
+MAX_FUNCTIONAL_SPECS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
 class RingSpec:
-    """Everything about a ring that is not a tensor. Identical on every rank."""
+    """Everything about a ring that is not a tensor."""
 
     expert_fn: ExpertFn
     experts_per_rank: int
@@ -46,75 +59,80 @@ class RingSpec:
 
 @dataclass(kw_only=True)
 class SpecState:
-    """A registered spec and what its first call resolved (per process)."""
+    """A registered spec (per process) and what its last call resolved."""
 
+    key: str
     spec: RingSpec
     ring: RingGroup
+    # What every rank must agree on about the expert function (a name equal in every process).
+    identity: str
     resolved: Routing | None = None
     volumes: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    @functools.cached_property
+    def identity_code(self) -> int:
+        return identity_code(self.identity)
 
-_SPECS: dict[str, SpecState] = {}
+
+_PINNED: dict[str, SpecState] = {}
+_FUNCTIONAL: OrderedDict[str, SpecState] = OrderedDict()
+# The spec a backward runs with: its forward's, held by the autograd context.
+_HELD: contextvars.ContextVar[SpecState | None] = contextvars.ContextVar("relaymoe_held_spec", default=None)
 
 
-def register_spec(spec: RingSpec, fn_name: str) -> str:
-    """Register ``spec`` under its key (idempotent for an equal spec); returns the key."""
+def register_spec(spec: RingSpec, fn_name: str, *, identity: str | None = None, functional: bool = False) -> str:
+    """Register ``spec`` under its key; returns the key.
+
+    ``identity``: the expert function's cross-rank identity (default ``fn_name``, which must then be the same
+    in every process). ``functional``: a registration of the functional API (see the module docstring);
+    otherwise pinned, idempotent for an equal spec, and a different spec under the key raises ``ValueError``.
+    """
     key = spec.key(fn_name)
-    state = _SPECS.get(key)
-    if state is not None and state.spec != spec:
-        raise ValueError(f"relaymoe: ring spec {key!r} is already registered with other settings")
+    identity = fn_name if identity is None else identity
+    if not functional or torch.compiler.is_compiling():
+        state = _PINNED.get(key)
+        if state is not None and state.spec != spec and not functional:
+            raise ValueError(f"relaymoe: ring spec {key!r} is already registered with other settings")
+        if state is None or state.spec != spec:
+            _PINNED[key] = SpecState(key=key, spec=spec, ring=RingGroup.resolve(spec.group_name), identity=identity)
+        return key
+    state = _FUNCTIONAL.get(key)
     if state is None:
-        _SPECS[key] = SpecState(spec=spec, ring=RingGroup.resolve(spec.group_name))
+        _FUNCTIONAL[key] = SpecState(key=key, spec=spec, ring=RingGroup.resolve(spec.group_name), identity=identity)
+        while len(_FUNCTIONAL) > MAX_FUNCTIONAL_SPECS:
+            _FUNCTIONAL.popitem(last=False)
+    elif state.spec != spec:
+        _FUNCTIONAL[key] = SpecState(key=key, spec=spec, ring=state.ring, identity=identity)
+    _FUNCTIONAL.move_to_end(key)
     return key
 
 
 def spec_state(key: str) -> SpecState:
     """The registered state of ``key``; ``KeyError`` naming it when this process has none."""
+    held = _HELD.get()
+    if held is not None and held.key == key:
+        return held
+    state = _PINNED.get(key)
+    if state is not None:
+        return state
     try:
-        return _SPECS[key]
+        state = _FUNCTIONAL[key]
     except KeyError:
         raise KeyError(f"relaymoe: no ring spec {key!r} registered in this process") from None
+    _FUNCTIONAL.move_to_end(key)
+    return state
 
 
-# Dtypes as small ints for the shape check (any fixed numbering works: every rank uses this table).
-_DTYPE_CODES = {dt: i for i, dt in enumerate(
-    (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2))}
-_SIGNATURE_LEN = 24
+def registered() -> int:
+    """How many specs this process holds (pinned and functional)."""
+    return len(_PINNED) + len(_FUNCTIONAL)
 
 
-def _signature(x: Tensor, topk_ids: Tensor, weights: list[Tensor]) -> Tensor:
-    """``[T, H, K, dtype, nweights, *shapes]`` as a fixed-length int64 row (T is the only per-rank size)."""
-    row = [x.shape[0], x.shape[1], topk_ids.shape[1], _DTYPE_CODES.get(x.dtype, 99), len(weights)]
-    for w in weights:
-        row += [w.dim(), *w.shape, _DTYPE_CODES.get(w.dtype, 99)]
-    if len(row) > _SIGNATURE_LEN:
-        row = row[:5] + [hash(tuple(row[5:])) % (1 << 62)]
-    return torch.tensor(row + [0] * (_SIGNATURE_LEN - len(row)), dtype=torch.int64, device=x.device)
-
-
-def agree_on_first_call(state: SpecState, x: Tensor, topk_ids: Tensor, weights: list[Tensor]) -> Routing:
-    """First call of a spec: check shapes across ranks and pick the routing, identically on every rank."""
-    if state.resolved is not None:
-        return state.resolved
-    table = all_gather_rows(state.ring, _signature(x, topk_ids, weights)).tolist()
-    for rank, row in enumerate(table):
-        if row[1:] != table[state.ring.rank][1:]:
-            raise ValueError(
-                f"ring_moe: rank {rank} of the EP group passes hidden size, top-k, dtype or weight shapes "
-                f"{row[1:]} that differ from rank {state.ring.rank}'s {table[state.ring.rank][1:]}; every rank "
-                "must hold expert partitions of one shape"
-            )
-    spec = state.spec
-    volume_args = dict(
-        tokens=max(row[0] for row in table), hidden=x.shape[1], top_k=topk_ids.shape[1],
-        experts_per_rank=spec.experts_per_rank, elem_bytes=x.element_size(),
-        expert_bytes=sum(w.numel() * w.element_size() for w in weights) // spec.experts_per_rank,
-    )
-    state.volumes = {mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")}
-    asked = spec.options.routing
-    resolved: Routing = "token" if asked == "token" else "expert"
-    if asked == "auto":
-        resolved = choose_routing(**volume_args)
-    state.resolved = resolved
-    log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", resolved, asked, state.volumes)
-    return resolved
+@contextlib.contextmanager
+def holding(state: SpecState) -> Iterator[None]:
+    """Within: ``spec_state(state.key)`` is ``state`` (a backward runs with its forward's spec)."""
+    token = _HELD.set(state)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)

@@ -6,19 +6,46 @@ until both sides complete and returns the receive buffers. All ranks run the sam
 same transfers in the same order; tags keep concurrent transfers to the same peer apart (gloo matches by tag,
 NCCL by order).
 
-Timeouts: a transfer waits as long as the process group's timeout (``init_process_group(timeout=...)``);
-a peer that dies mid-ring makes the others fail after that timeout, as with any collective.
+A program runs inside a ``RingRun`` (one op call), which
+
+- tracks every transfer posted and not yet waited on: if an exception leaves the program, each of them is
+  waited on before it leaves the op (torch offers no way to cancel a posted P2P op), so no buffer is
+  freed under a pending receive;
+- adds a status element to every transfer: 0, or ``1 + r`` for the highest rank ``r`` this rank has heard
+  of failing inside the ring, so the news travels with the data. A rank whose hop compute fails *drains*
+  (``hop_compute``: later hops compute nothing, transfers go on), so the ranks never stop posting;
+  ``outcome`` raises the rank's own error, or ``RingPeerError`` naming the failing rank on a rank that
+  received anything sent after the failure (its results may depend on the missing hops). A rank that
+  received nothing sent after the failure returns normally: its results do not depend on the failed hops.
+  Reading the status is one host read of one element per op call, after the last transfer.
+
+Timeouts: a transfer waits as long as the process group's timeout (``init_process_group(timeout=...)``).
+A peer that stops without draining (an error outside hop compute, or a dead process) leaves its neighbours
+waiting until then, or until the backend notices (gloo reports a closed connection at once);
+``RingTransportError`` then names the neighbours of the failed transfer.
 """
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 # Tags of one transfer are ``index * TAGS_PER_TRANSFER + position``: room for every tensor of a payload.
 TAGS_PER_TRANSFER = 64
+# The status element of transfer ``index`` travels under ``STATUS_TAG + index``: above every payload tag.
+STATUS_TAG = 1 << 24
+
+
+class RingTransportError(RuntimeError):
+    """A transfer or exchange of the ring failed in the backend (a peer stopped, died, or timed out)."""
+
+
+class RingPeerError(RuntimeError):
+    """Another rank failed inside the ring, and this rank received data sent after that failure."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,22 +77,134 @@ class RingGroup:
 
 
 @dataclass(kw_only=True)
+class HopFailure:
+    """This rank's first failure inside a run, and where it happened."""
+
+    error: Exception
+    where: str
+
+
+class RingRun:
+    """One program run (one op call): its posted transfers, its failure, the failure status it has heard.
+
+    Used as a context manager around building the step and running the program: the transport and the hop
+    compute find it with ``active_run()``.
+    """
+
+    def __init__(self, ring: RingGroup, device: torch.device, label: str) -> None:
+        self.ring, self.label = ring, label
+        self.posted: list[RingTransfer] = []
+        self.failure: HopFailure | None = None
+        # (1,) int64: 0, or 1 + the highest failing rank heard of (own failure included).
+        self.status = torch.zeros(1, dtype=torch.int64, device=device)
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> RingRun:
+        self._token = _ACTIVE_RUN.set(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self._token is not None
+        _ACTIVE_RUN.reset(self._token)
+        if exc is not None:
+            self._settle(exc)
+
+    @property
+    def drains(self) -> bool:
+        """Whether a hop failure drains (peers to keep posting for) instead of raising at once."""
+        return self.ring.size > 1
+
+    def fail(self, error: Exception, where: str) -> None:
+        """Record this rank's failure (the first one counts); later transfers carry it to the peers."""
+        if self.failure is None:
+            self.failure = HopFailure(error=error, where=where)
+            self.status = torch.full_like(self.status, self.ring.rank + 1)
+
+    def _settle(self, error: BaseException) -> None:
+        """An exception leaves the program: wait on every transfer still posted, so none is left pending."""
+        for xfer in list(self.posted):
+            try:
+                xfer.wait()
+            except Exception as e:  # the transfer failed as well: the original error is the one to raise
+                _note(error, f"relay_compile: transfer {xfer.index} of rank {self.ring.rank} could not complete "
+                             f"after it ({e})")
+        self.posted.clear()
+
+    def outcome(self) -> None:
+        """After the program: raise this rank's failure, or ``RingPeerError`` if a peer's reached this rank."""
+        assert not self.posted, "ring transport: a program returned with transfers still posted"
+        if self.failure is not None:
+            _note(self.failure.error, (
+                f"relay_compile: rank {self.ring.rank} failed in {self.failure.where} of the {self.label} ring; it "
+                "completed the ring's remaining transfers (computing nothing) so that no peer waits on it"
+            ))
+            raise self.failure.error
+        if self.ring.size == 1:
+            return
+        # NOTE: device-to-host sync, once per op call: the failure status after the last transfer.
+        failed = int(self.status.item()) - 1
+        if failed >= 0:
+            raise RingPeerError(
+                f"ring_moe: rank {failed} of the EP group failed inside the {self.label} ring, and rank "
+                f"{self.ring.rank} received data it sent after that, so this call fails here too (rank {failed} "
+                "raised the cause; every transfer completed, the group stays usable)"
+            )
+
+
+_ACTIVE_RUN: contextvars.ContextVar[RingRun | None] = contextvars.ContextVar("relaymoe_ring_run", default=None)
+
+
+def active_run() -> RingRun | None:
+    """The ``RingRun`` in progress on this thread, if any (a step driven directly has none)."""
+    return _ACTIVE_RUN.get()
+
+
+def _note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(note)
+
+
+@dataclass(kw_only=True, eq=False)  # compared by identity: the run removes exactly this one
 class RingTransfer:
     """One posted transfer: the send tensors stay referenced until ``wait`` so they are not freed early."""
 
     sent: list[Tensor]
     received: list[Tensor]
     works: list[dist.Work] = field(default_factory=list)
+    index: int = 0
+    ring: RingGroup | None = None
+    run: RingRun | None = None
+    status_in: Tensor | None = None
 
     def wait(self) -> tuple[Tensor, ...]:
-        for work in self.works:
-            work.wait()
+        run, self.run = self.run, None
+        if run is not None:
+            run.posted.remove(self)
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as e:
+            raise RingTransportError(self._failed(e)) from e
         self.sent = []
+        if run is not None and self.status_in is not None:
+            run.status = torch.maximum(run.status, self.status_in)
         return tuple(self.received)
+
+    def _failed(self, e: Exception) -> str:
+        r = self.ring
+        assert r is not None
+        return (
+            f"ring_moe: transfer {self.index} of rank {r.rank} (receiving from global rank {r.prev_global}, sending "
+            f"to global rank {r.next_global}) failed: {e}. A neighbour that stopped outside hop compute or died "
+            "leaves this rank here until the backend notices or the process group's timeout"
+        )
 
 
 def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: list[Tensor]) -> RingTransfer:
-    """Post ``payload`` to the next rank and ``receive`` (preallocated, contiguous) from the previous."""
+    """Post ``payload`` to the next rank and ``receive`` (preallocated, contiguous) from the previous.
+
+    Inside a ``RingRun`` the transfer also carries the run's failure status and is tracked until waited on.
+    """
     assert len(payload) == len(receive) <= TAGS_PER_TRANSFER, "ring transport: payload and receive disagree"
     sent = [t.contiguous() for t in payload]
     if ring.size == 1:
@@ -75,23 +214,44 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
         tag = index * TAGS_PER_TRANSFER + pos
         ops.append(dist.P2POp(dist.isend, send_t, ring.next_global, ring.group, tag))
         ops.append(dist.P2POp(dist.irecv, recv_t, ring.prev_global, ring.group, tag))
-    return RingTransfer(sent=sent, received=receive, works=dist.batch_isend_irecv(ops))
+    run = active_run()
+    status_in = None
+    if run is not None:
+        status_out, status_in = run.status.clone(), torch.empty_like(run.status)
+        sent.append(status_out)
+        ops.append(dist.P2POp(dist.isend, status_out, ring.next_global, ring.group, STATUS_TAG + index))
+        ops.append(dist.P2POp(dist.irecv, status_in, ring.prev_global, ring.group, STATUS_TAG + index))
+    xfer = RingTransfer(sent=sent, received=receive, works=dist.batch_isend_irecv(ops), index=index, ring=ring,
+                        run=run, status_in=status_in)
+    if run is not None:
+        run.posted.append(xfer)
+    return xfer
 
 
 def all_gather_rows(ring: RingGroup, row_R: Tensor) -> Tensor:
-    """Every rank's ``row_R`` stacked ``(N, R)``: the step's one small collective of token routing."""
+    """Every rank's ``row_R`` stacked ``(N, R)``: the step's one small exchange (``runtime.agreement``).
+
+    Every rank must pass a row of the same length (gloo aborts the process otherwise).
+    """
     if ring.size == 1:
         return row_R[None]
     # Flat output: gloo's all-gather rejects a 2-D output tensor.
     out = row_R.new_empty(ring.size * row_R.numel())
     # all_gather_single is 2.13's name; 2.11 (our GPU machines) only has all_gather_into_tensor.
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    gather(out, row_R.contiguous(), group=ring.group)
+    try:
+        gather(out, row_R.contiguous(), group=ring.group)
+    except RuntimeError as e:
+        raise RingTransportError(
+            f"ring_moe: the step's agreement exchange failed on rank {ring.rank}: {e}. A rank that did not reach "
+            "this call (it stopped before it, or its calls are out of step) leaves the others here until the "
+            "process group's timeout"
+        ) from e
     return out.view(ring.size, -1)
 
 
 def all_reduce_max(ring: RingGroup, t: Tensor) -> Tensor:
-    """Elementwise max over the group (error flags: one rank's bad input stops every rank)."""
+    """Elementwise max over the group (a flag every rank must learn)."""
     if ring.size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ring.group)
     return t

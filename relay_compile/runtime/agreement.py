@@ -1,0 +1,332 @@
+"""agreement: what every rank of a ring must agree on, settled by one small exchange per op call.
+
+Contract:
+    Every call of a ring op, forward or backward, runs ``agree`` once before it posts any transfer: one
+    all-gather of an int64 row per rank whose length depends only on state every rank shares (never on the
+    arguments, the spec or this rank's history), so every rank always takes the same collective path.
+    The row carries this rank's *claims*: a local problem (an argument that failed a check, or any error
+    before the exchange: code, argument and the first bytes of the message), the direction, token count,
+    hidden size, top-k, the dtypes of everything that travels (x, topk_ids, topk_scores, grad_y), experts
+    per rank, weight count, shapes and dtypes, the options that change the transfer schedule (routing asked,
+    overlap, remat; never ``max_hop_rows``, a per-rank memory knob), the expert function's identity
+    (``fn_identity``), then what the step needs: a bad-expert-id flag and the pair counts per expert.
+    Every rank checks the gathered table in the same order and raises the same ``RingInputError``, naming the
+    rank and the argument; the rank whose own argument failed raises its own error. ``routing="auto"`` is
+    resolved from the table at every call (the same on every rank).
+
+Pair counts travel in the same row when they fit the group's counts capacity (the largest expert count an
+agreed call of this group has had, shared state that grows identically on every rank); the first call of a
+group (or of a larger expert count) sends none, and then token routing runs a second all-gather of the
+agreed length, while expert routing reads its own counts locally. A row of a length that differs across
+ranks is never sent: gloo aborts the process on one.
+
+``fail_together`` is the same exchange for a rank that failed before reaching the op (``ring_moe``'s own
+checks): it sends a row with its problem and raises with the others.
+
+Legend: N ranks, E experts in the group, E_l experts per rank, T tokens, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
+from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.transport import RingGroup, all_gather_rows
+
+Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
+
+# Arguments a problem can name; a problem's code is 1 + the index. "the call" is any other local error.
+ARGUMENTS = (
+    "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
+    "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "the call",
+)
+# Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.
+_DTYPES = (
+    None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+)
+MAX_WEIGHTS, MAX_DIMS = 6, 4  # weights described field by field; more weights or dims: a digest only
+MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
+_WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
+_HEADER = (
+    "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
+    "experts_per_rank", "routing", "overlap", "remat", "expert_fn", "num_weights", "weights_digest",
+    *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
+    *(f"message{i}" for i in range(MESSAGE_WORDS)),
+)
+_AT = {name: i for i, name in enumerate(_HEADER)}
+BAD_IDS = len(_HEADER)  # then the bad-id flag (from the device), then the counts
+COUNTS = BAD_IDS + 1
+
+# What every rank must pass alike, in the order they are checked: (field, what it is, how to print a value).
+_AGREED = (
+    ("experts_per_rank", "experts per rank (experts_per_rank, or w1.shape[0])", str),
+    ("expert_fn", "the expert function (expert_fn and name=; code shown is a digest)", lambda v: f"#{v:x}"),
+    ("routing", "option routing", lambda v: repr(ROUTINGS[v])),
+    ("overlap", "option overlap", lambda v: str(bool(v))),
+    ("remat", "option remat", lambda v: str(bool(v))),
+    ("hidden", "the hidden size (x.shape[1])", str),
+    ("top_k", "top-k (topk_ids.shape[1])", str),
+    ("x_dtype", "x's dtype", lambda v: dtype_name(v)),
+    ("ids_dtype", "topk_ids' dtype", lambda v: dtype_name(v)),
+    ("scores_dtype", "topk_scores' dtype", lambda v: dtype_name(v)),
+    ("grad_dtype", "grad_y's dtype", lambda v: dtype_name(v)),
+)
+
+
+class RingInputError(ValueError):
+    """The ranks' inputs failed the step's agreement; raised on every rank before any transfer is posted."""
+
+
+class BadArgument(ValueError):
+    """An argument that failed a local check; ``argument`` names it (one of ``ARGUMENTS``)."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        assert argument in ARGUMENTS, argument
+        super().__init__(message)
+        self.argument = argument
+
+
+def dtype_code(dtype: torch.dtype | None) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else 1000 + zlib.crc32(str(dtype).encode()) % 10**6
+
+
+def dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if 0 < code < len(_DTYPES) else ("none" if code == 0 else f"dtype#{code}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claims:
+    """This rank's side of the agreement (with a ``problem``, the other fields may stay empty)."""
+
+    direction: Direction = "forward"
+    problem: Exception | None = None
+    tokens: int = 0
+    hidden: int = 0
+    top_k: int = 0
+    dtypes: tuple[torch.dtype | None, ...] = (None, None, None, None)  # x, topk_ids, topk_scores, grad_y
+    experts_per_rank: int = 0
+    options: RingOptions = field(default_factory=RingOptions)
+    expert_fn: int = 0
+    weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+
+    def header(self, counts_len: int) -> list[int]:
+        row = dict.fromkeys(_HEADER, 0)
+        if self.problem is not None:
+            row["problem"] = 1 + ARGUMENTS.index(getattr(self.problem, "argument", "the call"))
+            row |= dict(zip([f"message{i}" for i in range(MESSAGE_WORDS)], _encode(str(self.problem)), strict=True))
+        row |= dict(
+            direction=int(self.direction == "backward"), tokens=self.tokens, hidden=self.hidden, top_k=self.top_k,
+            experts_per_rank=self.experts_per_rank, routing=ROUTINGS.index(self.options.routing),
+            overlap=int(self.options.overlap), remat=int(self.options.remat), expert_fn=self.expert_fn,
+            num_weights=len(self.weights), counts_len=counts_len,
+        )
+        row |= zip(("x_dtype", "ids_dtype", "scores_dtype", "grad_dtype"), map(dtype_code, self.dtypes), strict=True)
+        row |= _weight_fields(self.weights)
+        return list(row.values())
+
+
+def _weight_fields(weights: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, int]:
+    """Each weight's dtype, rank and sizes, or (too many to list) a digest of them all."""
+    if len(weights) > MAX_WEIGHTS or any(len(shape) > MAX_DIMS for _, shape in weights):
+        return {"weights_digest": 1 + zlib.crc32(repr([(str(d), s) for d, s in weights]).encode())}
+    fields = {}
+    for i, (dtype, shape) in enumerate(weights):
+        dims = [*shape, *[0] * (MAX_DIMS - len(shape))]
+        fields |= dict(zip([f"w{i}.{f}" for f in _WEIGHT_FIELDS], [dtype_code(dtype), len(shape), *dims], strict=True))
+    return fields
+
+
+def _encode(message: str) -> list[int]:
+    raw = message.encode()[: 8 * MESSAGE_WORDS].ljust(8 * MESSAGE_WORDS, b"\0")
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _decode(words: Sequence[int]) -> str:
+    raw = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+    return raw.rstrip(b"\0").decode(errors="ignore")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCounts:
+    """What a step plans its chunks from: every rank's token count and pairs per global expert.
+
+    ``counts_NE[r]`` is None for a rank whose counts this rank was not sent (expert routing needs its own only).
+    """
+
+    tokens_N: list[int]
+    counts_NE: list[list[int] | None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Agreement:
+    """The agreed call: its routing (``auto`` resolved), counts, and the per-hop volumes it was chosen by."""
+
+    routing: Routing
+    counts: StepCounts
+    volumes: dict[str, dict[str, int]]
+
+
+@dataclass(kw_only=True)
+class _GroupState:
+    counts_cap: int = 0  # counts travel in the row when the group's expert count fits (same on every rank)
+
+
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _group_state(ring: RingGroup) -> _GroupState:
+    return _GROUPS.setdefault(ring.group, _GroupState()) if ring.group is not None else _GroupState()
+
+
+def agree(
+    ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, weight_bytes: int, elem_bytes: int
+) -> Agreement:
+    """The exchange of one op call; raises ``RingInputError`` (or this rank's own problem) on every rank.
+
+    ``bad_ids``: ``(1,)`` int64 flag of ids outside ``[0, E)``; ``counts_E``: int64 pairs per expert (device).
+    ``weight_bytes``, ``elem_bytes``: this rank's weight and token element sizes, for ``routing="auto"``.
+    """
+    state = _group_state(ring)
+    table = _exchange(ring, claims, bad_ids, counts_E, state.counts_cap)
+    _check(ring, claims, table)
+    e = len(counts_E)
+    counts_NE: list[list[int] | None] = [row[COUNTS : COUNTS + e] if row[_AT["counts_len"]] else None for row in table]
+    head = table[0]
+    volume_args = dict(
+        tokens=max(row[_AT["tokens"]] for row in table), hidden=head[_AT["hidden"]], top_k=head[_AT["top_k"]],
+        experts_per_rank=head[_AT["experts_per_rank"]], elem_bytes=elem_bytes,
+        expert_bytes=weight_bytes // max(1, head[_AT["experts_per_rank"]]),
+    )
+    asked = ROUTINGS[head[_AT["routing"]]]
+    routing: Routing = choose_routing(**volume_args) if asked == "auto" else asked  # type: ignore[assignment]
+    if counts_NE[ring.rank] is None:
+        # NOTE: the group's first call with this many experts: counts did not fit the row.
+        counts_NE = all_gather_rows(ring, counts_E).tolist() if routing == "token" else _own(ring, counts_E)
+    state.counts_cap = max(state.counts_cap, e)
+    return Agreement(
+        routing=routing, counts=StepCounts(tokens_N=[row[_AT["tokens"]] for row in table], counts_NE=counts_NE),
+        volumes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
+    )
+
+
+def _own(ring: RingGroup, counts_E: Tensor) -> list[list[int] | None]:
+    counts_NE: list[list[int] | None] = [None] * ring.size
+    counts_NE[ring.rank] = counts_E.tolist()  # NOTE: device-to-host sync
+    return counts_NE
+
+
+def fail_together(ring: RingGroup, problem: Exception, device: torch.device) -> None:
+    """Join the op call's exchange with ``problem`` in place of arguments, and raise with every rank."""
+    claims = Claims(problem=problem)
+    no_counts = torch.zeros(0, dtype=torch.int64, device=device)
+    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts,
+                      _group_state(ring).counts_cap)
+    _check(ring, claims, table)
+    raise AssertionError("relay_compile: a problem passed the agreement")  # _check raises on every problem
+
+
+def _exchange(ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, cap: int) -> list[list[int]]:
+    """All-gather ``[header, bad flag, counts padded to cap]`` (counts only when they fit); the table on host."""
+    fits = 0 < len(counts_E) <= cap
+    header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=counts_E.device)
+    counts = counts_E if fits else counts_E.new_zeros(0)
+    pad = counts_E.new_zeros(cap - len(counts))
+    row = torch.cat([header, bad_ids.to(torch.int64).reshape(1), counts, pad])
+    # NOTE: device-to-host sync, once per op call: the table sizes every hop on the host.
+    return all_gather_rows(ring, row).tolist()
+
+
+def _check(ring: RingGroup, claims: Claims, table: list[list[int]]) -> None:
+    """Raise on every rank alike if the table shows a problem, a disagreement or bad expert ids."""
+    _check_problems(ring, claims, table)
+    _check_direction(table)
+    for name, what, show in _AGREED:
+        col = _AT[name]
+        for rank, row in enumerate(table):
+            if row[col] != table[0][col]:
+                raise RingInputError(
+                    f"ring_moe: the EP group disagrees on {what}: rank {rank} passes {show(row[col])} where rank 0 "
+                    f"passes {show(table[0][col])}; every rank must pass the same"
+                )
+    _check_weights(table)
+    _check_bad_ids(ring, table)
+
+
+def _check_problems(ring: RingGroup, claims: Claims, table: list[list[int]]) -> None:
+    failed = [rank for rank, row in enumerate(table) if row[_AT["problem"]]]
+    if not failed:
+        return
+    if claims.problem is not None:
+        raise claims.problem
+    first = table[failed[0]]
+    argument = ARGUMENTS[first[_AT["problem"]] - 1]
+    message = _decode(first[_AT["message0"] : _AT["message0"] + MESSAGE_WORDS])
+    also = f" (and ranks {failed[1:]})" if len(failed) > 1 else ""
+    raise RingInputError(
+        f"ring_moe: rank {failed[0]}{also} passed a bad {argument}: {message} -- rank {ring.rank} stops with it so "
+        "no rank waits on a transfer"
+    )
+
+
+def _check_direction(table: list[list[int]]) -> None:
+    col = _AT["direction"]
+    for rank, row in enumerate(table):
+        if row[col] != table[0][col]:
+            name = ("forward", "backward")
+            raise RingInputError(
+                f"ring_moe: rank {rank} runs a {name[row[col]]} ring while rank 0 runs a {name[table[0][col]]} "
+                "one: the ranks' calls of ring ops are out of step"
+            )
+
+
+def _check_weights(table: list[list[int]]) -> None:
+    for rank, row in enumerate(table):
+        for name in ("num_weights", "weights_digest"):
+            if row[_AT[name]] != table[0][_AT[name]]:
+                raise RingInputError(
+                    f"ring_moe: weight shapes of rank {rank} differ from rank 0's: {row[_AT['num_weights']]} "
+                    f"weights on rank {rank}, {table[0][_AT['num_weights']]} on rank 0 (or their shapes or dtypes "
+                    "differ); every rank must hold expert partitions of one shape"
+                )
+        for i in range(min(row[_AT["num_weights"]], MAX_WEIGHTS)):
+            if _weight(row, i) != _weight(table[0], i):
+                raise RingInputError(
+                    f"ring_moe: weight shapes of rank {rank} differ from rank 0's: weights[{i}] is "
+                    f"{_show_weight(row, i)} on rank {rank}, {_show_weight(table[0], i)} on rank 0; every rank "
+                    "must hold expert partitions of one shape and dtype"
+                )
+
+
+def _weight(row: list[int], i: int) -> list[int]:
+    start = _AT[f"w{i}.dtype"]
+    return row[start : start + len(_WEIGHT_FIELDS)]
+
+
+def _show_weight(row: list[int], i: int) -> str:
+    dtype, ndim, *dims = _weight(row, i)
+    return f"{tuple(dims[:ndim])} {dtype_name(dtype)}"
+
+
+def _check_bad_ids(ring: RingGroup, table: list[list[int]]) -> None:
+    bad = [rank for rank, row in enumerate(table) if row[BAD_IDS]]
+    if bad:
+        num_experts = table[0][_AT["experts_per_rank"]] * ring.size
+        raise_bad_ids(ring.rank, num_experts, bad)
+
+
+def raise_bad_ids(rank: int, num_experts: int, bad_ranks: Sequence[int]) -> None:
+    """Every rank raises once any rank holds expert ids outside ``[0, E)``; the rank holding them says so."""
+    if rank in bad_ranks:
+        raise RingInputError(f"ring_moe: topk_ids holds expert ids outside [0, {num_experts}) on rank {rank}")
+    raise RingInputError(
+        f"ring_moe: another rank of the EP group (rank {bad_ranks[0]}) passed expert ids outside [0, {num_experts}); "
+        f"rank {rank} stops with it so no rank waits on a transfer"
+    )
