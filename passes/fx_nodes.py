@@ -6,16 +6,23 @@ without casts.
 
 Fake values: ``node_value`` is the one lookup. ``meta["val"]`` first (make_fx and aot_autograd set it; it is
 authoritative where both exist), then Dynamo's ``meta["example_value"]``; a constant argument is its own value.
+
+Sizes: under dynamic shapes a size is a SymInt (``T`` after Dynamo's automatic dynamic or with
+``dynamic=True``; a size argument is then a node whose value is one). ``static_int`` reads a constant size
+without guessing from the hint; ``same_size``/``same_shape`` compare sizes, guarding the equality of two
+backed sizes (Dynamo gives ``x``, ``ids`` and ``scores`` separate symbols for one T after a recompile) and
+never raising on unbacked ones.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeGuard, cast
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false, is_concrete_int
 
 # ----------------------------------------------------------------------------------------------------------
 # Op identities
@@ -81,6 +88,35 @@ def shape_of(n: object) -> tuple[Any, ...] | None:
 def dtype_of(n: object) -> torch.dtype | None:
     v = node_value(n)
     return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def size_value(n: object) -> int | torch.SymInt | None:
+    """A size argument's value: an int, or the SymInt of a node (``t.size(1)``, a SymInt input); else None."""
+    v = node_value(n)
+    return v if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) else None
+
+
+def static_int(n: object) -> int | None:
+    """A size that is the same int at every call: an int, or a SymInt whose expression is a constant."""
+    v = size_value(n)
+    # int() of a constant SymInt adds no guard; is_concrete_int reads the expression, not the hint.
+    return int(v) if v is not None and is_concrete_int(v) else None
+
+
+def same_size(a: object, b: object) -> bool:
+    """Sizes (ints, SymInts or nodes of them) that the compiled graph may take as equal.
+
+    Equal statically, or (two backed sizes equal at this call) by a guard on the graph: Dynamo then recompiles
+    a call where they differ, as for Inductor's guards. Unbacked sizes not known equal are unequal. Never
+    ``bool(a == b)``: that raises on unbacked sizes.
+    """
+    va, vb = size_value(a), size_value(b)
+    return va is not None and vb is not None and guard_or_false(va == vb)
+
+
+def same_shape(a: Sequence[object] | None, b: Sequence[object] | None) -> bool:
+    """Shapes (from ``shape_of``) of one rank and ``same_size`` in every dimension; None matches nothing."""
+    return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
 
 
 def arg(n: fx.Node, index: int, name: str, default: object = None) -> object:

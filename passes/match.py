@@ -15,11 +15,14 @@ Contract:
     Consumes a Dynamo graph (``torch.compile`` with ``capture_scalar_outputs=True``; targets may be the
     ``OpOverloadPacket`` or ``.default`` of ``torch.ops._c10d_functional.*``, and torch 2.11's
     ``_c10d_functional_autograd.all_to_all_single`` whose wait hides in an ``autograd_function_apply``).
-    Never mutates it.
+    Never mutates it (its shape env may gain a guard, below).
     ``find_moe_regions`` returns, in program order of their dispatch, one ``MoERegion`` per dispatch/combine
     pair it understands, and one ``RefusedRegion`` (with a reason, also logged at debug level as
     ``"match: skipped ..."``) per token all-to-all it does not. Matching uses dataflow, op targets, dtypes and
-    static shapes only (never node order or names, never data), so every rank decides the same.
+    shapes only (never node order or names, never data), so every rank decides the same. Symbolic sizes
+    (dynamic shapes: T, K) are compared with ``fx_nodes.same_size``: equal statically, or, for two backed
+    sizes equal at this call (x's T and the ids' T as separate symbols), under a guard that the compiled graph
+    keeps; E_l must be a constant.
     Guarantees for a region: its dataflow is the pattern above, so the block computes
     ``y[t] = sum_k topk_scores[t, k] * F_{ids[t, k]}(x[t])`` with expert e on rank e // E_l; ``expert_fn`` is
     a standalone copy of F whose only inputs are the receive rows, the counts received from the exchange,
@@ -48,10 +51,11 @@ Legend: T local tokens, K top-k, H hidden, N ranks in the EP group, E_l experts 
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -67,7 +71,11 @@ from relay_compile.passes.fx_nodes import (
     is_call,
     is_method_call,
     node_value,
+    same_shape,
+    same_size,
     shape_of,
+    size_value,
+    static_int,
     upstream_collectives,
     wait_end,
 )
@@ -134,13 +142,13 @@ class MoERegion:
     expert_fn: fx.GraphModule  # F: recv rows, counts, split SymInts, weights -> out (R, H)
     binding: ExpertFnBinding
     experts_per_rank: int
-    top_k: int
+    top_k: int  # K (its hint when symbolic: report only, the ring reads K from topk_ids)
     group_name: str
     group_size: int
     nodes: frozenset[fx.Node]  # what dies once output's uses go elsewhere
 
     def block_shape(self) -> BlockShape:
-        """Static sizes of the block on this rank, from the nodes' fake values (0 where a size is unknown)."""
+        """Sizes of the block on this rank, from the nodes' fake values: a symbolic size's hint (0 if unbacked)."""
         x, ids = node_value(self.x), node_value(self.topk_ids)
         weights = [node_value(w) for w in self.weights]
         hidden = _size_hint(x.shape[1])
@@ -204,7 +212,7 @@ def _pair_token_a2as(token_a2as: list[fx.Node]) -> tuple[list[tuple[fx.Node, fx.
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int]:
+def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, object]:
     """Step 3: ``(x, topk_ids, order, K)`` from ``send = x[order // K]``."""
     send = all_to_all_args(dispatch).input
     if not isinstance(send, fx.Node):
@@ -219,15 +227,15 @@ def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, 
     token = token_index(idx)
     if token is None:
         raise Refusal(dispatch, f"the send gather {send.name} indexes by {idx.name}, not order // K")
-    order, top_k = token
+    order, top_k = token  # K: an int, or a node of a SymInt under dynamic shapes
     flat_ids = sort_order(order)
     topk_ids = unflatten(flat_ids) if flat_ids is not None else None
     if topk_ids is None:
         raise Refusal(dispatch, f"{order.name} is not argsort / sort of the flattened top-k expert ids")
     ids_shape, x_shape = shape_of(topk_ids), shape_of(x)
-    if ids_shape is None or len(ids_shape) != 2 or ids_shape[1] != top_k:
-        raise Refusal(dispatch, f"top-k ids {topk_ids.name} have shape {ids_shape}, not (T, K={top_k})")
-    if x_shape is None or len(x_shape) != 2 or x_shape[0] != ids_shape[0]:
+    if ids_shape is None or len(ids_shape) != 2 or not same_size(ids_shape[1], top_k):
+        raise Refusal(dispatch, f"top-k ids {topk_ids.name} have shape {ids_shape}, not (T, K={size_value(top_k)})")
+    if x_shape is None or len(x_shape) != 2 or not same_size(x_shape[0], ids_shape[0]):
         raise Refusal(dispatch, f"tokens {x.name} have shape {x_shape}, not (T={ids_shape[0]}, H)")
     ids_dtype, x_dtype = dtype_of(topk_ids), dtype_of(x)
     if ids_dtype is None or ids_dtype.is_floating_point or ids_dtype == torch.bool:
@@ -237,7 +245,7 @@ def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, 
     return x, topk_ids, order, top_k
 
 
-def _match_combine_side(combine: fx.Node, back: fx.Node, order: fx.Node, top_k: int) -> tuple[fx.Node, fx.Node]:
+def _match_combine_side(combine: fx.Node, back: fx.Node, order: fx.Node, top_k: object) -> tuple[fx.Node, fx.Node]:
     """Step 4: ``(output, topk_scores)`` from ``scatter_add(zeros, order // K, back * scores.flatten()[order])``."""
     for weighted in forward_through(back, CAST_METHODS):
         for mul in weighted.users:
@@ -253,7 +261,7 @@ def _match_combine_side(combine: fx.Node, back: fx.Node, order: fx.Node, top_k: 
                     if scatter is None or scatter.src is not src:
                         continue
                     token = token_index(scatter.index)
-                    if token is None or token[0] is not order or token[1] != top_k:
+                    if token is None or token[0] is not order or not same_size(token[1], top_k):
                         raise Refusal(combine, f"the combine scatter {user.name} does not index by order // K")
                     if not is_zeros(scatter.target):
                         raise Refusal(combine, f"the combine scatter {user.name} adds into "
@@ -294,14 +302,19 @@ def _match_splits(
         raise Refusal(dispatch, f"receive splits of {dispatch.name} come from {len(exchanges)} integer collectives, "
                                 "not one counts exchange")
     exchange = exchanges.pop()
-    numel = 1
-    for d in shape_of(exchange) or ():
-        numel *= d
+    # E_l is baked into the ring (its spec): the counts' size must be a constant, not a symbol.
+    dims = [static_int(d) for d in shape_of(exchange) or ()]
+    if None in dims:
+        raise Refusal(dispatch, f"counts exchange {exchange.name} has symbolic shape {shape_of(exchange)}: the "
+                                "ring needs the number of experts as a constant (torch._dynamo.mark_static on "
+                                "the tensor it comes from)")
+    numel = math.prod(cast(list[int], dims))
     if is_all_to_all(exchange):  # received counts (N, E_l), row s from source s
         e_l, rem = divmod(numel, group_size)
         for splits in all_to_all_args(exchange)[1:3]:
-            # Equal static splits: rank r owns experts [r * E_l, (r + 1) * E_l), as the ring assumes.
-            if splits and (len(set(map(repr, splits))) != 1 or not isinstance(splits[0], int)):
+            # Equal static splits: rank r owns experts [r * E_l, (r + 1) * E_l), as the ring assumes. (Under
+            # dynamic shapes Dynamo passes them as nodes of constant SymInts.)
+            if splits and (len({static_int(s) for s in splits}) != 1 or static_int(splits[0]) is None):
                 raise Refusal(dispatch, f"counts exchange {exchange.name} has splits {splits}, not equal constants: "
                                         "experts are not placed contiguously (expert e on rank e // E_l)")
     else:  # all_gather of every rank's counts per global expert: (N, E)
@@ -316,14 +329,14 @@ def _match_splits(
         # The (s, e) SymInt is element s * E_l + e of a flattened (N, E_l) tensor when it reads one.
         for s, row in enumerate(leaves):
             flats = [flat_index_of_item(leaf) for leaf in row]
-            if all(f is not None and shape_of(f[0]) == (group_size * e_l,) for f in flats):
+            if all(f is not None and same_shape(shape_of(f[0]), (group_size * e_l,)) for f in flats):
                 # A sum lists its terms in any order (Dynamo folds `sum(...)` into torch.sym_sum): bind each
                 # SymInt by the element it reads, then check the row holds exactly source s's elements.
                 row.sort(key=lambda leaf: _flat_index(leaf))
             for e, leaf in enumerate(row):
                 flat = flat_index_of_item(leaf)
                 shape = shape_of(flat[0]) if flat is not None else None
-                if flat is not None and shape == (group_size * e_l,) and flat[1] != s * e_l + e:
+                if flat is not None and same_shape(shape, (group_size * e_l,)) and flat[1] != s * e_l + e:
                     raise Refusal(dispatch, f"receive split SymInt {leaf.name} reads counts element {flat[1]}, "
                                             f"not (source {s}, expert {e})")
     else:
@@ -344,9 +357,11 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
 
     # Step 4: combine side.
     output, topk_scores = _match_combine_side(combine, back, order, top_k)
-    if shape_of(topk_scores) != shape_of(topk_ids) or not (dtype_of(topk_scores) or torch.int64).is_floating_point:
+    if not same_shape(shape_of(topk_scores), shape_of(topk_ids)) or not (
+        dtype_of(topk_scores) or torch.int64
+    ).is_floating_point:
         raise Refusal(combine, f"top-k scores {topk_scores.name} are not floating point of the ids' shape")
-    if shape_of(output) != shape_of(x) or dtype_of(output) != dtype_of(x):
+    if not same_shape(shape_of(output), shape_of(x)) or dtype_of(output) != dtype_of(x):
         raise Refusal(combine, f"the block output {output.name} is {dtype_of(output)}{list(shape_of(output) or [])}, "
                                f"the tokens {dtype_of(x)}{list(shape_of(x) or [])}; the ring returns the tokens' type")
 
@@ -358,7 +373,7 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
                                 f"{group_name!r}")
     counts = wait_end(exchange) if is_all_to_all(exchange) else None
     num_experts = router_num_experts(topk_ids)
-    if num_experts is not None and num_experts != e_l * group_size:
+    if num_experts is not None and not same_size(num_experts, e_l * group_size):
         raise Refusal(dispatch, f"the router picks among {num_experts} experts but the counts exchange "
                                 f"{exchange.name} implies {e_l} per rank on {group_size} ranks")
 
@@ -391,7 +406,8 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
     return MoERegion(
         dispatch=dispatch, combine=combine, recv=recv, back=back, counts_exchange=exchange, x=x,
         topk_ids=topk_ids, topk_scores=topk_scores, order=order, output=output, weights=tuple(weights),
-        expert_fn=expert_fn, binding=binding, experts_per_rank=e_l, top_k=top_k, group_name=group_name,
+        expert_fn=expert_fn, binding=binding, experts_per_rank=e_l, top_k=_size_hint(size_value(top_k)),
+        group_name=group_name,
         group_size=group_size, nodes=frozenset(dead),
     )
 

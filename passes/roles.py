@@ -28,6 +28,7 @@ from relay_compile.passes.fx_nodes import (
     node_value,
     qualname,
     shape_of,
+    size_value,
 )
 
 # ``torchtitan.distributed.expert_parallel``'s combine: a scatter-add with a deterministic backward.
@@ -81,8 +82,11 @@ def sort_order(n: object) -> fx.Node | None:
     return None
 
 
-def token_index(n: object) -> tuple[fx.Node, int] | None:
-    """``(order, K)`` of ``order // K`` (``operator.floordiv``, ``torch.div(..., rounding_mode="floor")``)."""
+def token_index(n: object) -> tuple[fx.Node, object] | None:
+    """``(order, K)`` of ``order // K`` (``operator.floordiv``, ``torch.div(..., rounding_mode="floor")``).
+
+    ``K`` is an int, or under dynamic shapes a node of a SymInt (``ids.size(1)``): compare it with ``same_size``.
+    """
     n = peel(n, (*CAST_METHODS, *VIEW_METHODS), VIEW_FUNCTIONS)
     if not isinstance(n, fx.Node):
         return None
@@ -91,7 +95,7 @@ def token_index(n: object) -> tuple[fx.Node, int] | None:
     if not (floor_div or div_floor):
         return None
     order, k = n.args[0], n.args[1]
-    if isinstance(order, fx.Node) and isinstance(k, int) and not isinstance(k, bool):
+    if isinstance(order, fx.Node) and size_value(k) is not None:
         return order, k
     return None
 
@@ -200,14 +204,15 @@ def flat_index_of_item(item: fx.Node) -> tuple[fx.Node, int] | None:
     return None
 
 
-def router_num_experts(topk_ids: fx.Node) -> int | None:
-    """E from ``topk(scores_TE, K)[1]`` behind the ids (through views), when the ids come from a topk."""
+def router_num_experts(topk_ids: fx.Node) -> int | torch.SymInt | None:
+    """E from ``topk(scores_TE, K)[1]`` behind the ids (through views), when the ids come from a topk (a SymInt
+    under dynamic shapes: compare it with ``same_size``)."""
     n = peel(topk_ids, VIEW_METHODS, VIEW_FUNCTIONS)
     if is_call(n, operator.getitem) and n.args[1] == 1:
         topk = n.args[0]
         if is_call(topk, torch.topk) or is_method_call(topk, "topk"):
             shape = shape_of(topk.args[0])
-            if shape and isinstance(shape[-1], int):
+            if shape:
                 return shape[-1]
     return None
 

@@ -3,8 +3,10 @@
 Set them per call, ``torch.compile(model, backend="relaymoe", options={"routing": "token"})``, process-wide
 (``relay_compile.config.routing = "token"``, or ``with relay_compile.config.patch(routing="token"):``), or from
 the environment (``RELAYMOE_ROUTING=token``). Per-call options win over the module values, which start from the
-environment. ``relay_compile.options.resolve`` validates them: an unknown name or a bad value raises
-``ValueError`` listing the valid ones.
+environment. ``relay_compile.options.resolve`` validates them: an unknown name, a value of the wrong type
+(``max_hop_rows=2.7``) or out of range raises ``ValueError`` naming the option. Environment strings are
+parsed strictly: booleans ``true``/``false``/``1``/``0``, counts in decimal, directories never ``0``/``1``/
+``true``/``false`` (torch's config module reads ``1`` and ``0`` as True and False).
 
 This module holds only the values (``install_config_module`` turns each into a config entry).
 """
@@ -39,7 +41,7 @@ inner_compiler: str = Config(
 )
 
 # Directory for debugging dumps: per compiled graph, the graph before and after each pass, the ring programs,
-# and report.json. Empty: no dumps.
+# and report.json. Empty: no dumps. RELAYMOE_DUMP_DIR=0 (or 1, true, false) is refused, not a directory.
 dump_dir: str = Config(default="", env_name_default="RELAYMOE_DUMP_DIR")
 
 # Run the original graph beside the rewritten one at the first call and raise if their outputs differ.

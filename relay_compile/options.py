@@ -3,12 +3,23 @@
 The ring's own options (routing, overlap, remat, max_hop_rows) become a ``RingOptions``, which validates them;
 this module adds the backend's (inner compiler, dumps, verify) and the conversions from the config's
 spellings (environment strings, ``0`` for "no bound on hop rows").
+
+Two sources, two parsers. ``options={...}`` is Python: a value must have its option's type (``max_hop_rows``
+an int, never ``2.7`` or ``True``; ``overlap`` a bool, never ``"false"``). A config value may come from the
+environment (``RELAYMOE_*``), whose strings are parsed strictly: booleans ``true``/``false``/``1``/``0``,
+``RELAYMOE_MAX_HOP_ROWS`` a decimal count, ``RELAYMOE_DUMP_DIR`` a directory (a switch such as ``0`` or
+``False`` is refused, not taken as a directory named ``False``). The config module reads ``1`` and ``0`` as
+True and False before we see them, so a str option holding a bool names that spelling. Every error is a
+``ValueError`` naming the option.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,45 +48,105 @@ class Options:
                 "dump_dir": self.dump_dir, "verify": self.verify}
 
 
-def _bool(name: str, value: Any) -> bool:
-    """Environment values arrive as strings ("1"/"0" as booleans)."""
+# Environment spellings of a bool (any case).
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _bool(name: str, value: Any, parse: bool) -> bool:
+    """A bool; with ``parse`` (a config value, maybe an environment string) also true/false/1/0."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise ValueError(f"relaymoe: option {name}={value!r} must be a bool (True/False, or 1/0 in the environment)")
+    if parse and isinstance(value, str) and value.strip().lower() in _FLAGS:
+        return _FLAGS[value.strip().lower()]
+    raise ValueError(f"relaymoe: option {name}={value!r} must be a bool (True/False; true/false/1/0 in the "
+                     "environment)")
 
 
-def _hop_bound(value: Any) -> int | None:
+def _str(name: str, value: Any, parse: bool) -> str:
+    if isinstance(value, str):
+        return value
+    spelling = " (the environment's 1 and 0 read as True and False)" if parse and isinstance(value, bool) else ""
+    raise ValueError(f"relaymoe: option {name}={value!r} must be a str{spelling}")
+
+
+def _hop_bound(value: Any, parse: bool) -> int | None:
     """``max_hop_rows`` as the ring takes it: a positive int, or None for the config's 0 (no bound)."""
+    if parse and isinstance(value, str):
+        if not re.fullmatch(r"[0-9]+", value.strip()):
+            raise ValueError(f"relaymoe: option max_hop_rows={value!r} (RELAYMOE_MAX_HOP_ROWS) must be a decimal "
+                             "row count (0: no bound)")
+        value = int(value)
+    if value is None:
+        return None
     try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"relaymoe: option max_hop_rows={value!r} must be an int") from None
+        # operator.index: ints and int-likes (numpy), never floats; bools are ints to Python, not row counts.
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None:
+        raise ValueError(f"relaymoe: option max_hop_rows={value!r} must be an int (0 or None: no bound)")
     if number < 0:
         raise ValueError(f"relaymoe: option max_hop_rows={number} must be >= 0 (0: no bound)")
     return number or None
 
 
-def resolve(options: dict[str, Any] | None = None) -> Options:
-    """The module's values overridden by ``options``; raises ``ValueError`` on unknown names or bad values."""
-    options = options or {}
-    unknown = sorted(set(options) - set(OPTION_NAMES))
+def _dump_dir(value: Any, parse: bool) -> str:
+    """A directory (``""`` or None: no dumps); from the environment, never a switch such as 0 or False."""
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if path is None:
+        return ""
+    switch = isinstance(path, bool) or (isinstance(path, str) and path.strip().lower() in _FLAGS)
+    if parse and switch:
+        raise ValueError(f"relaymoe: option dump_dir={value!r} is a switch, not a directory (RELAYMOE_DUMP_DIR=0 "
+                         "and =1 read as False and True): give a directory, or leave it empty for no dumps")
+    if not isinstance(path, str):
+        raise ValueError(f"relaymoe: option dump_dir={value!r} must be a directory (str or os.PathLike; '' for "
+                         "no dumps)")
+    return path
+
+
+def _given(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """``options={...}`` checked for shape: a mapping of known option names."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"relaymoe: options must be a dict {{option: value}}, got {type(options).__name__} "
+                         f"{options!r}; valid options are {list(OPTION_NAMES)}")
+    unknown = sorted(map(repr, set(options) - set(OPTION_NAMES)))
     if unknown:
-        raise ValueError(f"relaymoe: unknown option(s) {unknown}; valid options are {list(OPTION_NAMES)}")
-    merged = {name: options.get(name, getattr(config, name)) for name in OPTION_NAMES}
-    if "max_hop_rows" not in options and not config.max_hop_rows:
+        raise ValueError(f"relaymoe: unknown option(s) [{', '.join(unknown)}]; valid options are "
+                         f"{list(OPTION_NAMES)}")
+    return options
+
+
+def _config_hop_bound() -> Any:
+    """The config's max_hop_rows, or RELAYMOE_MAX_HOP_ROWS where the config leaves it at 0."""
+    value = config.max_hop_rows
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
         # Read here, not by the config module: torch config entries read from the environment are bool or str.
-        merged["max_hop_rows"] = os.environ.get("RELAYMOE_MAX_HOP_ROWS", 0)
-    inner = "" if merged["inner_compiler"] is None else str(merged["inner_compiler"])
+        return os.environ.get("RELAYMOE_MAX_HOP_ROWS", "0")
+    return value
+
+
+def resolve(options: Mapping[str, Any] | None = None) -> Options:
+    """The config's values overridden by ``options``; ``ValueError`` naming the option on a bad name, type or value."""
+    given = _given(options)
+
+    def pick(name: str) -> tuple[Any, bool]:
+        """``(value, parse)``: ``parse`` for config values, which may be environment strings."""
+        if name in given:
+            return given[name], False
+        return (_config_hop_bound() if name == "max_hop_rows" else getattr(config, name)), True
+
+    inner = _str("inner_compiler", *pick("inner_compiler"))
     if inner not in INNER_COMPILERS:
         raise ValueError(f"relaymoe: option inner_compiler={inner!r} is not one of {INNER_COMPILERS}")
     try:
         ring = RingOptions(
-            routing=str(merged["routing"]), overlap=_bool("overlap", merged["overlap"]),
-            remat=_bool("remat", merged["remat"]), max_hop_rows=_hop_bound(merged["max_hop_rows"]),
+            routing=_str("routing", *pick("routing")), overlap=_bool("overlap", *pick("overlap")),
+            remat=_bool("remat", *pick("remat")), max_hop_rows=_hop_bound(*pick("max_hop_rows")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None
-    return Options(ring=ring, inner_compiler=inner, dump_dir=str(merged["dump_dir"] or ""),
-                   verify=_bool("verify", merged["verify"]))
+    return Options(ring=ring, inner_compiler=inner, dump_dir=_dump_dir(*pick("dump_dir")),
+                   verify=_bool("verify", *pick("verify")))

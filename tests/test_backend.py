@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import unittest
 import unittest.mock
@@ -60,6 +63,74 @@ class BackendOptions(unittest.TestCase):
         self.assertEqual(resolve({"overlap": False}).ring.overlap, False)
         with unittest.mock.patch.dict("os.environ", {"RELAYMOE_MAX_HOP_ROWS": "128"}):
             self.assertEqual(resolve().ring.max_hop_rows, 128)
+
+    def test_option_values_of_the_wrong_type_are_refused_by_name(self) -> None:
+        from relay_compile.options import resolve
+
+        # options={...} is Python: no conversions (2.7 is not 2, True is not 1, "false" is not False).
+        cases = [
+            ({"max_hop_rows": 2.7}, r"option max_hop_rows=2\.7 must be an int"),
+            ({"max_hop_rows": True}, r"option max_hop_rows=True must be an int"),
+            ({"max_hop_rows": "64"}, r"option max_hop_rows='64' must be an int"),
+            ({"overlap": "false"}, r"option overlap='false' must be a bool"),
+            ({"verify": 1}, r"option verify=1 must be a bool"),
+            ({"routing": 1}, r"option routing=1 must be a str$"),
+            ({"inner_compiler": None}, r"option inner_compiler=None must be a str$"),
+            ({"dump_dir": True}, r"option dump_dir=True must be a directory"),
+            (["routing"], r"options must be a dict \{option: value\}, got list \['routing'\]; valid options are"),
+        ]
+        for options, message in cases:
+            with self.subTest(options=options), self.assertRaisesRegex(ValueError, f"^relaymoe: {message}"):
+                resolve(options)
+        opts = resolve({"dump_dir": Path("dumps"), "max_hop_rows": 0, "overlap": False})
+        self.assertEqual((opts.dump_dir, opts.ring.max_hop_rows, opts.ring.overlap), ("dumps", None, False))
+        fn = torch.compile(lambda x: x + 1, backend="relaymoe", options=[("routing", "token")])
+        with self.assertRaisesRegex(Exception, r"relaymoe: options must be a dict"):
+            fn(torch.ones(2))
+
+    def test_config_values_which_may_come_from_the_environment_are_parsed_strictly(self) -> None:
+        from relay_compile.options import resolve
+
+        # What torch's config module holds for RELAYMOE_X=value: "1"/"0" as True/False, anything else verbatim.
+        refused = [
+            ({"dump_dir": False}, r"dump_dir=False is a switch, not a directory \(RELAYMOE_DUMP_DIR=0"),
+            ({"dump_dir": "False"}, r"dump_dir='False' is a switch, not a directory"),
+            ({"routing": True}, r"routing=True must be a str \(the environment's 1 and 0 read as True and False\)"),
+            ({"inner_compiler": False}, r"inner_compiler=False must be a str \(the environment's 1 and 0"),
+            ({"verify": "yes"}, r"verify='yes' must be a bool \(True/False; true/false/1/0 in the environment\)"),
+            ({"max_hop_rows": 2.7}, r"max_hop_rows=2\.7 must be an int"),
+        ]
+        for values, message in refused:
+            with self.subTest(config=values), relay_compile.config.patch(**values), self.assertRaisesRegex(
+                ValueError, f"^relaymoe: option {message}"
+            ):
+                resolve()
+        with relay_compile.config.patch(overlap="FALSE", remat="true", dump_dir="dumps/run1"):
+            opts = resolve()
+            self.assertEqual((opts.ring.overlap, opts.ring.remat, opts.dump_dir), (False, True, "dumps/run1"))
+        for value in ("2.7", "-3", "1e3", "64 rows", ""):
+            with self.subTest(RELAYMOE_MAX_HOP_ROWS=value), unittest.mock.patch.dict(
+                "os.environ", {"RELAYMOE_MAX_HOP_ROWS": value}
+            ), self.assertRaisesRegex(ValueError, r"^relaymoe: option max_hop_rows=.* \(RELAYMOE_MAX_HOP_ROWS\) "
+                                                  r"must be a decimal row count"):
+                resolve()
+        with unittest.mock.patch.dict("os.environ", {"RELAYMOE_MAX_HOP_ROWS": " 64 "}):
+            self.assertEqual(resolve().ring.max_hop_rows, 64)
+
+    def test_the_environment_reaches_the_options_through_the_config_module(self) -> None:
+        # The config module reads RELAYMOE_* once, at import: a fresh interpreter.
+        env = {**os.environ, "RELAYMOE_DUMP_DIR": "0", "RELAYMOE_OVERLAP": "FALSE", "RELAYMOE_VERIFY": "1",
+               "RELAYMOE_ROUTING": "token", "OMP_NUM_THREADS": "1"}
+        script = (
+            "from relay_compile.options import resolve\n"
+            "try:\n    resolve()\nexcept ValueError as e:\n    print(e)\n"
+            "print(resolve({'dump_dir': ''}))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[1], check=True).stdout.splitlines()
+        self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
+        self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows=None)", out[1])
+        self.assertIn("dump_dir='', verify=True", out[1])
 
     def test_verify_raises_on_a_mismatch_naming_the_graph(self) -> None:
         good = torch.ones(3)

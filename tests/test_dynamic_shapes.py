@@ -1,0 +1,131 @@
+"""The ``relaymoe`` backend under dynamic shapes, over gloo at world 2: the token count T changes between steps.
+
+Dynamo recompiles once with a symbolic T when T changes (automatic dynamic), or traces T symbolically from
+the start with ``dynamic=True``; either way the region must stay rewritten, no step may recompile again, and
+forward and gradients must equal the eager all-to-all layer. The report's block shape shows T's hint.
+Where Dynamo gives the tokens and the top-k ids separate symbols (no duck sizing), the rewrite holds only while
+they are equal: the matcher guards that, so a call where they differ recompiles and is left as it was.
+
+Legend: T tokens per rank, H hidden, F expert FFN width, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import datetime
+import unittest.mock
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
+from torch import Tensor, nn
+from torch.testing._internal.common_utils import run_tests
+
+import tests.distributed
+from relay_compile.backend import compiled_reports, relaymoe_backend
+from relay_compile.reference import AllToAllMoE, a2a_moe, moe_weights
+from relay_compile.report import GraphReport
+from tests.distributed import DistributedTestCase
+
+# H, F differ from every T below (and from each other): Dynamo's duck sizing would give equal sizes one symbol.
+H, F, E, K = 12, 8, 4, 2
+TOKENS = (16, 24, 32)
+
+
+class Block(nn.Module):
+    """``a2a_moe`` on given ids and scores, with this rank's experts as parameters (static shapes in Dynamo)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        e_l = E // world
+        w = moe_weights(0, H, F, E, experts=range(rank * e_l, (rank + 1) * e_l))
+        self.w1, self.w2, self.w3 = (nn.Parameter(w[name]) for name in ("w1", "w2", "w3"))
+
+    def forward(self, x: Tensor, ids: Tensor, scores: Tensor) -> Tensor:
+        # fp32 compiles take the per-expert loop (docs/ARCHITECTURE.md section 5: torch._grouped_mm wants bf16).
+        return a2a_moe(x, ids, scores, self.w1, self.w2, self.w3, use_grouped_mm=False)
+
+
+def routed(rank: int, x_tokens: int, ids_tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Tokens (x_tokens, H) and a routing of ids_tokens (default: as many) of them over E experts."""
+    gen = torch.Generator().manual_seed(1000 * rank + x_tokens)
+    t = x_tokens if ids_tokens is None else ids_tokens
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(t)])
+    return torch.randn(x_tokens, H, generator=gen), ids, torch.rand(t, K, generator=gen)
+
+
+def step(fn: Callable[..., Tensor], module: nn.Module, x: Tensor, *routing: Tensor) -> list[Tensor]:
+    """Output, and gradients of the float inputs and the parameters, of ``fn(x, *routing)``."""
+    module.zero_grad(set_to_none=True)
+    leaves = [x.clone().requires_grad_(), *(r.clone().requires_grad_(r.is_floating_point()) for r in routing)]
+    y = fn(*leaves)
+    y.square().sum().backward()
+    return [y.detach(), *(t.grad for t in leaves if t.grad is not None), *(p.grad for p in module.parameters())]
+
+
+class CountingBackend:
+    """``backend="relaymoe"`` (aot_eager after the rewrite) that keeps the report of each graph it compiles."""
+
+    def __init__(self) -> None:
+        self.reports: list[GraphReport] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compiled = relaymoe_backend(gm, example_inputs, options={"inner_compiler": "aot_eager"})
+        self.reports.append(compiled_reports()[-1])
+        return compiled
+
+    def regions(self) -> list[tuple[str, int]]:
+        """(status, T's hint in the block shape; 0 when refused) of every region of every graph, in order."""
+        return [(r.status, r.shape.get("tokens", 0)) for report in self.reports for r in report.regions]
+
+
+class DynamicTokenCount(DistributedTestCase):
+    def init_pg(self, backend: str = "gloo") -> dist.ProcessGroup:
+        # A regression that deadlocks one rank fails in seconds, not after the harness's two minutes.
+        with unittest.mock.patch.object(tests.distributed, "PG_TIMEOUT", datetime.timedelta(seconds=15)):
+            return super().init_pg(backend)
+
+    def assert_steps_equal(self, got: list[Tensor], want: list[Tensor], what: str) -> None:
+        self.assertEqual(len(got), len(want), what)
+        for i, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=f"{what} [{i}]")
+
+    @torch._dynamo.config.patch(capture_scalar_outputs=True)
+    def test_reference_layer_stays_rewritten_as_the_token_count_changes_recompiling_at_most_once(self) -> None:
+        self.init_pg()
+        moe = AllToAllMoE(H, F, E, K, group=dist.group.WORLD, seed=3, use_grouped_mm=False)
+        # Automatic dynamic: T=16 compiles static, T=24 recompiles with a symbolic T that T=32 reuses.
+        # dynamic=True: one graph with a symbolic T from the start.
+        for dynamic, graphs in ((None, [("rewritten", 16), ("rewritten", 24)]), (True, [("rewritten", 16)])):
+            torch._dynamo.reset()
+            backend = CountingBackend()
+            compiled = torch.compile(moe, backend=backend, dynamic=dynamic)
+            for tokens in TOKENS:
+                x = routed(self.rank, tokens)[0]
+                self.assert_steps_equal(step(compiled, moe, x), step(moe, moe, x), f"dynamic={dynamic} T={tokens}")
+            self.assertEqual(backend.regions(), graphs, f"dynamic={dynamic}")
+
+    @torch._dynamo.config.patch(capture_scalar_outputs=True)
+    def test_tokens_and_ids_of_separate_symbols_are_rewritten_only_while_equal(self) -> None:
+        self.init_pg()
+        block = Block(self.rank, self.world_size)
+        backend = CountingBackend()
+        torch._dynamo.reset()
+        # Without duck sizing x, ids and scores get a symbol each for one T.
+        with fx_config.patch(use_duck_shape=False):
+            compiled = torch.compile(block, backend=backend, dynamic=True)
+            cases = [(16, None), (40, 32), (24, None)]  # (40, 32): x has more rows than the routing covers
+            for x_tokens, ids_tokens in cases:
+                inputs = routed(self.rank, x_tokens, ids_tokens)
+                self.assert_steps_equal(step(compiled, block, *inputs), step(block, block, *inputs),
+                                        f"x {x_tokens} rows, ids {ids_tokens or x_tokens}")
+        # The first graph holds under its guard x.T == ids.T: the unequal call recompiled (and was left alone),
+        # the equal one after it reused the first graph.
+        self.assertEqual(backend.regions(), [("rewritten", 16), ("refused", 0)])
+        refused = backend.reports[1].regions[0].reason
+        self.assertRegex(refused, rf"^tokens \w+ have shape \(s\d+, {H}\), not \(T=s\d+, H\)")
+
+
+if __name__ == "__main__":
+    run_tests()
