@@ -106,16 +106,16 @@ def static_int(n: object) -> int | None:
 def same_size(a: object, b: object) -> bool:
     """Sizes (ints, SymInts or nodes of them) that the compiled graph may take as equal.
 
-    Equal statically, or (two backed sizes equal at this call) by a guard on the graph: Dynamo then recompiles
-    a call where they differ, as for Inductor's guards. Unbacked sizes not known equal are unequal. Never
-    ``bool(a == b)``: that raises on unbacked sizes.
+    Equal statically; else, for two backed sizes, as at this call, under a guard (equal or unequal) that the
+    compiled graph keeps: Dynamo recompiles a call that decides otherwise, as for Inductor's guards. Unbacked
+    sizes not known equal are unequal. Never ``bool(a == b)``: that raises on unbacked sizes.
     """
     va, vb = size_value(a), size_value(b)
     return va is not None and vb is not None and guard_or_false(va == vb)
 
 
 def same_shape(a: Sequence[object] | None, b: Sequence[object] | None) -> bool:
-    """Shapes (from ``shape_of``) of one rank and ``same_size`` in every dimension; None matches nothing."""
+    """Shapes (from ``shape_of``) of equal length, ``same_size`` in every dimension; None matches nothing."""
     return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
 
 
