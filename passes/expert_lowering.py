@@ -181,6 +181,15 @@ def _tolerance(*dtypes: torch.dtype | None) -> float:
     return 3e-2 if low else 1e-5
 
 
+def _hint(size: int | torch.SymInt) -> int:
+    """A size as an int without guarding on it: a symbolic size's hint (its value at this compilation)."""
+    if isinstance(size, torch.SymInt):
+        if not size.node.has_hint():
+            raise ValueError(f"size {size} has no hint (data-dependent)")
+        return int(size.node.hint)
+    return int(size)
+
+
 def probe_error(
     eager: RegionExpertFn, lowered: LoweredFFN, rows_like: Tensor, weights_like: Sequence[Tensor], group_size: int
 ) -> float:
@@ -188,17 +197,18 @@ def probe_error(
 
     ``rows_like``/``weights_like``: (fake) tensors with the dtypes, devices and weight shapes of the region.
     """
-    device, hidden = weights_like[0].device, int(rows_like.shape[-1])
+    device, hidden = weights_like[0].device, _hint(rows_like.shape[-1])
     gen = torch.Generator().manual_seed(20261201)
     e_l, n = lowered.experts_per_rank, group_size
     weights = [
-        (torch.randn(tuple(int(d) for d in w.shape), generator=gen) / max(1, int(w.shape[-1])) ** 0.5)
+        (torch.randn(tuple(_hint(d) for d in w.shape), generator=gen) / max(1, _hint(w.shape[-1])) ** 0.5)
         .to(device=device, dtype=w.dtype) for w in weights_like
     ]
     worst = 0.0
     for src in sorted({0, n - 1}):
-        rows_L = [(3 * e + 2 + src) % 5 for e in range(e_l)]
-        rows_L[e_l // 2] = 0  # an expert without rows
+        rows_L = [1 + (3 * e + 2 + src) % 5 for e in range(e_l)]
+        if e_l > 1:
+            rows_L[e_l // 2] = 0  # an expert without rows (never all of them: rows must exist to compare)
         counts_NL = torch.zeros(n, e_l, dtype=torch.int64)
         counts_NL[src] = torch.tensor(rows_L)
         splits_N = [0] * n
