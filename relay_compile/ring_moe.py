@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from relay_compile.runtime.transport import RingGroup
 # Every FFN expert function, made once: building one while torch.compile traces ``ring_moe`` would make
 # Dynamo reconstruct a new object (it cannot).
 _FFN_FNS: dict[tuple[str, bool | None], ExpertFn] = {
-    (activation, grouped): ffn_expert_fn(activation, grouped) for activation in ACTIVATIONS
+    (activation, grouped): ffn_expert_fn(cast(Activation, activation), grouped) for activation in ACTIVATIONS
     for grouped in (None, True, False)
 }
 
@@ -113,21 +114,35 @@ def ring_moe_experts(
         name: what ``expert_fn`` computes, as a name: every rank passes the same one, and a call with
             another function under the same name replaces it (a closure made at every step). Default: the
             function's code and what it captures (``runtime.fn_identity``), so a new closure over equal
-            values is the same expert function, and a different one is told apart.
+            values is the same expert function, and a different one is told apart. Under torch.compile the
+            spec is registered while Dynamo traces: the compiled graph keeps the function it was traced with.
     """
     group_name = _group_name(group)
     with _raising_together(group_name, x):
         check_routing_args(x, topk_ids, topk_scores)
-        options = RingOptions.checked(
-            "ring_moe", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
-        )
         _check_experts_per_rank(experts_per_rank)
-        fn_name, identity = (name, name) if name else describe(expert_fn)
-        spec = RingSpec(
-            expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, options=options
-        )
-        key = register_spec(spec, fn_name, identity=identity, functional=True)
+        key = _register(expert_fn, experts_per_rank, group_name, routing, overlap, remat, max_hop_rows, name,
+                        torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
+
+
+@torch.compiler.assume_constant_result
+def _register(
+    expert_fn: ExpertFn, experts_per_rank: int, group_name: str, routing: str, overlap: bool, remat: bool,
+    max_hop_rows: int | None, name: str | None, compiling: bool,
+) -> str:
+    """Register the call's spec; its key.
+
+    While torch.compile traces, Dynamo runs this as it is and keeps the key as a constant of the graph, so the
+    spec exists (pinned) before the graph first runs; a registration traced as a side effect would be
+    applied only after the graph ran.
+    """
+    options = RingOptions.checked(
+        "ring_moe", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
+    )
+    fn_name, identity = (name, name) if name else describe(expert_fn)
+    spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, options=options)
+    return register_spec(spec, fn_name, identity=identity, functional=True, pinned=compiling)
 
 
 def ring_moe(

@@ -179,6 +179,21 @@ class RingMoEOnOneProcess(TestCase):
                         forward_backward(block, x, ids, scores, weights, 0), strict=True):
             assert_close_rel(g, w, 1e-6)
 
+    def test_any_expert_function_compiles_with_its_spec_registered_while_tracing(self) -> None:
+        # A spec no eager call registered first: registering it as a traced side effect would come only after
+        # the compiled graph's first run, which looks it up.
+        weights = local_weights(0, 4, 1)
+        x, ids, scores = routed_inputs("random", 0, 1, 4, seed=5)
+        for name in ("compiled_fresh_name", None):
+            def block(x, ids, scores, w1, w2, w3, name=name):
+                return ring_moe_experts(x, ids, scores, [w1, w2, w3], expert_fn=plain_ffn, experts_per_rank=4,
+                                        name=name, routing="token", max_hop_rows=7)
+
+            compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+            for g, w in zip(forward_backward(compiled, x, ids, scores, weights, 0),
+                            forward_backward(block, x, ids, scores, weights, 0), strict=True):
+                assert_close_rel(g, w, 1e-6, f"name={name}")
+
     def test_bad_arguments_name_the_argument(self) -> None:
         w1, w2, w3 = local_weights(0, 4, 1)
         x, ids, scores = routed_inputs("random", 0, 1, 4, seed=4)

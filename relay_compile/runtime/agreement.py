@@ -137,7 +137,7 @@ def _weight_fields(weights: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> di
     """Each weight's dtype, rank and sizes, or (too many to list) a digest of them all."""
     if len(weights) > MAX_WEIGHTS or any(len(shape) > MAX_DIMS for _, shape in weights):
         return {"weights_digest": 1 + zlib.crc32(repr([(str(d), s) for d, s in weights]).encode())}
-    fields = {}
+    fields: dict[str, int] = {}
     for i, (dtype, shape) in enumerate(weights):
         dims = [*shape, *[0] * (MAX_DIMS - len(shape))]
         fields |= dict(zip([f"w{i}.{f}" for f in _WEIGHT_FIELDS], [dtype_code(dtype), len(shape), *dims], strict=True))

@@ -14,9 +14,6 @@ strings instead:
 - ``identity``: what every rank of the group must agree on (``runtime.agreement``): the same without the
   captured values, so no object id (different in every process) and no per-rank value (a captured rank or
   device) enters it. Two ranks running different code under one ring are told so before any transfer.
-
-Under torch.compile (Dynamo tracing ``ring_moe_experts``) the code is not inspected: the key is the qualified
-name with the object's id, as the compiled graph keeps that spec for its lifetime.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import torch
 
 # Captured values that count by value (their repr is stable across processes).
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-# Nesting depth at which captured functions count by identity (guards self-referencing closures).
+# Nesting depth beyond which captured functions count by identity.
 _MAX_DEPTH = 4
 
 
@@ -42,46 +39,52 @@ def _code_digest(code: types.CodeType) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _value_key(value: object, depth: int) -> str:
-    """A captured value: plain values by repr, functions by their key, anything else by identity."""
+def _value_key(value: object, path: tuple[int, ...]) -> str:
+    """A captured value: plain values by repr, functions by their key, anything else by identity.
+
+    ``path``: ids of the functions being described around this one; a function capturing one of them (itself,
+    recursively) names it by its distance up the path.
+    """
     if isinstance(value, _PLAIN):
         return repr(value)
     if isinstance(value, (tuple, frozenset)) and all(isinstance(v, _PLAIN) for v in value):
         return repr(value)
-    if callable(value) and depth < _MAX_DEPTH:
-        return _describe(value, depth + 1)[0]
+    if id(value) in path:
+        return f"<up {len(path) - path.index(id(value))}>"
+    if callable(value) and len(path) < _MAX_DEPTH:
+        return _describe(value, path)[0]
     return f"{type(value).__qualname__}@{id(value):x}"
 
 
-def _function(fn: types.FunctionType, depth: int) -> tuple[str, str]:
+def _function(fn: types.FunctionType, path: tuple[int, ...]) -> tuple[str, str]:
     identity = f"{fn.__module__}.{fn.__qualname__}[{_code_digest(fn.__code__)}]"
-    cells = [c.cell_contents if _cell_filled(c) else None for c in (fn.__closure__ or ())]
-    captured = [_value_key(v, depth) for v in (*cells, *(fn.__defaults__ or ()))]
-    captured += _keywords(fn.__kwdefaults__ or {}, depth)
+    cells = [_cell_value(c) for c in (fn.__closure__ or ())]
+    captured = [_value_key(v, path) for v in (*cells, *(fn.__defaults__ or ()))]
+    captured += _keywords(fn.__kwdefaults__ or {}, path)
     return (f"{identity}({', '.join(captured)})" if captured else identity), identity
 
 
-def _keywords(values: dict[str, object], depth: int) -> list[str]:
-    return [f"{name}={_value_key(v, depth)}" for name, v in sorted(values.items())]
+def _keywords(values: dict[str, object], path: tuple[int, ...]) -> list[str]:
+    return [f"{name}={_value_key(v, path)}" for name, v in sorted(values.items())]
 
 
-def _cell_filled(cell: types.CellType) -> bool:
+def _cell_value(cell: types.CellType) -> object:
     try:
-        cell.cell_contents
+        return cell.cell_contents
     except ValueError:  # a free variable not yet assigned
-        return False
-    return True
+        return None
 
 
-def _describe(fn: Callable[..., object], depth: int) -> tuple[str, str]:
+def _describe(fn: Callable[..., object], path: tuple[int, ...]) -> tuple[str, str]:
+    path = (*path, id(fn))
     if isinstance(fn, types.FunctionType):
-        return _function(fn, depth)
+        return _function(fn, path)
     if isinstance(fn, types.MethodType):
-        key, identity = _describe(fn.__func__, depth + 1)
-        return f"{key}.bound({_value_key(fn.__self__, _MAX_DEPTH)})", identity
+        key, identity = _describe(fn.__func__, path)
+        return f"{key}.bound({_value_key(fn.__self__, path)})", identity
     if isinstance(fn, functools.partial):
-        key, identity = _describe(fn.func, depth + 1)
-        args = [_value_key(v, depth) for v in fn.args] + _keywords(fn.keywords, depth)
+        key, identity = _describe(fn.func, path)
+        args = [_value_key(v, path) for v in fn.args] + _keywords(fn.keywords, path)
         return f"partial({key}, {', '.join(args)})", f"partial({identity})"
     # Any other callable object: its type (and its own name, if it gives one), and itself.
     kind = type(fn)
@@ -91,10 +94,7 @@ def _describe(fn: Callable[..., object], depth: int) -> tuple[str, str]:
 
 def describe(fn: Callable[..., object]) -> tuple[str, str]:
     """``(key, identity)`` of an expert function (see the module docstring)."""
-    if torch.compiler.is_compiling():
-        name = getattr(fn, "__qualname__", type(fn).__qualname__)
-        return f"{name}@{id(fn):x}", name
-    return _describe(fn, 0)
+    return _describe(fn, ())
 
 
 def identity_code(identity: str) -> int:

@@ -27,17 +27,19 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from relay_compile.experts import ExpertFn, GroupedExperts
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
-from relay_compile.runtime.agreement import RingInputError, StepCounts, raise_bad_ids
+
+# RingInputError: re-exported (``relay_compile.RingInputError`` is imported from here).
+from relay_compile.runtime.agreement import RingInputError, StepCounts, raise_bad_ids  # noqa: F401
 from relay_compile.runtime.transport import RingGroup, active_run
 
-# ``relay_compile.RingInputError`` is imported from here.
-RingInputError = RingInputError
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 # Dtype of the per-pair score-gradient reductions (a dot product over H per pair).
 ACC_DTYPE = torch.float32
@@ -260,21 +262,21 @@ def _guarded(where: Callable[[], str], compute: Callable[[], object], idle: Call
     if run.failure is None:
         try:
             return compute()
-        except Exception as e:  # any failure: the run raises it once the ring's transfers are done
+        except Exception as e:  # noqa: BLE001 -- any failure: the run raises it once the ring's transfers are done
             run.fail(e, where())
     return idle()
 
 
-def _drains(idle: Callable[..., object]) -> Callable[[Callable[..., object]], Callable[..., object]]:
+def _drains(idle: Callable[..., object]) -> Callable[[_Method], _Method]:
     """A step method run through ``_guarded``, ``idle(step, *args)`` standing in once the run failed."""
 
-    def wrap(method: Callable[..., object]) -> Callable[..., object]:
+    def wrap(method: _Method) -> _Method:
         @functools.wraps(method)
         def drained(self, *args):
             hop = f" of hop {args[0]}" if args and isinstance(args[0], int) else ""
             return _guarded(lambda: f"{method.__name__}{hop}", lambda: method(self, *args), lambda: idle(self, *args))
 
-        return drained
+        return drained  # type: ignore[return-value]
 
     return wrap
 

@@ -20,6 +20,7 @@ Per call:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import program_for
 from relay_compile.runtime.programs.schedule import Direction
-from relay_compile.runtime.specs import SpecState, holding, spec_state
+from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def _prepare(
             f"ring_moe: the expert function packs {len(weights)} weights into {circulating} tensors, "
             f"not the {spec.circulating_weights(len(weights))} its num_packed promises"
         )
-    except Exception as e:  # any local failure: reported in the exchange, so no peer waits on this rank
+    except Exception as e:  # noqa: BLE001 -- any local failure: reported in the exchange, no peer waits on it
         return _Local(claims=Claims(direction=direction, problem=e), bad_ids=no_counts.new_zeros(1),
                       counts_E=no_counts)
     claims = Claims(
@@ -168,13 +169,14 @@ def _setup_context(ctx, inputs, output) -> None:
     x, topk_ids, topk_scores, weights, spec = inputs
     ctx.save_for_backward(x, topk_ids, topk_scores, *weights)
     ctx.spec = spec
-    # The backward runs with this very spec, even if the registry evicted or replaced it meanwhile.
-    ctx.spec_state = spec_state(spec)
+    # The backward runs with this very spec, even if the registry evicted or replaced it meanwhile. (While
+    # Dynamo traces, the spec's registration is a side effect it applies later: none to hold yet.)
+    ctx.spec_state = spec_held(spec)
 
 
 def _backward(ctx, grad_y: Tensor):
     x, topk_ids, topk_scores, *weights = ctx.saved_tensors
-    with holding(ctx.spec_state):
+    with holding(ctx.spec_state) if ctx.spec_state is not None else contextlib.nullcontext():
         dx, d_scores, *d_weights = torch.ops.relaymoe.ring_moe_backward(
             grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec
         )

@@ -9,10 +9,11 @@ from the spec's options and its ``identity`` (the expert function's, from ``fn_i
 
 Two kinds of registrations:
 
-- *pinned* (the rewrite pass, and anything registered while torch.compile traces): a compiled graph keeps
-  the key for its lifetime, so these are never evicted; re-registering a key with another spec raises.
-- *functional* (``ring_moe_experts`` called eagerly): a call registers and runs at once, so re-registering a
-  key replaces its spec (the latest expert function wins: the key says it computes the same), and at most
+- *pinned* (the rewrite pass, and ``ring_moe_experts`` while torch.compile traces it): a compiled graph
+  keeps the key for its lifetime, so these are never evicted. The rewrite pass's re-registering a key with
+  another spec raises.
+- *functional* (``ring_moe_experts``): a call registers and runs at once, so re-registering a key replaces
+  its spec (the latest expert function wins: the key says it computes the same). Called eagerly, at most
   ``MAX_FUNCTIONAL_SPECS`` stay registered, least recently used evicted first. A forward's autograd context
   holds its spec, and its backward runs with that one (``holding``), evicted or replaced since or not.
 """
@@ -25,8 +26,6 @@ import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import torch
 
 from relay_compile.experts import ExpertFn, GroupedExperts
 from relay_compile.routing import Routing
@@ -80,30 +79,29 @@ _FUNCTIONAL: OrderedDict[str, SpecState] = OrderedDict()
 _HELD: contextvars.ContextVar[SpecState | None] = contextvars.ContextVar("relaymoe_held_spec", default=None)
 
 
-def register_spec(spec: RingSpec, fn_name: str, *, identity: str | None = None, functional: bool = False) -> str:
+def register_spec(
+    spec: RingSpec, fn_name: str, *, identity: str | None = None, functional: bool = False, pinned: bool = True
+) -> str:
     """Register ``spec`` under its key; returns the key.
 
     ``identity``: the expert function's cross-rank identity (default ``fn_name``, which must then be the same
-    in every process). ``functional``: a registration of the functional API (see the module docstring);
-    otherwise pinned, idempotent for an equal spec, and a different spec under the key raises ``ValueError``.
+    in every process). ``functional``: a re-registration replaces the spec; otherwise it is idempotent for an
+    equal spec and a different spec under the key raises ``ValueError``. ``pinned=False``: evicted least
+    recently used (see the module docstring).
     """
     key = spec.key(fn_name)
     identity = fn_name if identity is None else identity
-    if not functional or torch.compiler.is_compiling():
-        state = _PINNED.get(key)
-        if state is not None and state.spec != spec and not functional:
-            raise ValueError(f"relaymoe: ring spec {key!r} is already registered with other settings")
-        if state is None or state.spec != spec:
-            _PINNED[key] = SpecState(key=key, spec=spec, ring=RingGroup.resolve(spec.group_name), identity=identity)
-        return key
-    state = _FUNCTIONAL.get(key)
-    if state is None:
-        _FUNCTIONAL[key] = SpecState(key=key, spec=spec, ring=RingGroup.resolve(spec.group_name), identity=identity)
+    table = _PINNED if pinned else _FUNCTIONAL
+    state = table.get(key)
+    if state is not None and state.spec != spec and not functional:
+        raise ValueError(f"relaymoe: ring spec {key!r} is already registered with other settings")
+    if state is None or state.spec != spec:
+        ring = RingGroup.resolve(spec.group_name) if state is None else state.ring
+        table[key] = SpecState(key=key, spec=spec, ring=ring, identity=identity)
+    if not pinned:
+        _FUNCTIONAL.move_to_end(key)
         while len(_FUNCTIONAL) > MAX_FUNCTIONAL_SPECS:
             _FUNCTIONAL.popitem(last=False)
-    elif state.spec != spec:
-        _FUNCTIONAL[key] = SpecState(key=key, spec=spec, ring=state.ring, identity=identity)
-    _FUNCTIONAL.move_to_end(key)
     return key
 
 
@@ -121,6 +119,14 @@ def spec_state(key: str) -> SpecState:
         raise KeyError(f"relaymoe: no ring spec {key!r} registered in this process") from None
     _FUNCTIONAL.move_to_end(key)
     return state
+
+
+def spec_held(key: str) -> SpecState | None:
+    """The state ``spec_state`` gives now, or None where this process has none (yet)."""
+    try:
+        return spec_state(key)
+    except KeyError:
+        return None
 
 
 def registered() -> int:

@@ -99,7 +99,7 @@ class RingRun:
         self.status = torch.zeros(1, dtype=torch.int64, device=device)
         self._token: contextvars.Token | None = None
 
-    def __enter__(self) -> RingRun:
+    def __enter__(self) -> RingRun:  # noqa: PYI034 -- final in effect
         self._token = _ACTIVE_RUN.set(self)
         return self
 
@@ -125,7 +125,7 @@ class RingRun:
         for xfer in list(self.posted):
             try:
                 xfer.wait()
-            except Exception as e:  # the transfer failed as well: the original error is the one to raise
+            except Exception as e:  # noqa: BLE001 -- it failed as well: the original error is the one to raise
                 _note(error, f"relay_compile: transfer {xfer.index} of rank {self.ring.rank} could not complete "
                              f"after it ({e})")
         self.posted.clear()

@@ -1,0 +1,278 @@
+"""What the ranks of a ring agree on, and what happens when one of them fails, on real gloo process groups.
+
+Each case checks that every rank raised (the rank at fault its own error, the others one naming it), that
+the ranks' messages agree, that no rank waited for the process-group timeout (kept short here, 15 s, so a
+regression fails fast instead of hanging), and that the group is usable afterwards: a barrier, then a ring
+call against the all-to-all reference. The exchange's row layout is checked without processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import time
+import unittest
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.testing._internal.common_utils import run_tests
+
+from relay_compile import RingInputError, ring_moe, ring_moe_experts
+from relay_compile.reference import a2a_moe, moe_weights
+from relay_compile.runtime import agreement
+from relay_compile.runtime.agreement import MESSAGE_WORDS, Claims, _decode, _encode
+from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.transport import RingPeerError
+from tests import distributed
+from tests.distributed import DistributedTestCase
+from tests.test_ring_moe import F, assert_close_rel, forward_backward, local_weights, plain_ffn, routed_inputs
+
+# Well below the short process-group timeout: an error that waited for it is a failure.
+PROMPT_S = 8.0
+
+
+class ShortTimeoutCase(DistributedTestCase):
+    e_l = 2
+
+    def init_pg(self, backend: str = "gloo") -> dist.ProcessGroup:
+        with mock.patch.object(distributed, "PG_TIMEOUT", datetime.timedelta(seconds=15)):
+            return super().init_pg(backend)
+
+    def inputs(self, seed: int = 1, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=seed)
+        return x.to(dtype), ids, scores.to(dtype), local_weights(self.rank, self.e_l, world, dtype)
+
+    def raises_promptly(self, call: Callable[[], object], want: type[BaseException], pattern: str) -> str:
+        """``call()`` raises ``want`` matching ``pattern`` well before the timeout; returns the message."""
+        start = time.monotonic()
+        with self.assertRaisesRegex(want, pattern) as caught:
+            call()
+        self.assertLess(time.monotonic() - start, PROMPT_S, f"{pattern}: raised only after the timeout")
+        return str(caught.exception)
+
+    def same_on_every_rank(self, message: str) -> None:
+        messages: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        self.assertEqual(len(set(messages)), 1, messages)
+
+    def assert_group_usable(self, **ring_kw) -> None:
+        """A barrier, then forward and backward of a correct ring call match the all-to-all layer."""
+        dist.barrier()
+        x, ids, scores, weights = self.inputs(seed=9)
+        want = forward_backward(a2a_moe, x, ids, scores, weights, self.rank)
+        got = forward_backward(ring_moe, x, ids, scores, weights, self.rank, **ring_kw)
+        for g, w in zip(got, want, strict=True):
+            assert_close_rel(g, w, 1e-5, "after the failure")
+
+
+class ArgumentsAreAgreedByEveryRank(ShortTimeoutCase):
+    def test_a_bad_argument_on_one_rank_raises_on_every_rank_naming_the_rank_and_the_argument(self) -> None:
+        self.init_pg()
+        x, ids, scores, (w1, w2, w3) = self.inputs()
+        fault = 1
+        cases = [
+            ("x", dict(x=x[None]), r"x must be \(T, H\)"),
+            ("topk_ids", dict(ids=ids.float()), "topk_ids must hold integer expert ids"),
+            ("topk_scores", dict(scores=scores[:, :1]), "topk_scores must have topk_ids' shape"),
+            ("w2", dict(w2=w2.transpose(1, 2)), r"w2 must be \(E_local, H, F\)"),
+            ("w1", dict(w1=w1.double()), "w1 is torch.float64 on cpu but x is torch.float32"),
+            ("routing", dict(routing="ring"), "routing='ring' is not one of"),
+            ("max_hop_rows", dict(max_hop_rows=0), "max_hop_rows must be a positive row count"),
+        ]
+        for argument, change, message in cases:
+            args = dict(x=x, ids=ids, scores=scores, w1=w1, w2=w2, w3=w3, routing="auto", max_hop_rows=None)
+            args |= change if self.rank == fault else {}
+            call = functools.partial(ring_moe, args["x"], args["ids"], args["scores"], args["w1"], args["w2"],
+                                     args["w3"], routing=args["routing"], max_hop_rows=args["max_hop_rows"])
+            if self.rank == fault:
+                self.raises_promptly(call, ValueError, message)
+            else:
+                got = self.raises_promptly(call, RingInputError, f"rank {fault} passed a bad {argument}: ")
+                self.assertIn(message.replace("\\", ""), got)
+        # The functional API with any expert function, and a fault on rank 0.
+        e_l = 0 if self.rank == 0 else self.e_l
+        call = functools.partial(ring_moe_experts, x, ids, scores, [w1, w2, w3], expert_fn=plain_ffn,
+                                 experts_per_rank=e_l)
+        if self.rank == 0:
+            self.raises_promptly(call, ValueError, "at least one expert")
+        else:
+            self.raises_promptly(call, RingInputError, "rank 0 passed a bad experts_per_rank")
+        self.assert_group_usable(routing="token")
+
+    def test_what_travels_and_the_schedule_options_must_agree_while_max_hop_rows_may_differ(self) -> None:
+        self.init_pg()
+        # Warm-up: the ring's first call has no counts capacity yet; a later mismatch must still be caught.
+        x, ids, scores, weights = self.inputs()
+        ring_moe(x, ids, scores, *weights)
+        other = self.rank == 1
+        for routing in ("expert", "token"):
+            cases = [  # (what rank 1 passes differently, the disagreement named)
+                (dict(dtype=torch.float16 if other else torch.bfloat16),
+                 "x's dtype: rank 1 passes torch.float16 where rank 0 passes torch.bfloat16"),
+                (dict(dtype=torch.bfloat16 if other else torch.float32), "x's dtype"),  # different byte sizes
+                (dict(ids_dtype=torch.int32 if other else torch.int64), "topk_ids' dtype"),
+                (dict(scores_dtype=torch.bfloat16 if other else torch.float32), "topk_scores' dtype"),
+                (dict(kw=dict(overlap=not other)), "option overlap"),
+                (dict(kw=dict(remat=not other)), "option remat"),
+                (dict(kw=dict(routing="token" if other else "expert")), "option routing"),
+                (dict(width=F + 4 * other), r"weight shapes of rank 1 differ from rank 0's: weights\[0\] is"),
+                (dict(e_l=self.e_l + other), "experts per rank"),
+            ]
+            for change, message in cases:
+                call = self.mismatched_call(routing, **change)
+                self.same_on_every_rank(self.raises_promptly(call, RingInputError, message))
+        # Two ranks running different expert functions (different code) under one ring.
+        fn = plain_ffn if self.rank == 0 else (lambda x_, c, s, w: plain_ffn(x_, c, s, w) * 2)
+        call = functools.partial(ring_moe_experts, x, ids, scores, weights, expert_fn=fn, experts_per_rank=self.e_l)
+        self.same_on_every_rank(self.raises_promptly(call, RingInputError, "the expert function"))
+        self.assert_group_usable()
+
+    def mismatched_call(self, routing: str, dtype: torch.dtype = torch.float32, ids_dtype: torch.dtype = torch.int64,
+                        scores_dtype: torch.dtype | None = None, kw: dict | None = None, width: int = F,
+                        e_l: int | None = None) -> Callable[[], Tensor]:
+        world = dist.get_world_size()
+        e_l = e_l or self.e_l
+        x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=2)
+        w = moe_weights(0, x.shape[1], width, e_l * world, experts=range(self.rank * e_l, (self.rank + 1) * e_l),
+                        dtype=dtype)
+        args = (x.to(dtype), ids.to(ids_dtype), scores.to(scores_dtype or dtype), w["w1"], w["w2"], w["w3"])
+        return lambda: ring_moe(*args, **({"routing": routing} | (kw or {})))
+
+    def test_max_hop_rows_may_differ_across_ranks_and_change_at_any_step(self) -> None:
+        self.init_pg()
+        # Per step, this rank's bound: the ranks switch at different steps (the first-call check used to hang).
+        bounds = [[None, None, 3, 3, None, 1], [None, 5, 5, None, 2, 2]][self.rank]
+        for routing in ("expert", "token", "auto"):
+            for step, bound in enumerate(bounds):
+                x, ids, scores, weights = self.inputs(seed=step)
+                want = forward_backward(a2a_moe, x, ids, scores, weights, step)
+                got = forward_backward(ring_moe, x, ids, scores, weights, step, routing=routing, max_hop_rows=bound)
+                for g, w in zip(got, want, strict=True):
+                    assert_close_rel(g, w, 1e-5, f"{routing} step {step} max_hop_rows={bound}")
+        dist.barrier()
+
+
+class SimulatedOOM(RuntimeError):
+    pass
+
+
+class Interrupt(BaseException):
+    """Not an ``Exception``: the ring does not drain it, it abandons the program."""
+
+
+class FailingFFN:
+    """``plain_ffn`` that raises ``error`` at its ``fail_at``-th call on this rank (None: never)."""
+
+    def __init__(self, fail_at: int | None, error: type[BaseException] = SimulatedOOM) -> None:
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+
+    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights) -> Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error(f"simulated failure at call {self.calls}")
+        return plain_ffn(x_SH, counts_NL, splits_N, weights)
+
+
+class FailuresInsideTheRing(ShortTimeoutCase):
+    e_l = 1
+
+    @property
+    def world_size(self) -> int:
+        return 3
+
+    def run_failing(self, fail_at: int | None, routing: str, error: type[BaseException] = SimulatedOOM,
+                    **kw) -> list[Tensor]:
+        x, ids, scores, weights = self.inputs(seed=4)
+        fn = FailingFFN(fail_at, error)
+
+        def ring(x_, ids_, scores_, *weights_, **ring_kw) -> Tensor:
+            return ring_moe_experts(x_, ids_, scores_, weights_, expert_fn=fn, experts_per_rank=self.e_l,
+                                    name="failing_ffn", **ring_kw)
+
+        return forward_backward(ring, x, ids, scores, weights, 0, routing=routing, **kw)
+
+    def test_every_rank_failing_at_its_own_hop_raises_its_error_and_leaves_the_group_usable(self) -> None:
+        self.init_pg()
+        world = dist.get_world_size()
+        for routing in ("expert", "token"):
+            for overlap in (True, False):
+                # Forward hops 0, 1, 2 (one expert call per hop here), then backward recompute calls.
+                for fail_at in (1 + self.rank, world + 1 + (self.rank + 1) % world):
+                    call = functools.partial(self.run_failing, fail_at, routing, overlap=overlap)
+                    self.raises_promptly(call, SimulatedOOM, "simulated failure")
+                    dist.barrier()
+            # An error the ring does not drain (not an Exception), on every rank at the same hop: the
+            # transfers posted so far are completed before it leaves the op.
+            call = functools.partial(self.run_failing, 2, routing, error=Interrupt)
+            self.raises_promptly(call, Interrupt, "simulated failure")
+        self.assert_group_usable()
+
+    def test_one_rank_failing_inside_a_hop_fails_every_rank_whose_results_depend_on_it(self) -> None:
+        self.init_pg()
+        fault = 1
+        x, ids, scores, weights = self.inputs(seed=4)
+        want = a2a_moe(x, ids, scores, *weights)
+        for routing in ("expert", "token"):
+            for fail_at in (1, 2):  # forward hop 0, hop 1
+                fn = FailingFFN(fail_at if self.rank == fault else None)
+                call = functools.partial(ring_moe_experts, x, ids, scores, weights, expert_fn=fn,
+                                         experts_per_rank=self.e_l, name="failing_ffn", routing=routing)
+                if self.rank == fault:
+                    self.raises_promptly(call, SimulatedOOM, "simulated failure")
+                elif routing == "token":  # every rank's tokens meet rank 1's experts: every result depends on it
+                    self.raises_promptly(call, RingPeerError, f"rank {fault} of the EP group failed inside the forward")
+                else:
+                    self.returns_right_or_names_the_fault(call, want, fault)
+                dist.barrier()
+        self.assert_group_usable()
+
+    def returns_right_or_names_the_fault(self, call: Callable[[], Tensor], want: Tensor, fault: int) -> None:
+        """Expert routing: a rank's ``y`` does not depend on another rank's hops; it may still have heard."""
+        start = time.monotonic()
+        try:
+            got = call()
+        except RingPeerError as e:
+            self.assertIn(f"rank {fault} of the EP group failed inside the forward ring", str(e))
+            self.assertLess(time.monotonic() - start, PROMPT_S)
+            return
+        assert_close_rel(got, want, 1e-5, f"rank {self.rank} returned, so its result is right")
+
+
+class RowLayout(unittest.TestCase):
+    """The exchange's row never depends on the arguments: a row of another length aborts gloo."""
+
+    def test_the_header_has_one_length_whatever_the_claims(self) -> None:
+        many = tuple((torch.float32, (2, 3, 4, 5, 6)) for _ in range(9))  # more weights and dims than listed
+        claims = [
+            Claims(),
+            Claims(problem=ValueError("x" * 1000)),
+            Claims(direction="backward", tokens=7, hidden=16, top_k=2, weights=((torch.bfloat16, (2, 8, 16)),),
+                   options=RingOptions(routing="token", max_hop_rows=3)),
+            Claims(weights=many),
+        ]
+        self.assertEqual(len({len(c.header(0)) for c in claims}), 1)
+        self.assertEqual(claims[2].header(0)[:1], [0])  # no problem
+
+    def test_a_problem_message_travels_truncated_to_its_words(self) -> None:
+        self.assertEqual(_decode(_encode("ring_moe: x must be (T, H)")), "ring_moe: x must be (T, H)")
+        self.assertEqual(len(_decode(_encode("é" * 200)).encode()), 8 * MESSAGE_WORDS)
+        self.assertEqual(_decode(_encode("")), "")
+
+    def test_max_hop_rows_is_not_claimed(self) -> None:
+        a = Claims(options=RingOptions(max_hop_rows=3)).header(0)
+        b = Claims(options=RingOptions(max_hop_rows=None)).header(0)
+        self.assertEqual(a, b)
+
+    def test_dtype_codes_round_trip_and_unknown_dtypes_get_a_stable_code(self) -> None:
+        for dt in (torch.float32, torch.bfloat16, torch.int32):
+            self.assertEqual(agreement.dtype_name(agreement.dtype_code(dt)), str(dt))
+        self.assertEqual(agreement.dtype_code(torch.uint16), agreement.dtype_code(torch.uint16))
+        self.assertGreaterEqual(agreement.dtype_code(torch.uint16), 1000)
+
+
+if __name__ == "__main__":
+    run_tests()
