@@ -244,8 +244,8 @@ class ReferenceWorld1Test(unittest.TestCase):
 
     def test_a2a_moe_rejects_an_unknown_activation(self) -> None:
         p = _problem([8], 2, "random", 1)
-        with self.assertRaisesRegex(ValueError, "a2a_moe: activation='relu' is not one of"):
-            a2a_moe(p.x_GH, p.ids_GK, p.scores_GK, p.weights["w1"], p.weights["w2"], activation="relu")
+        with self.assertRaisesRegex(ValueError, "a2a_moe: activation='tanh' is not one of"):
+            a2a_moe(p.x_GH, p.ids_GK, p.scores_GK, p.weights["w1"], p.weights["w2"], activation="tanh")
 
 
 if __name__ == "__main__":
