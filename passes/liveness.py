@@ -25,16 +25,19 @@ def assert_cones(graph: fx.Graph) -> set[fx.Node]:
     return weak
 
 
-def dead_after_replacing(output: fx.Node, pinned: set[fx.Node], weak: set[fx.Node]) -> set[fx.Node]:
-    """The nodes that die once ``output`` has no users (``output`` included).
+def dead_after_replacing(
+    output: fx.Node, pinned: set[fx.Node], weak: set[fx.Node], aliases: tuple[fx.Node, ...] = ()
+) -> set[fx.Node]:
+    """The nodes that die once ``output`` (and its ``aliases``: a buffer an in-place ``output`` wrote) have no
+    users (they included).
 
     A node dies when it has a dead user and every other user is dead, in an assert cone (``weak``), or an
     in-place write into it with no users. A node of an assert cone dies with any dead input or with all its
     users; an in-place write with no users dies with what it writes. Pinned nodes (the ring's inputs) and
     placeholders never die; other side effects (buffer updates, grad-mode toggles) are kept.
     """
-    dead = {output}
-    todo = list(output.all_input_nodes)
+    dead = {output, *aliases}
+    todo = [i for n in dead for i in n.all_input_nodes]
     while todo:
         n = todo.pop()
         if n in dead or n in pinned or n.op in ("placeholder", "output"):

@@ -70,6 +70,7 @@ from relay_compile.passes.fx_nodes import (
     is_all_to_all,
     is_call,
     is_method_call,
+    is_mutator,
     node_value,
     same_shape,
     same_size,
@@ -146,6 +147,8 @@ class MoERegion:
     group_name: str
     group_size: int
     nodes: frozenset[fx.Node]  # what dies once output's uses go elsewhere
+    # A buffer the in-place combine scatter wrote, read after it: those reads take the ring's result too.
+    output_aliases: tuple[fx.Node, ...] = ()
 
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, from the nodes' fake values: a symbolic size's hint (0 if unbacked)."""
@@ -245,8 +248,26 @@ def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, 
     return x, topk_ids, order, top_k
 
 
-def _match_combine_side(combine: fx.Node, back: fx.Node, order: fx.Node, top_k: object) -> tuple[fx.Node, fx.Node]:
-    """Step 4: ``(output, topk_scores)`` from ``scatter_add(zeros, order // K, back * scores.flatten()[order])``."""
+def _buffer_aliases(combine: fx.Node, scatter: fx.Node, buffer: fx.Node) -> tuple[fx.Node, ...]:
+    """``(buffer,)`` when an in-place scatter's buffer is read after it (``y = zeros_like(x); y.index_add_(...);
+    return y``): those reads then take the ring's result. Refuses reads before the scatter and other writes."""
+    readers = [u for u in buffer.users if u is not scatter]
+    if not readers:
+        return ()
+    position = {n: i for i, n in enumerate(combine.graph.nodes)}
+    early = [u.name for u in readers if position[u] < position[scatter] or is_mutator(u)]
+    if early:
+        raise Refusal(combine, f"{scatter.name} scatters in place into {buffer.name}, which {', '.join(early)} also "
+                               "read(s) before the scatter or write(s) into; only reads after it can take the ring's "
+                               "result")
+    return (buffer,)
+
+
+def _match_combine_side(
+    combine: fx.Node, back: fx.Node, order: fx.Node, top_k: object
+) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
+    """Step 4: ``(output, topk_scores, aliases)`` from ``scatter_add(zeros, order // K, back *
+    scores.flatten()[order])``; ``aliases``: the buffer of an in-place scatter that is read after it."""
     for weighted in forward_through(back, CAST_METHODS):
         for mul in weighted.users:
             if not (is_call(mul, operator.mul, torch.mul) or is_method_call(mul, "mul")):
@@ -266,10 +287,10 @@ def _match_combine_side(combine: fx.Node, back: fx.Node, order: fx.Node, top_k: 
                     if not is_zeros(scatter.target):
                         raise Refusal(combine, f"the combine scatter {user.name} adds into "
                                                f"{getattr(scatter.target, 'name', scatter.target)}, not fresh zeros")
-                    if scatter.in_place and isinstance(scatter.target, fx.Node) and len(scatter.target.users) != 1:
-                        raise Refusal(combine, f"{user.name} scatters in place into a buffer read elsewhere; only "
-                                               "the scatter's result can be replaced")
-                    return user, scores
+                    aliases: tuple[fx.Node, ...] = ()
+                    if scatter.in_place and isinstance(scatter.target, fx.Node):
+                        aliases = _buffer_aliases(combine, user, scatter.target)
+                    return user, scores, aliases
     raise Refusal(combine, f"no scatter_add(zeros, order // K, {back.name} * topk_scores.flatten()[order]) "
                            "after the combine (scores applied elsewhere, or another reduction)")
 
@@ -356,7 +377,7 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
     x, topk_ids, order, top_k = _match_dispatch_side(dispatch)
 
     # Step 4: combine side.
-    output, topk_scores = _match_combine_side(combine, back, order, top_k)
+    output, topk_scores, aliases = _match_combine_side(combine, back, order, top_k)
     if not same_shape(shape_of(topk_scores), shape_of(topk_ids)) or not (
         dtype_of(topk_scores) or torch.int64
     ).is_floating_point:
@@ -394,7 +415,7 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
     )
 
     # Step 7: what dies.
-    dead = dead_after_replacing(output, {x, topk_ids, topk_scores, *weights}, weak)
+    dead = dead_after_replacing(output, {x, topk_ids, topk_scores, *weights}, weak, aliases)
     for role, n in (("dispatch", dispatch), ("combine", combine), ("receive", recv), ("combine result", back)):
         if n not in dead:
             users = ", ".join(u.name for u in n.users)
@@ -407,8 +428,7 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
         dispatch=dispatch, combine=combine, recv=recv, back=back, counts_exchange=exchange, x=x,
         topk_ids=topk_ids, topk_scores=topk_scores, order=order, output=output, weights=tuple(weights),
         expert_fn=expert_fn, binding=binding, experts_per_rank=e_l, top_k=_size_hint(size_value(top_k)),
-        group_name=group_name,
-        group_size=group_size, nodes=frozenset(dead),
+        group_name=group_name, group_size=group_size, nodes=frozenset(dead), output_aliases=aliases,
     )
 
 

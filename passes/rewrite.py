@@ -69,7 +69,7 @@ def _check_record(gm: fx.GraphModule, region: MoERegion) -> None:
                 "this graph any more; match again with find_moe_regions(gm) after changing the graph"
             )
     for n in region.nodes:
-        if n is region.output:
+        if n is region.output or n in region.output_aliases:
             continue
         outside = [u.name for u in n.users if u not in region.nodes]
         if outside:
@@ -163,6 +163,8 @@ def rewrite_moe_region(
     # Step 4: uses, then the dead region, users before producers; then what only the region read (values
     # shared by several regions, such as the T*K of Dynamo's size asserts, die with the last of them).
     region.output.replace_all_uses_with(ring)
+    for buffer in region.output_aliases:  # reads after an in-place combine scatter (match checked the order)
+        buffer.replace_all_uses_with(ring, delete_user_cb=lambda user: user not in region.nodes)
     frontier: set[fx.Node] = set()
     for n in reversed(list(graph.nodes)):
         if n in region.nodes:

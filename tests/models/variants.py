@@ -1,4 +1,5 @@
-"""Variants of the reference all-to-all layer that the region matcher must leave unchanged, with a reason.
+"""Variants of the reference all-to-all layer in other codebases' idioms: the matcher rewrites some, and must
+leave the others unchanged, with a reason.
 
 Each is ``fn(x_TH, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, group) -> y_TH`` built from the reference's own
 steps (``relay_compile.reference``), so everything but the one unsupported feature is the matched pattern.
@@ -59,3 +60,15 @@ def a2a_moe_experts_read_tokens(x_TH, ids_TK, scores_TK, w1, w2, w3, *, group):
     out_RH = local_experts(recv_RH + x_TH.mean(0), counts_NL, w1, w2, w3, use_grouped_mm=False)
     back_PH = _combine_tokens(out_RH, send_splits, recv_splits, group)
     return _weighted_combine(back_PH, order_P, scores_TK)
+
+
+def a2a_moe_in_place_combine(x_TH, ids_TK, scores_TK, w1, w2, w3, *, group):
+    """The combine scatters in place into a fresh buffer that is then returned (DeepSpeed/fairseq style:
+    ``y = zeros_like(x); y.index_add_(0, idx, v); return y``)."""
+    order_P, send_PH, counts_NL, send_splits, recv_splits = _dispatch(x_TH, ids_TK, w1, group)
+    recv_RH = _dispatch_tokens(send_PH, send_splits, recv_splits, group)
+    out_RH = local_experts(recv_RH, counts_NL, w1, w2, w3, use_grouped_mm=False)
+    back_PH = _combine_tokens(out_RH, send_splits, recv_splits, group)
+    y_TH = torch.zeros_like(x_TH)
+    y_TH.index_add_(0, order_P // ids_TK.shape[1], back_PH * scores_TK.flatten()[order_P].unsqueeze(-1))
+    return y_TH

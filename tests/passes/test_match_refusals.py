@@ -252,19 +252,38 @@ class MatchRefusals(unittest.TestCase):
         reason = self.refusal(gm, r.combine)
         self.assertEqual(reason, "the combine scatter y adds into x, not fresh zeros")
 
-    def test_refuses_an_in_place_scatter_whose_buffer_is_returned(self) -> None:
+    def test_an_in_place_scatter_whose_buffer_is_returned_is_matched_with_the_buffer_as_an_alias(self) -> None:
         # y = torch.zeros_like(x); y.index_add_(0, order // K, weighted); return y (Dynamo returns the zeros
-        # node, the scatter's result has no user).
+        # node, the scatter's result has no user): reads of y after the scatter take the ring's result.
         def scatter(r: Region) -> None:
             b = r.b
             weighted = b.fn(operator.mul, r.back, score_column(r), name="weighted")
             r.y = b.fn(torch.zeros_like, r.x, name="y")
-            b.method("index_add_", r.y, 0, b.fn(operator.floordiv, r.order, D.K), weighted, name="y_added")
+            r.extra["added"] = b.method("index_add_", r.y, 0, b.fn(operator.floordiv, r.order, D.K), weighted,
+                                        name="y_added")
 
         gm, r = moe_graph(scatter=scatter)
+        regions, refused = self.match(gm)
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertIs(region.output, r.extra["added"])
+        self.assertEqual(region.output_aliases, (r.y,))
+        self.assertTrue({r.y, r.extra["added"]} <= region.nodes)
+
+    def test_refuses_an_in_place_scatter_whose_buffer_is_read_before_it(self) -> None:
+        # y = torch.zeros_like(x); before = y.sum(); y.index_add_(...); return y, before: the read before the
+        # scatter sees zeros, which the ring's result cannot stand for.
+        def scatter(r: Region) -> None:
+            b = r.b
+            weighted = b.fn(operator.mul, r.back, score_column(r), name="weighted")
+            r.y = b.fn(torch.zeros_like, r.x, name="y")
+            r.extra["before"] = b.method("sum", r.y, name="before")
+            b.method("index_add_", r.y, 0, b.fn(operator.floordiv, r.order, D.K), weighted, name="y_added")
+
+        gm, r = moe_graph(scatter=scatter, outputs=lambda r: [r.y, r.extra["before"]])
         reason = self.refusal(gm, r.combine)
-        self.assertEqual(reason, "y_added scatters in place into a buffer read elsewhere; only the scatter's result "
-                                 "can be replaced")
+        self.assertEqual(reason, "y_added scatters in place into y, which before also read(s) before the scatter or "
+                                 "write(s) into; only reads after it can take the ring's result")
 
     def test_refuses_a_combine_not_scattered_back_with_the_scores(self) -> None:
         # Un-sort with the inverse permutation, then weigh and sum over K:

@@ -382,6 +382,25 @@ class GraphModule(torch.nn.Module):
 
     # --- refusals --------------------------------------------------------------------------------------
 
+    def check_in_place_combine_into_a_returned_buffer(self) -> None:
+        """``y = zeros_like(x); y.index_add_(...); return y``: rewritten, and equal to eager a2a."""
+        group = dist.group.WORLD
+        e_l = E // self.world_size
+        w = moe_weights(1, H, F, E, experts=range(self.rank * e_l, (self.rank + 1) * e_l))
+        gen = torch.Generator().manual_seed(self.rank)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(12)])
+
+        def fn(x, scores, w1, w2, w3):
+            return variants.a2a_moe_in_place_combine(x, ids, scores, w1, w2, w3, group=group)
+
+        inputs = [(torch.randn(12, H, generator=gen), torch.rand(12, K, generator=gen), w["w1"], w["w2"], w["w3"])]
+        want = run_steps(fn, None, inputs, grad_seed=0)
+        backend = RingBackend()
+        got = run_steps(compile_with(fn, backend), None, inputs, grad_seed=0)
+        self.check_graph_rewritten(backend.graphs[0])
+        self.assertEqual(len(backend.graphs[0].regions[0].output_aliases), 1)
+        assert_close_rel(self, got[0], want[0], {"y": 1e-5, "grad": 1e-5}, "in-place combine")
+
     def check_unsupported_regions_are_left_unchanged(self) -> None:
         group = dist.group.WORLD
         e_l = E // self.world_size
@@ -428,9 +447,10 @@ class MatchRewriteWorld2(Cases):
         self.init_pg()
         self.check_torchtitan_layer()
 
-    def test_unsupported_regions_are_left_unchanged_with_a_reason(self) -> None:
+    def test_unsupported_regions_are_left_unchanged_with_a_reason_and_an_in_place_combine_is_rewritten(self) -> None:
         self.init_pg()
         self.check_unsupported_regions_are_left_unchanged()
+        self.check_in_place_combine_into_a_returned_buffer()
 
 
 class MatchRewriteWorld4(Cases):
