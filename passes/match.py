@@ -198,16 +198,36 @@ def _pair_token_a2as(token_a2as: list[fx.Node]) -> tuple[list[tuple[fx.Node, fx.
             continue
         paired |= {dispatch, combine}
         pairs.append((dispatch, combine))
+    hint = _graph_break_hint() if len(paired) < len(token_a2as) else ""
     refused = [
         RefusedRegion(
             n,
             f"all_to_all {n.name} has no partner in this graph (no all_to_all with swapped splits reads its "
-            "result, nor is it the answer to one): the region is probably split by a graph break (at .tolist() "
-            "of the split sizes: compile with torch._dynamo.config.capture_scalar_outputs=True)",
+            f"result, nor is it the answer to one): the region is probably split by a graph break ({hint})",
         )
         for n in token_a2as if n not in paired
     ]
     return pairs, refused
+
+
+def _graph_break_hint() -> str:
+    """Where a region was most likely split, from Dynamo's config and the graph breaks it recorded."""
+    config = torch._dynamo.config
+    if not config.capture_scalar_outputs:
+        hint = "at .tolist() of the split sizes: compile with torch._dynamo.config.capture_scalar_outputs=True"
+    elif not config.capture_dynamic_output_shape_ops:
+        hint = ("capture_scalar_outputs is on; at an op whose output shape depends on data (repeat_interleave of "
+                "counts, nonzero, a boolean mask), set torch._dynamo.config.capture_dynamic_output_shape_ops=True; "
+                "at a Python branch on a received size, .cpu() or a print inside the dispatcher, no rewrite is "
+                "possible without editing the model")
+    else:
+        hint = ("inside the dispatcher: a Python branch on a received size, .cpu() or a print; no rewrite is "
+                "possible without editing the model")
+    # Dynamo counts each graph break by its reason (file:line and why): the latest are the likeliest.
+    reasons = list(torch._dynamo.utils.counters.get("graph_break", {}))[-3:]
+    if reasons:
+        hint += f"; Dynamo's latest graph breaks: {'; '.join(reasons)}"
+    return hint + "; TORCH_LOGS=graph_breaks shows each break with its line"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ Legend: T tokens, H hidden, K top-k, N ranks, E experts, E_l experts per rank, P
 
 from __future__ import annotations
 
+import collections
 import operator
 import unittest
+import unittest.mock
 from collections.abc import Sequence
 
 import torch
@@ -103,6 +105,21 @@ class MatchRefusals(unittest.TestCase):
         self.assertRegex(reason, r"^all_to_all dispatch has no partner in this graph \(no all_to_all with swapped "
                                  r"splits reads its result, nor is it the answer to one\)")
         self.assertIn("compile with torch._dynamo.config.capture_scalar_outputs=True", reason)
+
+    def test_a_split_region_names_the_likely_break_from_dynamos_config_and_recorded_breaks(self) -> None:
+        # The same graph under the two other configurations: scalar outputs captured already, then also
+        # data-dependent output shapes; Dynamo's recorded graph-break reasons are quoted.
+        gm, r = moe_graph(experts=None, combine=None, scatter=None, outputs=lambda r: [r.recv])
+        breaks = {"graph_break": collections.Counter({"moe.py:42 in dispatch: Data dependent branch": 1})}
+        with unittest.mock.patch.dict(torch._dynamo.utils.counters, breaks):
+            with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=False):
+                reason = self.refusal(gm, r.dispatch)
+            self.assertIn("set torch._dynamo.config.capture_dynamic_output_shape_ops=True", reason)
+            self.assertIn("Dynamo's latest graph breaks: moe.py:42 in dispatch: Data dependent branch", reason)
+            with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+                reason = self.refusal(gm, r.dispatch)
+            self.assertIn("inside the dispatcher: a Python branch on a received size", reason)
+            self.assertNotIn("capture_dynamic_output_shape_ops=True", reason)
 
     def test_refuses_both_all_to_alls_when_the_combine_does_not_swap_the_splits(self) -> None:
         # all_to_all_single(out, recv_splits, send_splits, group) for the combine too (the dispatch's order).
