@@ -197,7 +197,8 @@ def ring_moe(
         check_routing_args(x, topk_ids, topk_scores)
         _check_ffn_weights(x, w1, w2, w3, activation)
         if use_grouped_mm not in (None, True, False):
-            raise BadArgument("use_grouped_mm", f"ring_moe: use_grouped_mm must be None or a bool, got {use_grouped_mm!r}")
+            raise BadArgument(
+                "use_grouped_mm", f"ring_moe: use_grouped_mm must be None or a bool, got {use_grouped_mm!r}")
     fn = _FFN_FNS[(activation, use_grouped_mm)]
     weights = [w1, w2] if w3 is None else [w1, w2, w3]
     return ring_moe_experts(

@@ -9,10 +9,12 @@ Contract:
     hidden size, top-k, the dtypes of everything that travels (x, topk_ids, topk_scores, grad_y), experts
     per rank, weight count, shapes and dtypes, the options that change the transfer schedule (routing asked,
     overlap, remat; never ``max_hop_rows``, a per-rank memory knob), the expert function's identity
-    (``fn_identity``), then what the step needs: a bad-expert-id flag and the pair counts per expert.
+    (``fn_identity``), then what the step needs: a bad-expert-id flag and the pair counts per expert, and
+    the failure status this rank's previous ring on the group left unread (``transport.RingRun.outcome``).
     Every rank checks the gathered table in the same order and raises the same ``RingInputError``, naming the
-    rank and the argument; the rank whose own argument failed raises its own error. ``routing="auto"`` is
-    resolved from the table at every call (the same on every rank).
+    rank and the argument (``RingPeerError`` for a previous ring's failure); the rank whose own argument
+    failed raises its own error. ``routing="auto"`` is resolved from the table at every call (the same on
+    every rank).
 
 Pair counts travel in the same row when they fit the group's counts capacity (the largest expert count an
 agreed call of this group has had, shared state that grows identically on every rank); the first call of a
@@ -28,6 +30,8 @@ Legend: N ranks, E experts in the group, E_l experts per rank, T tokens, H hidde
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 import zlib
 from collections.abc import Sequence
@@ -38,7 +42,7 @@ from torch import Tensor
 
 from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
 from relay_compile.runtime.ring_options import RingOptions
-from relay_compile.runtime.transport import RingGroup, all_gather_rows
+from relay_compile.runtime.transport import RingGroup, RingPeerError, all_gather_rows, peer_failure
 
 Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 
@@ -62,8 +66,10 @@ _HEADER = (
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
 )
 _AT = {name: i for i, name in enumerate(_HEADER)}
-BAD_IDS = len(_HEADER)  # then the bad-id flag (from the device), then the counts
-COUNTS = BAD_IDS + 1
+# From the device, after the header: the bad-id flag, the previous ring's unread failure status, the counts.
+BAD_IDS = len(_HEADER)
+PEER_FAILURE = BAD_IDS + 1
+COUNTS = BAD_IDS + 2
 
 # What every rank must pass alike, in the order they are checked: (field, what it is, how to print a value).
 _AGREED = (
@@ -118,6 +124,11 @@ class Claims:
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
 
     def header(self, counts_len: int) -> list[int]:
+        if self.problem is None:
+            return list(_cached_header(self, counts_len))
+        return self._header(counts_len)
+
+    def _header(self, counts_len: int) -> list[int]:
         row = dict.fromkeys(_HEADER, 0)
         if self.problem is not None:
             row["problem"] = 1 + ARGUMENTS.index(getattr(self.problem, "argument", "the call"))
@@ -131,6 +142,13 @@ class Claims:
         row |= zip(("x_dtype", "ids_dtype", "scores_dtype", "grad_dtype"), map(dtype_code, self.dtypes), strict=True)
         row |= _weight_fields(self.weights)
         return list(row.values())
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_header(claims: Claims, counts_len: int) -> tuple[int, ...]:
+    """A step's claims repeat call after call: their header is built once (never one with a problem: its
+    exception would stay alive here)."""
+    return tuple(claims._header(counts_len))
 
 
 def _weight_fields(weights: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, int]:
@@ -177,6 +195,13 @@ class Agreement:
 @dataclass(kw_only=True)
 class _GroupState:
     counts_cap: int = 0  # counts travel in the row when the group's expert count fits (same on every rank)
+    unread_status: Tensor | None = None  # the previous ring's failure status, where it was not read at once
+
+
+def remember_status(ring: RingGroup, status: Tensor | None) -> None:
+    """Keep a ring's unread failure status (``transport.RingRun.outcome``) for the group's next exchange."""
+    if status is not None and ring.group is not None:
+        _group_state(ring).unread_status = status
 
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -195,7 +220,7 @@ def agree(
     ``weight_bytes``, ``elem_bytes``: this rank's weight and token element sizes, for ``routing="auto"``.
     """
     state = _group_state(ring)
-    table = _exchange(ring, claims, bad_ids, counts_E, state.counts_cap)
+    table = _exchange(ring, claims, bad_ids, counts_E, state)
     _check(ring, claims, table)
     e = len(counts_E)
     counts_NE: list[list[int] | None] = [row[COUNTS : COUNTS + e] if row[_AT["counts_len"]] else None for row in table]
@@ -227,26 +252,42 @@ def fail_together(ring: RingGroup, problem: Exception, device: torch.device) -> 
     """Join the op call's exchange with ``problem`` in place of arguments, and raise with every rank."""
     claims = Claims(problem=problem)
     no_counts = torch.zeros(0, dtype=torch.int64, device=device)
-    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts,
-                      _group_state(ring).counts_cap)
+    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
     _check(ring, claims, table)
     raise AssertionError("relay_compile: a problem passed the agreement")  # _check raises on every problem
 
 
-def _exchange(ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, cap: int) -> list[list[int]]:
-    """All-gather ``[header, bad flag, counts padded to cap]`` (counts only when they fit); the table on host."""
+def _exchange(
+    ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, state: _GroupState
+) -> list[list[int]]:
+    """All-gather ``[header, bad flag, unread status, counts padded to the cap]`` (counts only when they
+    fit); the table on the host. Consumes the group's unread status."""
+    cap, device = state.counts_cap, counts_E.device
     fits = 0 < len(counts_E) <= cap
-    header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=counts_E.device)
+    header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=device)
+    status, state.unread_status = state.unread_status, None
+    status = counts_E.new_zeros(1) if status is None else status.to(device)
     counts = counts_E if fits else counts_E.new_zeros(0)
-    pad = counts_E.new_zeros(cap - len(counts))
-    row = torch.cat([header, bad_ids.to(torch.int64).reshape(1), counts, pad])
+    row = torch.cat([header, bad_ids.to(torch.int64).reshape(1), status, counts, counts_E.new_zeros(cap - len(counts))])
     # NOTE: device-to-host sync, once per op call: the table sizes every hop on the host.
     return all_gather_rows(ring, row).tolist()
 
 
+
+# The columns that are fine as zeros on every rank, and those every rank must hold alike: one comparison
+# each per call when all is well (the usual case), the detailed checks below only otherwise.
+_QUIET = operator.itemgetter(_AT["problem"], BAD_IDS, PEER_FAILURE)
+_ALIKE = operator.itemgetter(*(i for name, i in _AT.items() if name not in ("problem", "tokens", "counts_len")
+                               and not name.startswith("message")))
+
+
 def _check(ring: RingGroup, claims: Claims, table: list[list[int]]) -> None:
     """Raise on every rank alike if the table shows a problem, a disagreement or bad expert ids."""
+    alike = _ALIKE(table[0])
+    if all(not any(_QUIET(row)) and _ALIKE(row) == alike for row in table):
+        return
     _check_problems(ring, claims, table)
+    _check_peer_failures(table)
     _check_direction(table)
     for name, what, show in _AGREED:
         col = _AT[name]
@@ -274,6 +315,15 @@ def _check_problems(ring: RingGroup, claims: Claims, table: list[list[int]]) -> 
         f"ring_moe: rank {failed[0]}{also} passed a bad {argument}: {message} -- rank {ring.rank} stops with it so "
         "no rank waits on a transfer"
     )
+
+
+def _check_peer_failures(table: list[list[int]]) -> None:
+    for rank, row in enumerate(table):
+        if row[PEER_FAILURE]:
+            raise RingPeerError(
+                peer_failure(row[PEER_FAILURE] - 1, rank, "its previous ring on this group") + "; every rank "
+                "stops at this call, the first exchange since (reading the status earlier would add a sync)"
+            )
 
 
 def _check_direction(table: list[list[int]]) -> None:

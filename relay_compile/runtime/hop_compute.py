@@ -248,9 +248,9 @@ def _zeros_like(t: Tensor) -> Tensor:
     return t.new_zeros(()).expand(t.shape)
 
 
-def _guarded(where: Callable[[], str], compute: Callable[[], object], idle: Callable[[], object]) -> object:
-    """``compute()``; inside a multi-rank ``RingRun``, an exception marks the run failed instead of leaving,
-    and from then on ``idle()`` stands in for every guarded computation of the run.
+def _guarded(method: Callable[..., object], idle: Callable[..., object], step: RingStep, *args: object) -> object:
+    """``method(step, *args)``; inside a multi-rank ``RingRun``, an exception marks the run failed instead of
+    leaving, and from then on ``idle(step, *args)`` stands in for every guarded computation of the run.
 
     ``idle`` gives zeros of the partials' shapes, so the program still posts and completes every transfer of
     the schedule and no peer waits on this rank (``transport`` says how the failure is then reported). A
@@ -258,13 +258,14 @@ def _guarded(where: Callable[[], str], compute: Callable[[], object], idle: Call
     """
     run = active_run()
     if run is None or not run.drains:
-        return compute()
+        return method(step, *args)
     if run.failure is None:
         try:
-            return compute()
+            return method(step, *args)
         except Exception as e:  # noqa: BLE001 -- any failure: the run raises it once the ring's transfers are done
-            run.fail(e, where())
-    return idle()
+            hop = f" of hop {args[0]}" if args and isinstance(args[0], int) else ""
+            run.fail(e, f"{method.__name__}{hop} of {type(step).__name__}")
+    return idle(step, *args)
 
 
 def _drains(idle: Callable[..., object]) -> Callable[[_Method], _Method]:
@@ -273,8 +274,7 @@ def _drains(idle: Callable[..., object]) -> Callable[[_Method], _Method]:
     def wrap(method: _Method) -> _Method:
         @functools.wraps(method)
         def drained(self, *args):
-            hop = f" of hop {args[0]}" if args and isinstance(args[0], int) else ""
-            return _guarded(lambda: f"{method.__name__}{hop}", lambda: method(self, *args), lambda: idle(self, *args))
+            return _guarded(method, idle, self, *args)
 
         return drained  # type: ignore[return-value]
 
@@ -304,9 +304,9 @@ def _trailing(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
     return trailing
 
 
-def _setup(step: RingStep, plan: Callable[[], None]) -> None:
+def _setup(step: RingStep, plan: Callable[..., None], *args: object) -> None:
     """The step's planning after the agreement, guarded like a hop (a failure there drains too)."""
-    _guarded(lambda: f"the setup of {type(step).__name__}", plan, lambda: None)
+    _guarded(plan, _no_partials, step, *args)
 
 
 def local_counts(cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor) -> StepCounts:
@@ -338,7 +338,7 @@ class ExpertRoutingStep:
         self.backward = grad_y_TH is not None
         self.topk_shape = topk_scores_TK.shape
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
-        _setup(self, lambda: self._plan(topk_ids_TK, topk_scores_TK, counts))
+        _setup(self, ExpertRoutingStep._plan, topk_ids_TK, topk_scores_TK, counts)
 
     def _plan(self, topk_ids_TK: Tensor, topk_scores_TK: Tensor, counts: StepCounts) -> None:
         cfg, e_l, x_TH = self.cfg, self.cfg.experts_per_rank, self.x_TH
@@ -428,7 +428,7 @@ class TokenRoutingStep:
         self.rows_N = counts.tokens_N
         self.counts_host_NE: list[list[int]] = [c for c in counts.counts_NE if c is not None]
         assert len(self.counts_host_NE) == cfg.ring.size, "ring_moe: token routing needs every rank's counts"
-        _setup(self, self._plan)
+        _setup(self, TokenRoutingStep._plan)
 
     def _plan(self) -> None:
         e_l, rank = self.cfg.experts_per_rank, self.cfg.ring.rank

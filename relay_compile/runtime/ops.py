@@ -15,7 +15,8 @@ Per call:
    disagreement, ``routing="auto"`` resolved;
 3. one ``RingStep`` (``hop_compute``: what the hops compute) and the spec's program
    (``programs.pipeline.program_for``: when), run inside a ``transport.RingRun``: a failure inside a hop
-   drains the ring and raises after the last transfer; nothing is left posted when the op raises.
+   drains the ring and raises after the last transfer; nothing is left posted when the op raises. A peer's
+   failure is raised at the end of the op, or (status on an accelerator) at the group's next exchange.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.routing import PairRouting
-from relay_compile.runtime.agreement import BadArgument, Claims, agree
+from relay_compile.runtime.agreement import BadArgument, Claims, agree, remember_status
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,
     RingStepConfig,
@@ -39,7 +40,7 @@ from relay_compile.runtime.hop_compute import (
 )
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import program_for
-from relay_compile.runtime.programs.schedule import Direction
+from relay_compile.runtime.programs.schedule import Direction, schedule_for
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 
@@ -131,10 +132,12 @@ def _run(
     state.resolved, state.volumes = agreed.routing, agreed.volumes
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights))
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
-    with RingRun(ring, x.device, direction) as run:
+    # Failure status travels only where results depend on other ranks' hops (trailing accumulators).
+    sched = schedule_for(direction, agreed.routing, ring.size, len(local.packed or ()))
+    with RingRun(ring, x.device, direction, carries_status=sched.num_trailing > 0) as run:
         step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed)
         out = run_program(program, step, step.initial_circulating())
-    run.outcome()
+    remember_status(ring, run.outcome())  # raises this rank's failure, or a peer's where reading it is free
     return out
 
 

@@ -11,13 +11,17 @@ A program runs inside a ``RingRun`` (one op call), which
 - tracks every transfer posted and not yet waited on: if an exception leaves the program, each of them is
   waited on before it leaves the op (torch offers no way to cancel a posted P2P op), so no buffer is
   freed under a pending receive;
-- adds a status element to every transfer: 0, or ``1 + r`` for the highest rank ``r`` this rank has heard
-  of failing inside the ring, so the news travels with the data. A rank whose hop compute fails *drains*
-  (``hop_compute``: later hops compute nothing, transfers go on), so the ranks never stop posting;
-  ``outcome`` raises the rank's own error, or ``RingPeerError`` naming the failing rank on a rank that
-  received anything sent after the failure (its results may depend on the missing hops). A rank that
-  received nothing sent after the failure returns normally: its results do not depend on the failed hops.
-  Reading the status is one host read of one element per op call, after the last transfer.
+- adds a status element to every transfer (of a schedule with trailing accumulators: only they carry what
+  other ranks computed, so expert routing's forward has none): 0, or ``1 + r`` for the highest rank ``r``
+  this rank has heard of failing inside the ring, so the news travels with the data. A rank whose hop
+  compute fails *drains*
+  (``hop_compute``: later hops compute nothing, transfers go on), so the ranks never stop posting, and
+  ``outcome`` raises its own error once the ring is done. A rank that received anything sent after the
+  failure (its results may depend on the missing hops) raises ``RingPeerError`` naming the failing rank:
+  at the end of the op where the status is a CPU tensor (gloo), and otherwise at its next call on the group,
+  where the agreement's exchange carries the status (``runtime.agreement``) and every rank raises alike:
+  reading it at the end of the op would add a device-to-host sync to every ring. A rank that received
+  nothing sent after the failure returns normally: its results do not depend on the failed hops.
 
 Timeouts: a transfer waits as long as the process group's timeout (``init_process_group(timeout=...)``).
 A peer that stops without draining (an error outside hop compute, or a dead process) leaves its neighbours
@@ -91,12 +95,14 @@ class RingRun:
     compute find it with ``active_run()``.
     """
 
-    def __init__(self, ring: RingGroup, device: torch.device, label: str) -> None:
+    def __init__(self, ring: RingGroup, device: torch.device, label: str, *, carries_status: bool = True) -> None:
         self.ring, self.label = ring, label
         self.posted: list[RingTransfer] = []
         self.failure: HopFailure | None = None
-        # (1,) int64: 0, or 1 + the highest failing rank heard of (own failure included).
-        self.status = torch.zeros(1, dtype=torch.int64, device=device)
+        # (1,) int64: 0, or 1 + the highest failing rank heard of (own failure included). None: a ring of one,
+        # or a schedule in which no rank's results depend on what another rank computes.
+        with_status = carries_status and ring.size > 1
+        self.status = torch.zeros(1, dtype=torch.int64, device=device) if with_status else None
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> RingRun:  # noqa: PYI034 -- final in effect
@@ -118,7 +124,8 @@ class RingRun:
         """Record this rank's failure (the first one counts); later transfers carry it to the peers."""
         if self.failure is None:
             self.failure = HopFailure(error=error, where=where)
-            self.status = torch.full_like(self.status, self.ring.rank + 1)
+            if self.status is not None:
+                self.status = torch.full_like(self.status, self.ring.rank + 1)
 
     def _settle(self, error: BaseException) -> None:
         """An exception leaves the program: wait on every transfer still posted, so none is left pending."""
@@ -130,8 +137,9 @@ class RingRun:
                              f"after it ({e})")
         self.posted.clear()
 
-    def outcome(self) -> None:
-        """After the program: raise this rank's failure, or ``RingPeerError`` if a peer's reached this rank."""
+    def outcome(self) -> Tensor | None:
+        """After the program: raise this rank's own failure; then the status heard from the peers, read at once
+        where reading is free (``RingPeerError``), else returned unread for the group's next agreement."""
         assert not self.posted, "ring transport: a program returned with transfers still posted"
         if self.failure is not None:
             _note(self.failure.error, (
@@ -139,16 +147,26 @@ class RingRun:
                 "completed the ring's remaining transfers (computing nothing) so that no peer waits on it"
             ))
             raise self.failure.error
-        if self.ring.size == 1:
-            return
-        # NOTE: device-to-host sync, once per op call: the failure status after the last transfer.
+        if self.status is None or not status_read_at_once(self.status.device):
+            return self.status
         failed = int(self.status.item()) - 1
         if failed >= 0:
-            raise RingPeerError(
-                f"ring_moe: rank {failed} of the EP group failed inside the {self.label} ring, and rank "
-                f"{self.ring.rank} received data it sent after that, so this call fails here too (rank {failed} "
-                "raised the cause; every transfer completed, the group stays usable)"
-            )
+            raise RingPeerError(peer_failure(failed, self.ring.rank, f"this {self.label} ring"))
+        return None
+
+
+def status_read_at_once(device: torch.device) -> bool:
+    """Whether a run's failure status is read at the end of the op: only where that is no device sync."""
+    return device.type == "cpu"
+
+
+def peer_failure(failed: int, rank: int, where: str) -> str:
+    """The message of ``RingPeerError``: ``rank`` received data sent after ``failed`` failed in ``where``."""
+    return (
+        f"ring_moe: rank {failed} of the EP group failed inside {where}, and rank {rank} received data it sent "
+        f"after that, so rank {rank}'s results of it may be wrong (rank {failed} raised the cause; every "
+        "transfer completed, the group stays usable)"
+    )
 
 
 _ACTIVE_RUN: contextvars.ContextVar[RingRun | None] = contextvars.ContextVar("relaymoe_ring_run", default=None)
@@ -186,7 +204,7 @@ class RingTransfer:
         except RuntimeError as e:
             raise RingTransportError(self._failed(e)) from e
         self.sent = []
-        if run is not None and self.status_in is not None:
+        if run is not None and run.status is not None and self.status_in is not None:
             run.status = torch.maximum(run.status, self.status_in)
         return tuple(self.received)
 
@@ -216,8 +234,9 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
         ops.append(dist.P2POp(dist.irecv, recv_t, ring.prev_global, ring.group, tag))
     run = active_run()
     status_in = None
-    if run is not None:
-        status_out, status_in = run.status.clone(), torch.empty_like(run.status)
+    if run is not None and run.status is not None:
+        # Never written in place (a failure or a merge makes a new tensor): sent as it is.
+        status_out, status_in = run.status, torch.empty_like(run.status)
         sent.append(status_out)
         ops.append(dist.P2POp(dist.isend, status_out, ring.next_global, ring.group, STATUS_TAG + index))
         ops.append(dist.P2POp(dist.irecv, status_in, ring.prev_global, ring.group, STATUS_TAG + index))
