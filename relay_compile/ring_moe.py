@@ -189,8 +189,9 @@ def ring_moe(
             dtypes, experts per rank, routing, overlap, remat, the expert function; ``max_hop_rows`` may
             differ), or expert ids outside ``[0, E)`` on any rank.
         RingPeerError: another rank failed inside the ring and this rank received data it sent after that
-            (``runtime.transport``); a failure inside a hop raises on its own rank after the ring's last
-            transfer, and the group stays usable.
+            (``runtime.transport``): at the end of this call where that status is on the CPU, else at the
+            group's next call, on every rank. A failure inside a hop raises on its own rank after the ring's
+            last transfer, and the group stays usable.
     """
     group_name = _group_name(group)
     with _raising_together(group_name, x):

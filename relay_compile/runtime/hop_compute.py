@@ -18,6 +18,11 @@ packs them once, they circulate packed, and the gradients are unpacked at ``fini
 Accumulators keep the dtype of what they accumulate (bf16 sums like the all-to-all layer's combine and
 its autograd, at half the bytes of fp32); the per-pair score gradients are reduced in fp32.
 
+A step plans from counts every rank agreed on (``runtime.agreement``; a step driven directly on a ring of
+one counts its own). Inside a multi-rank ``transport.RingRun`` the step never raises out of a hop: the
+first exception marks the run failed, and its setup, hops and ``finish`` then return zeros of the
+partials' shapes without computing, so the program completes every transfer (``_guarded``).
+
 Legend: T tokens, H hidden, K top-k, P = T*K pairs, C rows of a chunk, N ranks, E experts, E_l = E / N.
 """
 
