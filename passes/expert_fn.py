@@ -27,7 +27,6 @@ from relay_compile.passes.fx_nodes import (
     flat_nodes,
     is_assert,
     is_collective,
-    is_method_call,
     is_mutator,
     shape_of,
 )

@@ -268,9 +268,3 @@ def all_gather_rows(ring: RingGroup, row_R: Tensor) -> Tensor:
         ) from e
     return out.view(ring.size, -1)
 
-
-def all_reduce_max(ring: RingGroup, t: Tensor) -> Tensor:
-    """Elementwise max over the group (a flag every rank must learn)."""
-    if ring.size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ring.group)
-    return t

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as nnf
-from relay_compile.passes import MoERegion, RefusedRegion, find_moe_regions
 from torch import fx
 
+from relay_compile.passes import MoERegion, RefusedRegion, find_moe_regions
 from tests.passes.fx_graphs import (
     WAIT,
     Dims,

@@ -18,7 +18,6 @@ from relay_compile.runtime.transport import (
     TAGS_PER_TRANSFER,
     RingGroup,
     all_gather_rows,
-    all_reduce_max,
     start_transfer,
 )
 
@@ -45,14 +44,10 @@ class RingOfOne(unittest.TestCase):
     def test_collectives_on_a_ring_of_one_are_the_identity(self) -> None:
         ring = RingGroup.resolve("")
         row = torch.tensor([5, 0, 2, 3], dtype=torch.int64)
-        flag = torch.tensor([1], dtype=torch.int64)
         with mock.patch.object(transport, "dist") as fake:
             table = all_gather_rows(ring, row)
-            maxed = all_reduce_max(ring, flag)
         self.assertEqual(fake.mock_calls, [])
         self.assertEqual(table.tolist(), [[5, 0, 2, 3]])
-        self.assertIs(maxed, flag)
-        self.assertEqual(flag.tolist(), [1])
 
 
 class OpsOfALargerRing(unittest.TestCase):
@@ -116,13 +111,6 @@ class OpsOfALargerRing(unittest.TestCase):
             fake.all_gather_single.side_effect = gather
             table = all_gather_rows(self.RING, torch.tensor([1, 2]))
         self.assertEqual(table.tolist(), [[1, 2], [101, 102], [201, 202]])
-
-    def test_the_flag_reduction_is_a_max_on_the_rings_group_in_place(self) -> None:
-        flag = torch.tensor([0])
-        with mock.patch.object(transport, "dist") as fake:
-            out = all_reduce_max(self.RING, flag)
-        fake.all_reduce.assert_called_once_with(flag, op=fake.ReduceOp.MAX, group=None)
-        self.assertIs(out, flag)
 
 
 if __name__ == "__main__":
