@@ -198,6 +198,11 @@ class Idiom:
 
 
 class RecognizedIdiomsEqualF(unittest.TestCase):
+    def assert_close_to_scale(self, got: Tensor, want: Tensor) -> None:
+        """fp32 to 1e-6 of the tensor's scale (sums in another order differ by rounding, most near zero)."""
+        self.assertEqual(got.shape, want.shape)
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item() if want.numel() else 0.0
+        self.assertLessEqual(err, 1e-6)
     def check(self, idiom: Idiom, activation: str, describe: str) -> LoweredFFN:
         plan = recognize_expert_ffn(idiom.gm, idiom.binding, L)
         self.assertEqual(plan.activation, activation)
@@ -210,12 +215,12 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
             x.requires_grad_()
             want = eager(x, counts_NL, splits_N, weights)
             got = lowered(x, counts_NL, splits_N, weights)
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            self.assert_close_to_scale(got, want)
             dy = torch.randn_like(want)
             grads_want = torch.autograd.grad(want, [x, *weights], dy)
             grads_got = torch.autograd.grad(got, [x, *weights], dy)
             for g, w in zip(grads_got, grads_want, strict=True):
-                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+                self.assert_close_to_scale(g, w)
         # The packed layout round-trips the gradients into the caller's layout.
         weights = idiom.weights_of(idiom.inputs(seed=3)[0])
         unpacked = lowered.unpack_grads(lowered.pack(weights), weights)
