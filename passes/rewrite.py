@@ -22,7 +22,7 @@ Pseudo-code:
     # Step 3: insert ring_moe(x, topk_ids, topk_scores, [weights], key) before the output, with a fake value.
     # Step 4: route the output's uses to the ring; erase the region's nodes, last first, then the pure
     #         nodes left without users.
-    # Step 5: lint, recompile, check that no node of the region is left.
+    # Step 5: drop subgraphs only the region used; lint, recompile, check that no node of the region is left.
 
 Legend: T tokens, H hidden, K top-k, N ranks, E_l experts per rank, S segment rows, R received rows.
 """
@@ -173,7 +173,12 @@ def rewrite_moe_region(
             graph.erase_node(n)
     erase_unused_pure(frontier - region.nodes)
 
-    # Step 5: check.
+    # Step 5: check. Subgraphs only the region used go too (torch 2.11 wraps each all-to-all's wait in an
+    # autograd_function_apply whose forward/backward bodies are submodules read by get_attr).
+    for n in graph.find_nodes(op="get_attr"):
+        if not n.users and isinstance(getattr(gm, str(n.target), None), fx.GraphModule):
+            graph.erase_node(n)
+    gm.delete_all_unused_submodules()
     graph.lint()
     gm.recompile()
     assert all(getattr(n, "_erased", False) for n in region.nodes), "rewrite: region nodes left in the graph"
