@@ -37,13 +37,25 @@ _FFN_FNS: dict[tuple[str, bool | None], ExpertFn] = {
 
 
 def _group_name(group: dist.ProcessGroup | str | None) -> str:
-    """Name of the EP group; ``""`` (a ring of one) when torch.distributed is not initialized."""
+    """Name of the EP group; ``""`` (a ring of one) when torch.distributed is not initialized.
+
+    Raises ``ValueError`` for ``""`` (it names no group: pass None) and for anything that is not a group or a
+    group's name, such as what ``dist.new_group`` returns on ranks outside the new group.
+    """
     if isinstance(group, str):
+        if not group:
+            raise ValueError("ring_moe: group='' names no process group; pass None for the default group")
         return group
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return ""
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"ring_moe: group={group!r} is not a process group (dist.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER on ranks outside the new group): call ring_moe only on the group's "
+            "ranks, with the group or its name"
+        )
     return group.group_name
 
 
@@ -203,7 +215,8 @@ def ring_moe(
     fn = _FFN_FNS[(activation, use_grouped_mm)]
     weights = [w1, w2] if w3 is None else [w1, w2, w3]
     return ring_moe_experts(
-        x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name,
+        # The name ("" only without torch.distributed: a ring of one, which None says again).
+        x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
         name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
     )

@@ -217,6 +217,15 @@ class RingMoEOnOneProcess(TestCase):
         with self.assertRaisesRegex(RingInputError, r"expert ids outside \[0, 4\) on rank 0"):
             ring_moe(x, ids_bad, scores, w1, w2, w3)
 
+    def test_a_group_that_is_not_one_is_named(self) -> None:
+        w1, w2, w3 = local_weights(0, 4, 1)
+        x, ids, scores = routed_inputs("random", 0, 1, 4, seed=4)
+        with self.assertRaisesRegex(ValueError, r"group='' names no process group; pass None"):
+            ring_moe(x, ids, scores, w1, w2, w3, group="")
+        # What dist.new_group returns on ranks outside the new group (GroupMember.NON_GROUP_MEMBER).
+        with self.assertRaisesRegex(ValueError, r"group=-100 is not a process group .* only on the group's ranks"):
+            ring_moe(x, ids, scores, w1, w2, w3, group=dist.GroupMember.NON_GROUP_MEMBER)
+
 
 class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
     e_l = 1
