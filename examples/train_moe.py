@@ -76,6 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     run = p.add_argument_group("run")
     run.add_argument("--world", type=int, default=4, help="ranks to spawn on CPU (ignored under torchrun)")
+    run.add_argument(
+        "--simulate-ep", type=int, default=0, metavar="N",
+        help="SIMULATED EP: this one process is rank 0 of an N-rank stand-in group (relay_compile.bench."
+             "standin_group; peers are copies of this rank: memory and compute exact, no link time); default 8 "
+             "on one GPU under torchrun (EP=1 has no all-to-all to rewrite)",
+    )
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     run.add_argument("--dtype", choices=tuple(RTOL), default="float32")
     run.add_argument("--steps", type=int, default=20)
@@ -109,6 +115,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     out.add_argument("--plot", default="out/train_moe_memory.png", help="figure of memory over time ('': none)")
     out.add_argument("--report-json", default="", help="write the results as JSON to this path")
     args = p.parse_args(argv)
+    if not args.simulate_ep and _under_torchrun() and int(os.environ["WORLD_SIZE"]) == 1 and args.device == "cuda":
+        args.simulate_ep = 8  # one GPU: EP=1 would have no all-to-all to rewrite
     if args.experts % _world_size(args):
         p.error(f"--experts {args.experts} must be a multiple of the EP size {_world_size(args)}")
     if args.steps < MEASURED_STEPS + 1:
@@ -125,6 +133,8 @@ def _under_torchrun() -> bool:
 
 
 def _world_size(args: argparse.Namespace) -> int:
+    if args.simulate_ep:
+        return args.simulate_ep
     return int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.world
 
 
@@ -229,18 +239,26 @@ def _use_grouped_mm(dtype: torch.dtype) -> bool | None:
     return None if dtype == torch.bfloat16 else False
 
 
-def train(rank: int, world: int, args: argparse.Namespace, device: torch.device) -> RankResult:
-    """Both runs on this rank, interleaved step by step; then the MoE block alone. Rank 0 prints progress."""
+def train(
+    rank: int, world: int, args: argparse.Namespace, device: torch.device, group: dist.ProcessGroup | None = None,
+    *, model_group_by_name: bool = False,
+) -> RankResult:
+    """Both runs on this rank, interleaved step by step; then the MoE block alone. Rank 0 prints progress.
+
+    ``group``: the EP group (default: the world). ``model_group_by_name``: the model's MoE blocks get the group's
+    name (compiled code keeps a str as a constant; torch 2.11's Dynamo cannot proxy the stand-in group).
+    """
     # Dynamo must see each MoE block whole: the all-to-all split sizes come from `.tolist()`, which breaks the
     # graph unless scalar outputs are captured (as unbacked SymInts).
     torch._dynamo.config.capture_scalar_outputs = True
-    group = dist.group.WORLD
+    group = dist.group.WORLD if group is None else group
+    model_group = group.group_name if model_group_by_name else group
     dtype = getattr(torch, args.dtype)
     cfg = model_config(args)
     result = RankResult(rank=rank)
 
     def build() -> MoETransformer:
-        model = MoETransformer(cfg, group, seed=args.seed, use_grouped_mm=_use_grouped_mm(dtype))
+        model = MoETransformer(cfg, model_group, seed=args.seed, use_grouped_mm=_use_grouped_mm(dtype))
         return model.to(device=device, dtype=dtype)
 
     model_a, model_b = build(), build()
@@ -263,7 +281,7 @@ def train(rank: int, world: int, args: argparse.Namespace, device: torch.device)
     reports = compiled_reports()[seen:]
     result.regions = [report.summary() for report in reports]
     result.regions_rewritten = sum(r.status == "rewritten" for report in reports for r in report.regions)
-    measure_block(rank, args, cfg, group, device, dtype, options, result)
+    measure_block(rank, args, cfg, model_group, device, dtype, options, result)
     return result
 
 
@@ -314,7 +332,7 @@ def measure_block(
     rank: int,
     args: argparse.Namespace,
     cfg: MoEModelConfig,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | str,
     device: torch.device,
     dtype: torch.dtype,
     options: dict[str, Any],
@@ -467,6 +485,22 @@ def torchrun_rank(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
 
 
+def simulated_rank(args: argparse.Namespace) -> int:
+    """``--simulate-ep N``: rank 0 of a stand-in N-rank group in this one process (SIMULATED EP)."""
+    from relay_compile.bench import destroy_standin_groups, standin_group
+
+    world = args.simulate_ep
+    print(f"  SIMULATED EP={world}: rank 0 of a stand-in group in one process (no link time; peers mirror this "
+          "rank's data)", flush=True)
+    device = _device(args, int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        # By name: compiled code keeps a str as a constant (torch 2.11's Dynamo cannot proxy the stand-in group).
+        result = train(0, world, args, device, group=standin_group(world), model_group_by_name=True)
+        return report([result], args, world, f"{args.device}, SIMULATED EP")
+    finally:
+        destroy_standin_groups()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     world = _world_size(args)
@@ -476,7 +510,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{args.batch}x{args.seq_len} tokens per rank; backend {args.backend} {backend_options(args)}",
               flush=True)
     start = time.perf_counter()
-    code = torchrun_rank(args) if _under_torchrun() else spawn_and_report(args)
+    if args.simulate_ep:
+        code = simulated_rank(args)
+    else:
+        code = torchrun_rank(args) if _under_torchrun() else spawn_and_report(args)
     if not _under_torchrun() or int(os.environ["RANK"]) == 0:
         print(f"  wall time {time.perf_counter() - start:.1f} s; exit status {code}", flush=True)
     return code

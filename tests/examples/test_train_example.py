@@ -13,6 +13,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
+import torch
+
 from tests.examples.scripts import load_example
 
 LAYERS = 1
@@ -39,6 +41,18 @@ class TrainExampleTest(unittest.TestCase):
             self.assertLessEqual(result["block_max_rel_err"], 1e-5)
             self.assertTrue(all(row["a2a"] > 0 and row["relaymoe"] > 0 for row in result["block_peak"]), result)
             self.assertTrue(plot.exists() and plot.stat().st_size > 10_000)
+
+    def test_simulated_ep_runs_rank_0_of_a_stand_in_group_in_this_process_and_leaves_no_group(self) -> None:
+        train_moe = load_example("train_moe")
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.json"
+            code = train_moe.main([*TINY[2:], "--simulate-ep", "4", "--plot", "", "--report-json", str(report)])
+            result = json.loads(report.read_text())
+        self.assertEqual(code, 0, result)
+        self.assertEqual(result["world"], 4)
+        self.assertTrue(result["loss_ok"], result)
+        self.assertEqual(result["regions_rewritten"], [LAYERS])  # one rank: rank 0 of the simulated group
+        self.assertFalse(torch.distributed.is_initialized())  # the stand-in world is torn down
 
 
 if __name__ == "__main__":
