@@ -494,8 +494,9 @@ def simulated_rank(args: argparse.Namespace) -> int:
           "rank's data)", flush=True)
     device = _device(args, int(os.environ.get("LOCAL_RANK", 0)))
     try:
-        # By name: compiled code keeps a str as a constant (torch 2.11's Dynamo cannot proxy the stand-in group).
-        result = train(0, world, args, device, group=standin_group(world), model_group_by_name=True)
+        # train() turns capture_scalar_outputs on for its process; this one is the caller's: restore it after.
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            result = train(0, world, args, device, group=standin_group(world), model_group_by_name=True)
         return report([result], args, world, f"{args.device}, SIMULATED EP")
     finally:
         destroy_standin_groups()
