@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as nnf
 
+from relay_compile.experts import ACTIVATIONS, Activation
 from relay_compile.passes.expert_fn import ExpertFnBinding
 from relay_compile.passes.fx_nodes import arg, as_list, describe, is_call, is_item, is_method_call, node_value, shape_of
 from relay_compile.passes.roles import flat_index_of_item
@@ -78,7 +79,7 @@ class WeightRole:
 class ExpertFFN:
     """F recognized: ``down(act(gate(x)) * up(x))`` (gated) or ``down(act(gate(x)))`` per row, by expert."""
 
-    activation: str  # an ``relay_compile.experts.ACTIVATIONS`` name
+    activation: Activation
     gate: WeightRole  # w1; with ``fused_gate_up``, the (2F, H) projection whose halves are [gate, up]
     up: WeightRole | None  # w3 (gated activations with separate projections)
     down: WeightRole  # w2
@@ -213,7 +214,8 @@ class _Interpreter:
             return None  # index / size arithmetic: decides where rows go, not what they hold
         first = self.value(n.args[0]) if n.args else None
         if is_call(n, operator.setitem) or is_method_call(n, "index_copy_", "index_put_"):
-            return self.write_rows(n)
+            self.write_rows(n)
+            return None
         if isinstance(first, _Pieces) and is_call(n, operator.getitem) and isinstance(n.args[1], int):
             return first.items[n.args[1]]
         if isinstance(first, _Weight):
@@ -229,7 +231,8 @@ class _Interpreter:
     # --- weights ---
 
     def weight_op(self, n: fx.Node, w: _Weight) -> _Value:
-        if is_method_call(n, "transpose") and sorted(int(d) % 3 for d in n.args[1:3]) == [1, 2] and w.stacked:
+        dims = [d for d in n.args[1:3] if isinstance(d, int)]
+        if is_method_call(n, "transpose") and len(dims) == 2 and sorted(d % 3 for d in dims) == [1, 2] and w.stacked:
             return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
         transpose_2d = is_method_call(n, "t", "transpose") or is_call(n, getattr) and n.args[1] in ("T", "mT")
         if transpose_2d and not w.stacked:
@@ -269,7 +272,7 @@ class _Interpreter:
         if is_call(n, torch.matmul, operator.matmul) or is_method_call(n, "matmul"):
             return self.gemm(n, r, self.value(n.args[1]), grouped=False)
         if is_call(n, *_ACTIVATIONS) or is_method_call(n, "relu"):
-            name = _ACTIVATIONS[n.target] if n.op == "call_function" else "relu"
+            name = next((v for k, v in _ACTIVATIONS.items() if n.target is k), "relu")  # call_method: relu
             return _Rows(("act", name, r.expr), r.expert)
         if is_call(n, nnf.gelu, torch.nn.functional.gelu):
             approximate = n.kwargs.get("approximate", "none")
@@ -442,8 +445,9 @@ def _match_ffn(expr: Expr, experts_per_rank: int) -> ExpertFFN:
         raise NotAnFFN(f"rows are computed in {compute} but weights cast to {sorted(map(str, {d for _, d in roles}))}")
     gate_role, *rest = [r for r, _ in roles]
     up_role = rest[0] if up_key is not None else None
+    assert activation in ACTIVATIONS, f"expert_block: {activation} is not an engine activation"
     return ExpertFFN(
-        activation=activation, gate=gate_role, up=up_role, down=rest[-1], fused_gate_up=fused,
+        activation=cast(Activation, activation), gate=gate_role, up=up_role, down=rest[-1], fused_gate_up=fused,
         compute_dtype=compute,
     )
 

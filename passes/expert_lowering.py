@@ -32,7 +32,7 @@ from torch import Tensor
 from relay_compile.experts import GroupedFFN
 from relay_compile.passes.expert_block import ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
 from relay_compile.passes.expert_fn import RegionExpertFn
-from relay_compile.passes.fx_nodes import node_value
+from relay_compile.passes.fx_nodes import node_value, size_hint
 from relay_compile.passes.match import MoERegion
 
 log = logging.getLogger(__name__)
@@ -182,12 +182,11 @@ def _tolerance(*dtypes: torch.dtype | None) -> float:
 
 
 def _hint(size: int | torch.SymInt) -> int:
-    """A size as an int without guarding on it: a symbolic size's hint (its value at this compilation)."""
-    if isinstance(size, torch.SymInt):
-        if not size.node.has_hint():
-            raise ValueError(f"size {size} has no hint (data-dependent)")
-        return int(size.node.hint)
-    return int(size)
+    """``fx_nodes.size_hint``, which a probe input cannot do without."""
+    hint = size_hint(size)
+    if hint is None:
+        raise ValueError(f"size {size} has no hint (data-dependent)")
+    return hint
 
 
 def probe_error(

@@ -96,6 +96,14 @@ def size_value(n: object) -> int | torch.SymInt | None:
     return v if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) else None
 
 
+def size_hint(size: int | torch.SymInt) -> int | None:
+    """A size as an int without guarding on it: a symbolic size's hint (its value at this compilation), None
+    for a size that has none (data-dependent, unbacked)."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint) if size.node.has_hint() else None
+    return int(size)
+
+
 def static_int(n: object) -> int | None:
     """A size that is the same int at every call: an int, or a SymInt whose expression is a constant."""
     v = size_value(n)

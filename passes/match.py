@@ -55,7 +55,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -75,6 +75,7 @@ from relay_compile.passes.fx_nodes import (
     same_shape,
     same_size,
     shape_of,
+    size_hint,
     size_value,
     static_int,
     upstream_collectives,
@@ -103,11 +104,9 @@ log = logging.getLogger(__name__)
 __all__ = ["MoERegion", "find_moe_regions"]
 
 
-def _size_hint(v: Any) -> int:
-    """A size as an int: a symbolic size's hint, 0 when it has none (an unbacked size)."""
-    if isinstance(v, torch.SymInt):
-        return int(v.node.hint) if v.node.has_hint() else 0
-    return int(v)
+def _size_hint(v: int | torch.SymInt | None) -> int:
+    """A size for the report: its hint, 0 when it has none (an unbacked or unknown size)."""
+    return 0 if v is None else size_hint(v) or 0
 
 
 def _flat_index(item: fx.Node) -> int:

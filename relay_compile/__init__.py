@@ -10,7 +10,7 @@ from typing import Any
 
 from relay_compile import config
 from relay_compile.ring_moe import ring_moe, ring_moe_experts
-from relay_compile.runtime.hop_compute import RingInputError
+from relay_compile.runtime.agreement import RingInputError
 from relay_compile.runtime.transport import RingPeerError, RingTransportError
 
 __all__ = ["RingInputError", "RingPeerError", "RingTransportError", "config", "explain", "ring_moe", "ring_moe_experts"]

@@ -39,9 +39,7 @@ from torch import Tensor
 
 from relay_compile.experts import ExpertFn, GroupedExperts
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
-
-# RingInputError: re-exported (``relay_compile.RingInputError`` is imported from here).
-from relay_compile.runtime.agreement import RingInputError, StepCounts, raise_bad_ids  # noqa: F401
+from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.transport import RingGroup, active_run
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])

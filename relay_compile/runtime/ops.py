@@ -40,7 +40,7 @@ from relay_compile.runtime.hop_compute import (
 )
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import program_for
-from relay_compile.runtime.programs.schedule import Direction, schedule_for
+from relay_compile.runtime.programs.schedule import Direction, RingSchedule
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 
@@ -133,7 +133,7 @@ def _run(
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights))
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
     # Failure status travels only where results depend on other ranks' hops (trailing accumulators).
-    sched = schedule_for(direction, agreed.routing, ring.size, len(local.packed or ()))
+    sched: RingSchedule = program.meta["schedule"]
     with RingRun(ring, x.device, direction, carries_status=sched.num_trailing > 0) as run:
         step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed)
         out = run_program(program, step, step.initial_circulating())

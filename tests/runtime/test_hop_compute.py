@@ -20,12 +20,8 @@ from torch import Tensor
 
 from relay_compile.experts import GroupedExperts, expert_ffn, expert_ffn_swiglu_vjp, ffn_expert_fn
 from relay_compile.reference import dense_moe, moe_weights
-from relay_compile.runtime.hop_compute import (
-    ExpertRoutingStep,
-    RingInputError,
-    RingStepConfig,
-    TokenRoutingStep,
-)
+from relay_compile.runtime.agreement import RingInputError
+from relay_compile.runtime.hop_compute import ExpertRoutingStep, RingStepConfig, TokenRoutingStep
 from relay_compile.runtime.transport import RingGroup
 
 H, F = 8, 4  # fp32 rows of 32 bytes: 16-byte aligned, so ffn_expert_fn() picks torch._grouped_mm on CPU

@@ -25,12 +25,16 @@ from relay_compile.runtime.specs import RingSpec
 
 @functools.cache
 def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphModule:
-    """The program of a schedule after the passes: naive build, then ``remat`` (backward) and ``overlap``."""
+    """The program of a schedule after the passes: naive build, then ``remat`` (backward) and ``overlap``.
+
+    ``gm.meta["schedule"]`` keeps ``sched``: what runs the program reads its shape there, never derives it again.
+    """
     gm = build_program(sched)
     if remat and sched.direction == "backward":
         gm = remat_pass(gm)
     if overlap:
         gm = overlap_pass(gm)
+    gm.meta["schedule"] = sched
     return gm
 
 
