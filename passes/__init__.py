@@ -1,6 +1,7 @@
 """Passes over Dynamo graphs (installed as ``relay_compile.passes``): all-to-all MoE regions become rings.
 
     match.py      find_moe_regions: MoERegion records, or RefusedRegion with the reason
+    capacity_match.py   capacity-based dispatch (einsum into (E, C, H) buffers): CapacityRegion records
     rewrite.py    rewrite_moe_region: one region -> one relaymoe::ring_moe call (moe_ring_pass: all of them)
 
 and what those two share:
@@ -10,18 +11,21 @@ and what those two share:
     expert_fn.py  F cut out of the region into its own graph (ExpertFnBinding), RegionExpertFn runs it per hop
     expert_block.py     F recognized as an FFN of experts (ExpertFFN), by abstract interpretation of its graph
     expert_lowering.py  a recognized F on the engine's grouped experts (LoweredFFN), proven on probe inputs
+    capacity_pairs.py   a capacity region's (id, score) pairs from its masks, inserted by the rewrite
     liveness.py   the nodes that die when a region's output is replaced
     refusals.py   RefusedRegion and the exception the matcher raises internally
 
 The passes import the runtime (the op they insert, the spec they register); the runtime never imports them.
 """
 
+from relay_compile.passes.capacity_match import CapacityRegion
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import RefusedRegion
 from relay_compile.passes.rewrite import moe_ring_pass, rewrite_moe_region
 
 __all__ = [
+    "CapacityRegion",
     "ExpertFnBinding",
     "MoERegion",
     "RefusedRegion",

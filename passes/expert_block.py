@@ -138,6 +138,16 @@ _ACTIVATIONS = {nnf.silu: "silu", nnf.relu: "relu", torch.relu: "relu"}
 _METADATA_METHODS = ("size", "dim", "numel", "stride", "get_device")
 
 
+def _ndim(n: object) -> int:
+    return getattr(node_value(n), "dim", lambda: 0)()
+
+
+def _is_feature_dim(n: object, dim: object) -> bool:
+    """``dim`` of ``n`` is its last (the features of each row)."""
+    ndim = _ndim(n)
+    return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1
+
+
 def _weight_key(w: _Weight, layout: Layout, expert: int | None) -> tuple:
     """A GEMM's weight inside an expression: stacked, or one expert's tensor (merged across experts by cat)."""
     if w.stacked and w.index is None:
@@ -261,16 +271,22 @@ class _Interpreter:
             return self.cast(n, r)
         if is_call(n, torch.functional.split, torch.split) or is_method_call(n, "split"):
             return self.split(n)
-        if is_method_call(n, "chunk") and arg(n, 1, "chunks") == 2 and arg(n, 2, "dim", 0) in (-1, 1):
+        if is_method_call(n, "chunk") and arg(n, 1, "chunks") == 2 and _is_feature_dim(n.args[0], arg(n, 2, "dim", 0)):
             return _Pieces(tuple(_Rows(("chunk", i, 2, r.expr), r.expert) for i in range(2)))
+        if is_method_call(n, "chunk") or is_call(n, torch.chunk):
+            return self.expert_chunks(n, r)
         if is_call(n, torch._grouped_mm):
             return self.gemm(n, r, self.value(n.args[1]), grouped=True)
         if is_call(n, torch.nn.functional.linear, torch._C._nn.linear):
             if arg(n, 2, "bias") is not None:
                 raise NotAnFFN(f"{describe(n)} adds a bias (not supported by the grouped experts yet)")
             return self.gemm(n, r, self.value(n.args[1]), grouped=False, linear=True)
-        if is_call(n, torch.matmul, operator.matmul) or is_method_call(n, "matmul"):
-            return self.gemm(n, r, self.value(n.args[1]), grouped=False)
+        if is_call(n, torch.matmul, operator.matmul, torch.bmm) or is_method_call(n, "matmul", "bmm"):
+            # (E_l, rows, H) @ (E_l, H, F): one GEMM per expert, like a grouped GEMM over equal groups.
+            batched = _ndim(n.args[0]) == 3 and _ndim(n.args[1]) == 3
+            return self.gemm(n, r, self.value(n.args[1]), grouped=batched)
+        if is_call(n, torch.einsum, torch.functional.einsum):
+            return self.batched_einsum(n, r)
         if is_call(n, *_ACTIVATIONS) or is_method_call(n, "relu"):
             name = next((v for k, v in _ACTIVATIONS.items() if n.target is k), "relu")  # call_method: relu
             return _Rows(("act", name, r.expr), r.expert)
@@ -294,11 +310,17 @@ class _Interpreter:
             return isinstance(index, fx.Node) and self.value(index) is None
         if is_method_call(n, "index_select") or is_call(n, torch.index_select):
             return arg(n, 1, "dim") == 0 and self.value(arg(n, 2, "index")) is None
-        if is_method_call(n, *_MOVE_METHODS, "view", "reshape"):
+        if is_method_call(n, *_MOVE_METHODS, "view", "reshape") or is_call(n, torch.reshape):
+            # Views that keep each row's features together: (R, H) <-> (N, E_l, C, H) and the like.
             before, after = node_value(n.args[0]), node_value(n)
-            return getattr(before, "dim", lambda: 0)() == 2 and getattr(after, "dim", lambda: 0)() == 2 and (
-                before.shape[-1] == after.shape[-1]
-            )
+            return _ndim(n.args[0]) >= 2 and _ndim(n) >= 2 and before.shape[-1] == after.shape[-1]
+        if is_method_call(n, "transpose") or is_call(n, torch.transpose):
+            dims = [d for d in n.args[1:3] if isinstance(d, int)]
+            last = _ndim(n.args[0]) - 1
+            return len(dims) == 2 and last not in {d % (last + 1) for d in dims}
+        if is_method_call(n, "permute"):
+            dims = as_list(n.args[1]) if len(n.args) == 2 else list(n.args[1:])
+            return bool(dims) and isinstance(dims[-1], int) and dims[-1] % len(dims) == len(dims) - 1
         return False
 
     def cast(self, n: fx.Node, r: _Rows) -> _Rows:
@@ -331,7 +353,7 @@ class _Interpreter:
         return None
 
     def cat(self, n: fx.Node) -> _Rows:
-        if arg(n, 1, "dim", 0) != 0:
+        if _is_feature_dim(n, arg(n, 1, "dim", 0)):
             raise NotAnFFN(f"{describe(n)} concatenates along features")
         parts = [self.value(a) for a in as_list(n.args[0])]
         if not parts or not all(isinstance(p, _Rows) for p in parts):
@@ -342,6 +364,33 @@ class _Interpreter:
             expr = _merge(expr, p.expr)
         experts = {p.expert for p in rows}
         return _Rows(expr, experts.pop() if len(experts) == 1 else None)
+
+    def expert_chunks(self, n: fx.Node, r: _Rows) -> _Pieces:
+        """``rows.chunk(E_l, dim)`` along a dimension other than features (DeepSpeed's ``Experts`` on
+        ``(N, E_l, C, H)``): piece ``e`` holds local expert ``e``'s rows (the probe checks the dimension)."""
+        if arg(n, 1, "chunks") != self.experts_per_rank or _is_feature_dim(n.args[0], arg(n, 2, "dim", 0)):
+            raise NotAnFFN(f"{describe(n)} chunks rows into pieces that are not one per local expert")
+        if r.expert is not None:
+            raise NotAnFFN(f"{describe(n)} chunks the rows of one expert again")
+        return _Pieces(tuple(_Rows(r.expr, e) for e in range(self.experts_per_rank)))
+
+    def batched_einsum(self, n: fx.Node, r: _Rows) -> _Rows:
+        """``einsum("ecm,emf->ecf", rows, w)`` (or ``"ecm,efm->ecf"``): a batched GEMM over stacked weights."""
+        operands = list(n.args[1:])
+        equation = n.args[0].replace(" ", "") if isinstance(n.args[0], str) else ""
+        terms = equation.split("->")[0].split(",") if "->" in equation else []
+        if len(operands) != 2 or len(terms) != 2 or operands[0] is not n.args[1]:
+            raise NotAnFFN(f"{describe(n)} is not a two-operand einsum of rows and a weight")
+        (x_t, w_t), out = terms, equation.split("->")[1]
+        w = self.value(operands[1])
+        if not (isinstance(w, _Weight) and len(x_t) == 3 and len(w_t) == 3 and x_t[0] == w_t[0] == out[0]):
+            raise NotAnFFN(f"{describe(n)} is not einsum('ecm,emf->ecf', rows, stacked weights)")
+        contracted, kept = x_t[2], (set(w_t[1:]) - {x_t[2]})
+        if contracted not in w_t[1:] or len(kept) != 1 or out != x_t[:2] + kept.pop():
+            raise NotAnFFN(f"{describe(n)} does not contract the rows' features with one weight dimension")
+        # w_t = e, in, out: the stored (in, out) layout of a @ w; e, out, in: transposed.
+        as_matmul = w if w_t[1] == contracted else _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
+        return self.gemm(n, r, as_matmul, grouped=True)
 
     def write_rows(self, n: fx.Node) -> None:
         """``buf[idx] = rows`` into a fresh buffer: ``buf`` now holds those rows (in the order idx gives)."""

@@ -25,15 +25,19 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.fx as fx
 from torch import Tensor
 
 from relay_compile.experts import GroupedFFN
 from relay_compile.passes.expert_block import ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
-from relay_compile.passes.expert_fn import RegionExpertFn
+from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.fx_nodes import node_value, size_hint
-from relay_compile.passes.match import MoERegion
+
+if TYPE_CHECKING:  # match imports this module (capacity regions are lowered while matching)
+    from relay_compile.passes.match import MoERegion
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +180,7 @@ class LoweredFFN:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _tolerance(*dtypes: torch.dtype | None) -> float:
+def tolerance(*dtypes: torch.dtype | None) -> float:
     low = any(d in (torch.bfloat16, torch.float16) for d in dtypes)
     return 3e-2 if low else 1e-5
 
@@ -189,6 +193,12 @@ def _hint(size: int | torch.SymInt) -> int:
     return hint
 
 
+def _probe_weight(like: Tensor, gen: torch.Generator) -> Tensor:
+    """A random weight shaped like ``like``, scaled so activations stay O(1)."""
+    w = torch.randn(tuple(_hint(d) for d in like.shape), generator=gen) / max(1, _hint(like.shape[-1])) ** 0.5
+    return w.to(device=like.device, dtype=like.dtype)
+
+
 def probe_error(
     eager: RegionExpertFn, lowered: LoweredFFN, rows_like: Tensor, weights_like: Sequence[Tensor], group_size: int
 ) -> float:
@@ -199,10 +209,7 @@ def probe_error(
     device, hidden = weights_like[0].device, _hint(rows_like.shape[-1])
     gen = torch.Generator().manual_seed(20261201)
     e_l, n = lowered.experts_per_rank, group_size
-    weights = [
-        (torch.randn(tuple(_hint(d) for d in w.shape), generator=gen) / max(1, _hint(w.shape[-1])) ** 0.5)
-        .to(device=device, dtype=w.dtype) for w in weights_like
-    ]
+    weights = [_probe_weight(w, gen) for w in weights_like]
     worst = 0.0
     for src in sorted({0, n - 1}):
         rows_L = [1 + (3 * e + 2 + src) % 5 for e in range(e_l)]
@@ -222,6 +229,35 @@ def probe_error(
     return worst
 
 
+def capacity_probe_error(
+    fn: fx.GraphModule, binding: ExpertFnBinding, lowered: LoweredFFN, recv_like: Tensor,
+    weights_like: Sequence[Tensor], group_size: int,
+) -> float:
+    """Max relative difference of ``lowered`` and a capacity region's F on one random receive.
+
+    F reads the receive ``(N * E_l, C, H)`` (rows source-major, then local expert, then slot) and returns the
+    combine's input in the same order; ``lowered`` gets the rows grouped by expert (``(E_l, N, C)`` order).
+    """
+    device, e_l, n = weights_like[0].device, lowered.experts_per_rank, group_size
+    gen = torch.Generator().manual_seed(20261201)
+    weights = [_probe_weight(w, gen) for w in weights_like]
+    recv = torch.randn(tuple(_hint(d) for d in recv_like.shape), generator=gen).to(device, recv_like.dtype)
+    hidden = recv.shape[-1]
+    args: list[object] = [None] * len(fn.graph.find_nodes(op="placeholder"))
+    args[binding.rows] = recv
+    for pos, w in zip(binding.weights, weights):
+        args[pos] = w
+    x_LNCH = recv.reshape(n, e_l, -1, hidden).transpose(0, 1)
+    rows = x_LNCH.shape[1] * x_LNCH.shape[2]
+    rows_L = torch.full((e_l,), rows, dtype=torch.int64)
+    with torch.no_grad():
+        want = fn(*args).float().reshape(n, e_l, -1, hidden)
+        got_SH = lowered.forward_rows(x_LNCH.reshape(-1, hidden), torch.cumsum(rows_L, 0, dtype=torch.int32).to(
+            device), rows_L.tolist(), lowered.pack(weights))
+    got = got_SH.float().reshape(e_l, n, -1, hidden).transpose(0, 1)
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
 def choose_expert_fn(region: MoERegion) -> tuple[RegionExpertFn | LoweredFFN, ExpertsPath]:
     """The expert function a region's ring runs, and the path it takes (see the module docstring)."""
     eager = RegionExpertFn(region.expert_fn, region.binding)
@@ -236,7 +272,7 @@ def choose_expert_fn(region: MoERegion) -> tuple[RegionExpertFn | LoweredFFN, Ex
     except Exception as e:  # F or the lowering cannot run on probe inputs: keep F
         log.debug("expert_lowering: probe of %s failed", region.describe(), exc_info=True)
         return eager, ExpertsPath(kind="eager", description="", reason=f"the probe could not run: {e!r}")
-    if not error <= _tolerance(rows_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
+    if not error <= tolerance(rows_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
         return eager, ExpertsPath(
             kind="eager", description="",
             reason=f"recognized as {plan.describe()}, but it differs from F on probe inputs by {error:.2e}",

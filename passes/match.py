@@ -60,6 +60,7 @@ from typing import cast
 import torch
 import torch.fx as fx
 
+from relay_compile.passes.capacity_match import CapacityRegion, find_capacity_regions
 from relay_compile.passes.expert_fn import ExpertFnBinding, SplitKind, copy_expert_fn, slice_expert_fn
 from relay_compile.passes.fx_nodes import (
     all_to_all_args,
@@ -456,18 +457,23 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion], list[RefusedRegion]]:
+def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion | CapacityRegion], list[RefusedRegion]]:
     """All a2a EP MoE regions of ``gm`` in program order, and the token all-to-alls left alone (with why).
 
-    Pure: never mutates ``gm`` (``expert_fn`` of each region is a copy).
+    Top-k regions (this module) and capacity-based ones (``capacity_match``). Pure: never mutates ``gm``
+    (``expert_fn`` of each region is a copy).
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     # Step 1: token all-to-alls by the dtype of what they move (the counts exchange moves integers).
     token_a2as = [n for n in gm.graph.nodes if is_all_to_all(n) and (dtype_of(n) or torch.int64).is_floating_point]
+    weak = assert_cones(gm.graph)
+    # Capacity-based dispatch (einsum into (E, C, H) buffers, equal splits) claims its all-to-alls first.
+    regions: list[MoERegion | CapacityRegion]
+    capacity, refused_capacity, token_a2as = find_capacity_regions(gm, token_a2as, weak)
+    regions = list(capacity)
     # Step 2: pairs.
     pairs, refused = _pair_token_a2as(token_a2as)
-    regions: list[MoERegion] = []
-    weak = assert_cones(gm.graph)
+    refused += refused_capacity
     for dispatch, combine in pairs:
         try:
             regions.append(_match_region(gm, dispatch, combine, weak))

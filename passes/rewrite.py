@@ -36,8 +36,10 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from relay_compile.passes.capacity_match import CapacityRegion
+from relay_compile.passes.capacity_pairs import insert_capacity_pairs
 from relay_compile.passes.expert_fn import RegionExpertFn
-from relay_compile.passes.expert_lowering import LoweredFFN, choose_expert_fn
+from relay_compile.passes.expert_lowering import ExpertsPath, LoweredFFN, choose_expert_fn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import MoERegion, find_moe_regions
@@ -48,19 +50,32 @@ from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["moe_ring_pass", "region_fn_name", "rewrite_moe_region"]
+__all__ = ["moe_ring_pass", "region_experts", "region_fn_name", "rewrite_moe_region"]
+
+Region = MoERegion | CapacityRegion
 
 
-def region_fn_name(region: MoERegion, fn: RegionExpertFn | LoweredFFN) -> str:
+def region_experts(region: Region) -> tuple[RegionExpertFn | LoweredFFN, ExpertsPath]:
+    """The expert function a region's ring runs, and how (capacity regions were lowered by their matcher)."""
+    if isinstance(region, CapacityRegion):
+        return region.lowered, region.experts_path
+    return choose_expert_fn(region)
+
+
+def region_fn_name(region: Region, fn: RegionExpertFn | LoweredFFN) -> str:
     """The expert function's name in the ring's spec key: the same region gives the same name in every
     process (F's code and binding, the weights' shapes and dtypes)."""
     weights = [(tuple(v.shape), str(v.dtype)) for v in map(node_value, region.weights) if isinstance(v, Tensor)]
     return f"fx_region[{hashlib.sha256(repr((fn.digest(), weights)).encode()).hexdigest()[:12]}]"
 
 
-def _check_record(gm: fx.GraphModule, region: MoERegion) -> None:
+def _check_record(gm: fx.GraphModule, region: Region) -> None:
     """Step 1: every node the record names is alive in ``gm``, and the dying nodes are used only by each other."""
-    named = {"x": region.x, "topk_ids": region.topk_ids, "topk_scores": region.topk_scores, "output": region.output}
+    named = {"x": region.x, "output": region.output}
+    if isinstance(region, CapacityRegion):
+        named |= {"dispatch_mask": region.dispatch_mask, "combine_weights": region.combine_weights}
+    else:
+        named |= {"topk_ids": region.topk_ids, "topk_scores": region.topk_scores}
     named |= {f"weights[{i}]": w for i, w in enumerate(region.weights)}
     for role, n in [*named.items(), *(("region node", n) for n in region.nodes)]:
         if n.graph is not gm.graph or getattr(n, "_erased", False):
@@ -79,7 +94,7 @@ def _check_record(gm: fx.GraphModule, region: MoERegion) -> None:
             )
 
 
-def _fake_output(region: MoERegion) -> object:
+def _fake_output(region: Region) -> object:
     """The ring's fake value: what its fake kernel returns, ``empty_like(x)``, in ``x``'s fake mode."""
     x = node_value(region.x)
     fake_mode = getattr(x, "fake_mode", None)
@@ -91,7 +106,7 @@ def _fake_output(region: MoERegion) -> object:
 
 def rewrite_moe_region(
     gm: fx.GraphModule,
-    region: MoERegion,
+    region: Region,
     *,
     routing: str = "auto",
     overlap: bool = True,
@@ -137,7 +152,7 @@ def rewrite_moe_region(
     _check_record(gm, region)
 
     # Step 2: the expert function and its spec.
-    fn, path = choose_expert_fn(region)
+    fn, path = region_experts(region)
     spec = RingSpec(
         expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options
     )
@@ -147,11 +162,12 @@ def rewrite_moe_region(
     fake = _fake_output(region)
     graph = gm.graph
     with graph.inserting_before(region.output):
+        if isinstance(region, CapacityRegion):  # pairs from the capacity masks (passes/capacity_pairs.py)
+            topk_ids, topk_scores = insert_capacity_pairs(region)
+        else:
+            topk_ids, topk_scores = region.topk_ids, region.topk_scores
         ring = graph.create_node(
-            "call_function",
-            RING_MOE,
-            (region.x, region.topk_ids, region.topk_scores, list(region.weights), key),
-            name="ring_moe",
+            "call_function", RING_MOE, (region.x, topk_ids, topk_scores, list(region.weights), key), name="ring_moe"
         )
     ring.meta["relaymoe_experts"] = path
     ring.meta["example_value"] = fake

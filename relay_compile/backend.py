@@ -36,8 +36,8 @@ import torch.fx as fx
 from torch._logging import trace_structured
 
 from relay_compile.options import Options, resolve
-from relay_compile.passes import MoERegion, find_moe_regions, rewrite_moe_region
-from relay_compile.passes.expert_lowering import choose_expert_fn
+from relay_compile.passes import CapacityRegion, MoERegion, find_moe_regions, rewrite_moe_region
+from relay_compile.passes.rewrite import region_experts
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime.programs.pipeline import program_for
 from relay_compile.runtime.specs import spec_state
@@ -58,7 +58,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _ring_programs_text(region: MoERegion, key: str) -> dict[str, str]:
+def _ring_programs_text(region: MoERegion | CapacityRegion, key: str) -> dict[str, str]:
     """Readable code of the ring programs the region's spec runs, for the routings it may take."""
     spec = spec_state(key).spec
     asked = spec.options.routing
@@ -138,7 +138,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
             for name, code in _ring_programs_text(region, entry.ring_op).items():
                 dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
         else:
-            entry.experts = choose_expert_fn(region)[1].summary()
+            entry.experts = region_experts(region)[1].summary()
         report.regions.append(entry)
     report.pass_seconds["rewrite"] = time.perf_counter() - start
     if rewrite:

@@ -1,0 +1,407 @@
+"""capacity_match: find capacity-based MoE regions (GShard, DeepSpeed, fairscale) in a Dynamo FX graph.
+
+The idiom (DeepSpeed ``sharded_moe.py``: ``top2gating`` + ``MOELayer``; names are roles, not node names):
+
+    locations  = cumsum(one_hot(argmax(gates)), dim=0) - 1             # each token's slot in its expert's buffer
+    mask       = one_hot(...) * (locations < C)                         # tokens over capacity C are dropped
+    combine_weights_SEC = gates * one_hot(location, C)                 # (S, E, C), 0 where not dispatched
+    dispatch_mask_SEC   = combine_weights_SEC.bool()
+    send_ECH   = einsum("sec,sm->ecm", dispatch_mask.type_as(x), x)     # every expert's capacity buffer
+    recv       = wait(all_to_all_single(send, [E_l] * N, [E_l] * N))   # equal splits: (N, E_l, C, H) rows
+    out        = F(recv, weights)                                       # the local experts on their buffers
+    back       = wait(all_to_all_single(out, equal splits))             # (E, C, H): every expert's output
+    y_SH       = einsum("sec,ecm->sm", combine_weights, back)
+
+Drop decisions are local (the masks are computed before the dispatch, from this rank's tokens), so the block is
+``y[s] = sum_e score[s, e] * F_e(x[s])`` over the pairs (s, e) that ``dispatch_mask`` keeps, with
+``score[s, e] = sum_c combine_weights[s, e, c]``: a ring over those (token, expert) pairs computes the same,
+and its rewrite (``capacity_pairs``) derives the pairs from the two masks, which stay in the graph.
+
+Contract:
+    Consumes a Dynamo graph and its floating-point all-to-alls. Never mutates it. ``find_capacity_regions``
+    claims the all-to-alls whose input is a capacity dispatch (an ``einsum("sec,sm->ecm")`` seen through views)
+    and their combine partner; it returns one ``CapacityRegion`` per pair it understands, a ``RefusedRegion``
+    (reason also logged as ``"match: skipped ..."``) per claimed all-to-all it does not, and the all-to-alls it
+    did not claim, for the top-k matcher (``match``).
+    Guarantees for a region: the dataflow above, with each slot holding at most one token (slots come from a
+    cumsum over tokens), a 0/1 dispatch mask (a boolean tensor, cast), combine weights of the masks' shape,
+    the gate's top-k ``K`` read from the graph (argmax / topk over the E experts), expert e on rank e // E_l
+    (equal static splits of an e-major buffer), ``expert_fn`` a standalone copy of F whose inputs are the
+    receive and expert weights, and ``nodes`` exactly what dies once ``output``'s uses go to a ring (the masks,
+    the tokens and the weights excluded).
+    Refuses: a grouped einsum (GShard's ``gsec``) or an ``mm`` dispatch, a dispatch operand that is not a
+    boolean mask (scores applied before the experts), no capacity slots or top-k readable from the graph,
+    unequal or symbolic splits, a capacity C or experts count that is not a constant, F reading anything but
+    the receive and weights, and region values used outside the region.
+
+Pseudo-code:
+    # Step 1: claim: token all-to-alls whose input, through views, is a capacity dispatch einsum.
+    # Step 2: the combine partner: the closest token all-to-all downstream whose result, through views,
+    #         feeds an einsum("sec,ecm->sm") as its (E, C, H) operand.
+    # Step 3: the masks: the dispatch operand peels to a boolean (S, E, C) tensor; combine weights (S, E, C)
+    #         floating; slots from a cumsum over tokens; K from the gate's argmax / topk.
+    # Step 4: equal static splits, E = N * E_l, C constant.
+    # Step 5: F = backward slice from the combine input down to the receive and the weights; copy it.
+    # Step 6: what dies once the output is replaced; refuse if an all-to-all would survive.
+
+Legend: S tokens, H hidden, E experts, E_l experts per rank, N ranks, C capacity, K the gate's top-k.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
+from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn, copy_expert_fn, slice_expert_fn
+from relay_compile.passes.expert_lowering import ExpertsPath, LoweredFFN, capacity_probe_error, tolerance
+from relay_compile.passes.fx_nodes import (
+    all_to_all_args,
+    ancestors,
+    arg,
+    closest,
+    dtype_of,
+    is_call,
+    is_method_call,
+    node_value,
+    shape_of,
+    size_hint,
+    static_int,
+    upstream_collectives,
+    wait_end,
+)
+from relay_compile.passes.liveness import dead_after_replacing
+from relay_compile.passes.refusals import Refusal, RefusedRegion
+from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel
+from relay_compile.report import BlockShape
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CapacityRegion", "find_capacity_regions"]
+
+_EINSUM = (torch.einsum, torch.functional.einsum)
+_VIEWS = (*VIEW_METHODS, "contiguous")
+_BOOL_METHODS = ("bool",)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Record
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapacityRegion:
+    """One capacity-based EP MoE block, understood well enough to run as a ring over its kept pairs.
+
+    Nodes are those of the matched graph; ``expert_fn`` is a standalone copy (its own graph) of F on the
+    receive ``(N * E_l, C, H)`` (rows source-major, then local expert, then slot), in any of F's views.
+    """
+
+    dispatch: fx.Node  # all_to_all_single of the (E, C, H) capacity buffers
+    combine: fx.Node  # the reverse all_to_all_single
+    recv: fx.Node  # end of the dispatch's wait chain: F's input
+    back: fx.Node  # end of the combine's wait chain
+    x: fx.Node  # tokens (S, H): the einsum's "sm" operand
+    dispatch_mask: fx.Node  # (S, E, C) boolean: the pairs kept (pinned: the rewrite reads it)
+    combine_weights: fx.Node  # (S, E, C) the combine einsum's operand (pinned: the rewrite reads it)
+    output: fx.Node  # y (S, H): the combine einsum
+    weights: tuple[fx.Node, ...]
+    expert_fn: fx.GraphModule  # F: recv, weights -> the combine's input
+    binding: ExpertFnBinding
+    lowered: LoweredFFN  # F as grouped experts, proven on probe inputs: what the ring runs
+    experts_path: ExpertsPath
+    experts_per_rank: int
+    capacity: int  # C
+    top_k: int  # K: the gate's choices per token (kept pairs per token are at most K)
+    group_name: str
+    group_size: int
+    nodes: frozenset[fx.Node]  # what dies once output's uses go elsewhere
+    output_aliases: tuple[fx.Node, ...] = ()
+
+    def block_shape(self) -> BlockShape:
+        """Sizes of the block on this rank, as the top-k regions report them (K = the gate's top-k)."""
+        x = node_value(self.x)
+        weights = [node_value(w) for w in self.weights]
+        hidden = size_hint(x.shape[1]) or 0
+        weight_elems = sum(size_hint(w.numel()) or 0 for w in weights) // self.experts_per_rank
+        return BlockShape(
+            tokens=size_hint(x.shape[0]) or 0, hidden=hidden, top_k=self.top_k,
+            ffn=weight_elems // max(1, hidden * len(weights) // self.experts_per_rank),
+            experts_per_rank=self.experts_per_rank, group_size=self.group_size,
+            elem_bytes=x.element_size(), expert_bytes=weight_elems * weights[0].element_size(),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"capacity MoE region dispatch={self.dispatch.name} combine={self.combine.name} "
+            f"output={self.output.name} (group {self.group_name!r} of {self.group_size}, E_l={self.experts_per_rank}, "
+            f"C={self.capacity}, K={self.top_k}, {len(self.weights)} weights, F: {len(self.expert_fn.graph.nodes)} "
+            "nodes)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Einsums
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _einsum_terms(n: object) -> tuple[list[str], str, list[fx.Node]] | None:
+    """``(input subscripts, output subscripts, operands)`` of a two-operand ``torch.einsum`` node, else None."""
+    if not is_call(n, *_EINSUM) or not isinstance(n.args[0], str):
+        return None
+    operands = list(n.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    equation = n.args[0].replace(" ", "")
+    if "->" not in equation or "." in equation or len(operands) != 2:
+        return None
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2 or not all(isinstance(o, fx.Node) for o in operands):
+        return None
+    return terms, out, operands
+
+
+def _dispatch_einsum(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(mask operand, x)`` of ``einsum("sec,sm->ecm", mask, x)`` (any letters, either operand order)."""
+    terms = _einsum_terms(n)
+    if terms is None:
+        return None
+    (a, b), out, operands = terms
+    for (mask_t, x_t), (mask, x) in (((a, b), operands), ((b, a), operands[::-1])):
+        if len(mask_t) == 3 and len(x_t) == 2 and x_t[0] == mask_t[0] and out == mask_t[1:] + x_t[1]:
+            return mask, x
+    return None
+
+
+def _combine_einsum(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(combine weights operand, expert output operand)`` of ``einsum("sec,ecm->sm", cw, eo)``."""
+    terms = _einsum_terms(n)
+    if terms is None:
+        return None
+    (a, b), out, operands = terms
+    for (cw_t, eo_t), (cw, eo) in (((a, b), operands), ((b, a), operands[::-1])):
+        if len(cw_t) == 3 and len(eo_t) == 3 and eo_t[:2] == cw_t[1:] and out == cw_t[0] + eo_t[2]:
+            return cw, eo
+    return None
+
+
+def _dispatch_of(a2a: fx.Node) -> fx.Node | None:
+    """The capacity dispatch einsum an all-to-all sends (through views), else None."""
+    send = peel(all_to_all_args(a2a).input, _VIEWS, VIEW_FUNCTIONS)
+    return send if isinstance(send, fx.Node) and _dispatch_einsum(send) is not None else None
+
+
+def _users_through_views(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """``(user, the view of n it reads)`` for every non-view user of ``n`` or of views of ``n``."""
+    out: list[tuple[fx.Node, fx.Node]] = []
+    todo = [n]
+    while todo:
+        m = todo.pop()
+        for u in m.users:
+            if (is_method_call(u, *_VIEWS) or is_call(u, *VIEW_FUNCTIONS)) and u.args[0] is m:
+                todo.append(u)
+            else:
+                out.append((u, m))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Steps 2-4: the combine, the masks, the sizes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _combine_side(dispatch: fx.Node, combine: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Step 2: ``(back, output einsum, combine weights operand)``."""
+    back = wait_end(combine)
+    for user, view in _users_through_views(back):
+        found = _combine_einsum(user)
+        if found is not None and found[1] is view:
+            return back, user, found[0]
+    raise Refusal(dispatch, f"the result of {combine.name} does not feed an einsum('sec,ecm->sm', combine_weights, "
+                            "expert_output) (fairseq's mm combine, or another reduction)")
+
+
+def _bool_mask(dispatch: fx.Node, operand: fx.Node) -> fx.Node:
+    """Step 3: the boolean ``(S, E, C)`` tensor the dispatch operand casts (the kept pairs)."""
+    mask = peel(operand, CAST_METHODS)
+    if is_method_call(mask, *_BOOL_METHODS) or dtype_of(mask) == torch.bool:
+        return mask  # type: ignore[return-value]
+    name = getattr(mask, "name", mask)
+    raise Refusal(dispatch, f"the dispatch einsum's mask {name} is not a boolean mask cast to the tokens' dtype "
+                            "(scores applied before the experts?); the ring applies the combine weights after F")
+
+
+def _top_k(dispatch: fx.Node, mask: fx.Node, num_experts: int) -> int:
+    """Step 3: the gate's choices per token: argmax / max over the experts (1 each), topk(k) (k each)."""
+    behind = ancestors([mask])
+    if not any((is_call(n, torch.cumsum) or is_method_call(n, "cumsum")) and arg(n, 1, "dim") == 0
+               for n in behind):
+        raise Refusal(dispatch, f"no capacity slots behind the dispatch mask {mask.name} (a cumsum over tokens): a "
+                                "slot may hold more than one token")
+    k = 0
+    for n in behind:
+        scores = shape_of(n.args[0]) if n.args else None
+        if scores is None or len(scores) != 2 or static_int(scores[1]) != num_experts:
+            continue
+        if is_call(n, torch.argmax) or is_method_call(n, "argmax"):
+            k += 1
+        elif is_call(n, torch.topk) or is_method_call(n, "topk"):
+            k += static_int(arg(n, 1, "k")) or 0
+    if not 1 <= k <= num_experts:
+        raise Refusal(dispatch, f"the gate's top-k is not readable from the graph (argmax / topk over the "
+                                f"{num_experts} experts behind {mask.name} choose {k} per token)")
+    return k
+
+
+def _equal_splits(dispatch: fx.Node, a2a: fx.Node, group_size: int) -> None:
+    """Step 4: equal constant splits of dim 0 (what each rank sends is a contiguous 1/N of the buffer)."""
+    _, out_splits, in_splits, _ = all_to_all_args(a2a)
+    dim0 = static_int((shape_of(all_to_all_args(a2a).input) or (None,))[0])
+    sizes = {static_int(s) for s in (*out_splits, *in_splits)}
+    if dim0 is None or len(out_splits) != group_size or len(sizes) != 1 or sizes != {dim0 // group_size}:
+        raise Refusal(dispatch, f"{a2a.name} does not split its first dimension ({dim0}) equally over {group_size} "
+                                f"ranks with constant sizes (splits {out_splits}, {in_splits})")
+
+
+def _lowered_experts(
+    dispatch: fx.Node, fn: fx.GraphModule, binding: ExpertFnBinding, e_l: int, recv: fx.Node,
+    weights: list[fx.Node], group_size: int,
+) -> tuple[LoweredFFN, ExpertsPath]:
+    """Step 5: F as grouped experts, proven on probe inputs. F itself cannot run on a hop's rows (its shapes
+    are the whole (N * E_l, C, H) receive's), so an F that is not an FFN of experts refuses the region."""
+    try:
+        plan = recognize_expert_ffn(fn, binding, e_l)
+    except NotAnFFN as e:
+        raise Refusal(dispatch, f"the capacity experts are not recognized as an FFN of experts ({e}); the ring runs "
+                                "capacity experts only on grouped GEMMs") from None
+    lowered = LoweredFFN(plan, e_l, RegionExpertFn(fn, binding).digest())
+    recv_like, weights_like = node_value(recv), [node_value(w) for w in weights]
+    try:
+        error = capacity_probe_error(fn, binding, lowered, recv_like, weights_like, group_size)
+    except Exception as e:  # F or the lowering cannot run on probe inputs
+        log.debug("capacity_match: probe of F of %s failed", dispatch.name, exc_info=True)
+        raise Refusal(dispatch, f"the capacity experts' probe could not run: {e!r}") from None
+    if not error <= tolerance(recv_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
+        raise Refusal(dispatch, f"the capacity experts, recognized as {plan.describe()}, differ from F on probe "
+                                f"inputs by {error:.2e} (rows grouped by another dimension than the local expert?)")
+    return lowered, ExpertsPath(kind="grouped", description=plan.describe())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One region
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node,
+                           weak: set[fx.Node]) -> CapacityRegion:
+    group_name, group_size = all_to_all_args(dispatch).group_name, len(all_to_all_args(dispatch).output_split_sizes)
+    if not isinstance(group_name, str) or all_to_all_args(combine).group_name != group_name:
+        raise Refusal(dispatch, f"group names of {dispatch.name} and {combine.name} are not one constant string")
+    send = _dispatch_of(dispatch)
+    assert send is not None, f"capacity_match: {dispatch.name} was claimed without a dispatch einsum"
+    operands = _dispatch_einsum(send)
+    assert operands is not None
+    mask_operand, x = operands
+    back, output, cw = _combine_side(dispatch, combine)
+
+    # Step 3: masks and K.
+    mask = _bool_mask(dispatch, mask_operand)
+    mask_shape, cw_shape, x_shape = shape_of(mask), shape_of(cw), shape_of(x)
+    dims = [static_int(d) for d in mask_shape or ()]
+    if len(dims) != 3 or None in dims:
+        raise Refusal(dispatch, f"the dispatch mask {mask.name} has shape {mask_shape}, not a constant (S, E, C)")
+    _, num_experts, capacity = dims
+    if cw_shape is None or tuple(static_int(d) for d in cw_shape) != tuple(dims) or not (
+        dtype_of(cw) or torch.int64
+    ).is_floating_point:
+        raise Refusal(dispatch, f"the combine weights {cw.name} are not floating point of the mask's shape {mask_shape}")
+    if x_shape is None or len(x_shape) != 2 or static_int(x_shape[0]) != dims[0]:
+        raise Refusal(dispatch, f"the dispatched tokens {x.name} have shape {x_shape}, not (S={dims[0]}, H)")
+    if shape_of(output) is None or tuple(shape_of(output)) != tuple(x_shape) or dtype_of(output) != dtype_of(x):
+        raise Refusal(dispatch, f"the block output {output.name} is {dtype_of(output)}{shape_of(output)}, the tokens "
+                                f"{dtype_of(x)}{x_shape}; the ring returns the tokens' type")
+    top_k = _top_k(dispatch, mask, num_experts)  # type: ignore[arg-type]
+
+    # Step 4: splits and placement.
+    for a2a in (dispatch, combine):
+        _equal_splits(dispatch, a2a, group_size)
+    e_l, rem = divmod(num_experts, group_size)  # type: ignore[operator]
+    if rem or e_l < 1:
+        raise Refusal(dispatch, f"{num_experts} experts do not divide over {group_size} ranks")
+    if dtype_of(dispatch) != dtype_of(x):
+        raise Refusal(dispatch, f"{dispatch.name} moves {dtype_of(dispatch)}, the tokens are {dtype_of(x)}")
+
+    # Step 5: F.
+    forbidden = ancestors([all_to_all_args(dispatch).input, mask, cw])
+    body, used, weights = slice_expert_fn(dispatch, combine, {wait_end(dispatch): "rows"}, forbidden)
+    recv = wait_end(dispatch)
+    assert recv in used, f"capacity_match: F of {dispatch.name} does not read the receive {recv.name}"
+    expert_fn, binding = copy_expert_fn(
+        gm, body, all_to_all_args(combine).input, recv, None, [], weights, used, "source"
+    )
+
+    lowered, path = _lowered_experts(dispatch, expert_fn, binding, e_l, recv, weights, group_size)
+
+    # Step 6: what dies.
+    dead = dead_after_replacing(output, {x, mask, cw, *weights}, weak)
+    for role, n in (("dispatch", dispatch), ("combine", combine), ("receive", recv), ("combine result", back),
+                    ("dispatch einsum", send)):
+        if n not in dead:
+            users = ", ".join(u.name for u in n.users)
+            raise Refusal(dispatch, f"the {role} {n.name} stays alive after the rewrite (a value of the region "
+                                    f"is used outside it; users: {users})")
+    for n in body:
+        if n not in dead:
+            raise Refusal(dispatch, f"F's {n.name} is used outside the region")
+    return CapacityRegion(
+        dispatch=dispatch, combine=combine, recv=recv, back=back, x=x, dispatch_mask=mask, combine_weights=cw,
+        output=output, weights=tuple(weights), expert_fn=expert_fn, binding=binding, lowered=lowered,
+        experts_path=path, experts_per_rank=e_l,
+        capacity=capacity, top_k=top_k, group_name=group_name, group_size=group_size,  # type: ignore[arg-type]
+        nodes=frozenset(dead),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _partner(dispatch: fx.Node, token_a2as: list[fx.Node]) -> fx.Node | None:
+    """Step 2: the token all-to-all whose input has ``dispatch`` as its closest upstream token all-to-all."""
+    token_set = set(token_a2as)
+    partners = [
+        n for n in token_a2as
+        if n is not dispatch and closest(upstream_collectives([all_to_all_args(n).input]) & token_set) == {dispatch}
+    ]
+    return partners[0] if len(partners) == 1 else None
+
+
+def find_capacity_regions(
+    gm: fx.GraphModule, token_a2as: list[fx.Node], weak: set[fx.Node]
+) -> tuple[list[CapacityRegion], list[RefusedRegion], list[fx.Node]]:
+    """``(regions, refusals, the all-to-alls not claimed)``, regions in program order (module docstring)."""
+    regions: list[CapacityRegion] = []
+    refused: list[RefusedRegion] = []
+    claimed: set[fx.Node] = set()
+    # Step 1: claim.
+    for dispatch in token_a2as:
+        if dispatch in claimed or _dispatch_of(dispatch) is None:
+            continue
+        combine = _partner(dispatch, token_a2as)
+        claimed |= {dispatch, *([combine] if combine is not None else [])}
+        if combine is None:
+            refused.append(RefusedRegion(dispatch, f"capacity dispatch {dispatch.name} has no reverse all_to_all "
+                                                   "of the experts' output in this graph (a graph break?)"))
+            continue
+        try:
+            regions.append(_match_capacity_region(gm, dispatch, combine, weak))
+        except Refusal as r:
+            refused.append(r.record())
+    for refusal in refused:
+        log.debug("match: skipped %s: %s", refusal.node.name, refusal.reason)
+    return regions, refused, [n for n in token_a2as if n not in claimed]

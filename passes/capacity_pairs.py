@@ -1,0 +1,75 @@
+"""capacity_pairs: the ring's (expert id, score) pairs of a capacity region, inserted as graph nodes.
+
+A capacity region (``capacity_match``) has no top-k ids and scores: its gate hands the block two ``(S, E, C)``
+masks. The ring runs over the pairs the dispatch mask keeps, each with the combine weight of its slot:
+
+    kept_SE   = dispatch_mask_SEC.any(-1)                 # (s, e) dispatched: at most K per token
+    keep_SE   = kept_SE.to(combine_weights.dtype)
+    ids_SK    = torch.topk(keep_SE, K, dim=-1)[1]         # the kept experts first, then any others
+    scores_SE = combine_weights_SEC.sum(-1) * keep_SE     # the one slot's weight; 0 where not dispatched
+    scores_SK = torch.gather(scores_SE, 1, ids_SK)
+
+Why this is the original's math, forward and backward: each slot holds at most one token, so the original's
+``y[s] = sum_{e,c} cw[s,e,c] * F_e(slot (e, c))`` only reads slots that token s occupies (``cw`` is 0 elsewhere,
+by the gate's construction ``gates * mask * one_hot(location)``), which is ``sum_e scores[s, e] * F_e(x[s])``
+over kept pairs. A token with fewer than K kept pairs (dropped over capacity) carries pairs of score 0: they add
+``F(x) * 0`` to y, and their score gradient is masked to 0 by ``keep_SE``, as the original's is by the gate's
+mask. Kept pairs get ``d scores[s, e] = F_e(x[s]) . dy[s]`` on every slot ``c`` of ``cw[s, e, :]``; the gate reads
+``cw`` only through ``gates[s, e] * one_hot(location)[c]``, so ``d gates`` is the original's. Experts with biases
+do not change this (empty slots compute ``F(0)`` in the original, times a combine weight of 0), but are refused
+anyway: the grouped experts have no bias.
+
+Legend: S tokens, E experts, C capacity, K the gate's top-k.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from relay_compile.passes.capacity_match import CapacityRegion
+from relay_compile.passes.fx_nodes import node_value
+
+__all__ = ["insert_capacity_pairs"]
+
+
+def _fake_call(target: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The node's value computed on its inputs' fake values (in their fake mode)."""
+    values, kw_values = fx.node.map_arg((args, kwargs), node_value)
+    fake_mode = next((v.fake_mode for v in pytree.tree_leaves(values) if hasattr(v, "fake_mode")), None)
+    assert fake_mode is not None, f"capacity_pairs: the inputs of {target} have no fake values"
+    with fake_mode:
+        if isinstance(target, str):
+            return getattr(values[0], target)(*values[1:], **kw_values)
+        return target(*values, **kw_values)
+
+
+def _insert(graph: fx.Graph, target: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> fx.Node:
+    node = graph.create_node("call_method" if isinstance(target, str) else "call_function", target, args, kwargs)
+    node.meta["val"] = node.meta["example_value"] = _fake_call(target, args, kwargs)
+    return node
+
+
+def insert_capacity_pairs(region: CapacityRegion) -> tuple[fx.Node, fx.Node]:
+    """Insert ``(ids_SK, scores_SK)`` at the graph's insertion point (module docstring); returns the nodes.
+
+    The caller sets the insertion point after ``region.dispatch_mask`` and ``region.combine_weights``.
+    """
+    graph = region.output.graph
+    kept_SE = _insert(graph, "any", region.dispatch_mask, -1)
+    keep_SE = _insert(graph, "to", kept_SE, node_value(region.combine_weights).dtype)
+    topk = _insert(graph, torch.topk, keep_SE, region.top_k, dim=-1)
+    ids_SK = _insert(graph, operator.getitem, topk, 1)
+    weight_SE = _insert(graph, "sum", region.combine_weights, -1)
+    scores_SE = _insert(graph, operator.mul, weight_SE, keep_SE)
+    scores_SK = _insert(graph, torch.gather, scores_SE, 1, ids_SK)
+    for n in (kept_SE, keep_SE, topk, ids_SK, weight_SE, scores_SE, scores_SK):
+        for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if k in region.output.meta:
+                n.meta[k] = region.output.meta[k]
+    return ids_SK, scores_SK
