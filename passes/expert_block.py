@@ -222,6 +222,8 @@ class _Interpreter:
         lists = [self.value(x) for a in n.args if isinstance(a, (list, tuple)) for x in a]
         if all(v is None for v in args + lists):
             return None  # index / size arithmetic: decides where rows go, not what they hold
+        if is_call(n, torch.einsum, torch.functional.einsum):
+            return self.batched_einsum(n)
         first = self.value(n.args[0]) if n.args else None
         if is_call(n, operator.setitem) or is_method_call(n, "index_copy_", "index_put_"):
             self.write_rows(n)
@@ -285,8 +287,6 @@ class _Interpreter:
             # (E_l, rows, H) @ (E_l, H, F): one GEMM per expert, like a grouped GEMM over equal groups.
             batched = _ndim(n.args[0]) == 3 and _ndim(n.args[1]) == 3
             return self.gemm(n, r, self.value(n.args[1]), grouped=batched)
-        if is_call(n, torch.einsum, torch.functional.einsum):
-            return self.batched_einsum(n, r)
         if is_call(n, *_ACTIVATIONS) or is_method_call(n, "relu"):
             name = next((v for k, v in _ACTIVATIONS.items() if n.target is k), "relu")  # call_method: relu
             return _Rows(("act", name, r.expr), r.expert)
@@ -374,16 +374,17 @@ class _Interpreter:
             raise NotAnFFN(f"{describe(n)} chunks the rows of one expert again")
         return _Pieces(tuple(_Rows(r.expr, e) for e in range(self.experts_per_rank)))
 
-    def batched_einsum(self, n: fx.Node, r: _Rows) -> _Rows:
+    def batched_einsum(self, n: fx.Node) -> _Rows:
         """``einsum("ecm,emf->ecf", rows, w)`` (or ``"ecm,efm->ecf"``): a batched GEMM over stacked weights."""
         operands = list(n.args[1:])
         equation = n.args[0].replace(" ", "") if isinstance(n.args[0], str) else ""
         terms = equation.split("->")[0].split(",") if "->" in equation else []
-        if len(operands) != 2 or len(terms) != 2 or operands[0] is not n.args[1]:
+        if len(operands) != 2 or len(terms) != 2:
             raise NotAnFFN(f"{describe(n)} is not a two-operand einsum of rows and a weight")
         (x_t, w_t), out = terms, equation.split("->")[1]
-        w = self.value(operands[1])
-        if not (isinstance(w, _Weight) and len(x_t) == 3 and len(w_t) == 3 and x_t[0] == w_t[0] == out[0]):
+        r, w = self.value(operands[0]), self.value(operands[1])
+        if not (isinstance(r, _Rows) and isinstance(w, _Weight) and len(x_t) == 3 and len(w_t) == 3
+                and x_t[0] == w_t[0] == out[0]):
             raise NotAnFFN(f"{describe(n)} is not einsum('ecm,emf->ecf', rows, stacked weights)")
         contracted, kept = x_t[2], (set(w_t[1:]) - {x_t[2]})
         if contracted not in w_t[1:] or len(kept) != 1 or out != x_t[:2] + kept.pop():
