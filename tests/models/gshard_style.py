@@ -35,7 +35,8 @@ def topk_capacity_gating(logits_SE: Tensor, k: int, capacity_factor: float) -> t
     capacity = int(capacity_factor * math.ceil(num_tokens * k / num_experts))
     topk_indices = torch.topk(gates_SE, k, dim=1).indices
     masks = [nnf.one_hot(topk_indices[:, i], num_classes=num_experts) for i in range(k)]
-    denom_s = sum((gates_SE * mask).sum(dim=1) for mask in masks)
+    # Top-2 and up normalize the chosen gates (GShard); top-1 keeps the probability (Switch, fairseq top1gating).
+    denom_s = sum((gates_SE * mask).sum(dim=1) for mask in masks) if k > 1 else torch.ones_like(gates_SE[:, 0])
     filled = torch.zeros(1, num_experts, dtype=torch.int64, device=logits_SE.device)
     combine_weights = torch.zeros(num_tokens, num_experts, capacity, device=logits_SE.device)
     for mask in masks:
