@@ -75,7 +75,7 @@ from relay_compile.passes.fx_nodes import (
 )
 from relay_compile.passes.liveness import dead_after_replacing
 from relay_compile.passes.refusals import Refusal, RefusedRegion
-from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel
+from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel, row_gather
 from relay_compile.report import BlockShape
 
 log = logging.getLogger(__name__)
@@ -195,6 +195,19 @@ def _dispatch_of(a2a: fx.Node) -> fx.Node | None:
     return send if isinstance(send, fx.Node) and _dispatch_einsum(send) is not None else None
 
 
+def _is_capacity_dispatch(a2a: fx.Node) -> bool:
+    """Step 1: an einsum dispatch, or an equal-split all-to-all of something other than a row gather (a
+    capacity buffer written another way: fairseq's ``mm``, GShard's grouped ``gsec`` einsum)."""
+    if _dispatch_of(a2a) is not None:
+        return True
+    _, out_splits, in_splits, _ = all_to_all_args(a2a)
+    sizes = [static_int(s) for s in (*out_splits, *in_splits)]
+    send = peel(all_to_all_args(a2a).input, _VIEWS, VIEW_FUNCTIONS)
+    return bool(sizes) and None not in sizes and len(set(sizes)) == 1 and not (
+        isinstance(send, fx.Node) and row_gather(send) is not None
+    )
+
+
 def _users_through_views(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     """``(user, the view of n it reads)`` for every non-view user of ``n`` or of views of ``n``."""
     out: list[tuple[fx.Node, fx.Node]] = []
@@ -302,7 +315,11 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
     if not isinstance(group_name, str) or all_to_all_args(combine).group_name != group_name:
         raise Refusal(dispatch, f"group names of {dispatch.name} and {combine.name} are not one constant string")
     send = _dispatch_of(dispatch)
-    assert send is not None, f"capacity_match: {dispatch.name} was claimed without a dispatch einsum"
+    if send is None:
+        sent = peel(all_to_all_args(dispatch).input, _VIEWS, VIEW_FUNCTIONS)
+        raise Refusal(dispatch, f"the equal-split all_to_all {dispatch.name} sends {getattr(sent, 'name', sent)}, "
+                                "not einsum('sec,sm->ecm', dispatch_mask, x) (fairseq's mm dispatch and GShard's "
+                                "grouped 'gsec' einsum are not rewritten)")
     operands = _dispatch_einsum(send)
     assert operands is not None
     mask_operand, x = operands
@@ -390,7 +407,7 @@ def find_capacity_regions(
     claimed: set[fx.Node] = set()
     # Step 1: claim.
     for dispatch in token_a2as:
-        if dispatch in claimed or _dispatch_of(dispatch) is None:
+        if dispatch in claimed or not _is_capacity_dispatch(dispatch):
             continue
         combine = _partner(dispatch, token_a2as)
         claimed |= {dispatch, *([combine] if combine is not None else [])}

@@ -99,12 +99,12 @@ class TopKGate(nn.Module):
 
 
 class MLP(nn.Module):
-    """One expert: Linear -> GELU -> Linear (no biases: see README, capacity-based dispatch)."""
+    """One expert: Linear -> GELU -> Linear (biases refuse the rewrite: see README, capacity-based dispatch)."""
 
-    def __init__(self, model_dim: int, hidden: int) -> None:
+    def __init__(self, model_dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(model_dim, hidden, bias=False)
-        self.fc2 = nn.Linear(hidden, model_dim, bias=False)
+        self.fc1 = nn.Linear(model_dim, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, model_dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(nnf.gelu(self.fc1(x)))
@@ -137,26 +137,31 @@ class DeepSpeedStyleMoE(nn.Module):
         capacity_factor: DeepSpeed's; C = ceil(S / E * capacity_factor * 2) (top-2), at least ``min_capacity``.
         group: the EP group (N ranks); rank r owns experts [r * E_l, (r + 1) * E_l).
         seed: the router and all E experts are drawn from it, identically on every rank.
+        bias: experts' Linear layers with biases.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, group: dist.ProcessGroup, *,
-                 capacity_factor: float = 1.0, min_capacity: int = 1, seed: int = 0) -> None:
+                 capacity_factor: float = 1.0, min_capacity: int = 1, seed: int = 0, bias: bool = False) -> None:
         super().__init__()
         self.ep_group, self.ep_size = group, dist.get_world_size(group)
         self.num_local_experts = num_experts // self.ep_size
         state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         self.gate = TopKGate(dim, num_experts, capacity_factor, min_capacity)
-        experts = [MLP(dim, hidden) for _ in range(num_experts)]
+        experts = [MLP(dim, hidden, bias) for _ in range(num_experts)]
         torch.random.set_rng_state(state)
         lo = dist.get_rank(group) * self.num_local_experts
         self.experts = Experts(experts[lo:lo + self.num_local_experts])
+
+    def dispatch(self, dispatch_mask: Tensor, combine_weights: Tensor, reshaped_input: Tensor) -> Tensor:
+        """Every expert's capacity buffer ``(E, C, M)`` (tests.models.capacity_variants overrides it)."""
+        return torch.einsum("sec,sm->ecm", dispatch_mask.type_as(reshaped_input), reshaped_input)
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
         d_model = hidden_states.shape[-1]
         reshaped_input = hidden_states.reshape(-1, d_model)
         l_aux, combine_weights, dispatch_mask = self.gate(reshaped_input)
-        dispatched_input = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(hidden_states), reshaped_input)
+        dispatched_input = self.dispatch(dispatch_mask, combine_weights, reshaped_input)
         dispatched_input = funcol.all_to_all_single_autograd(dispatched_input, None, None, self.ep_group)
         # Re-shape after all-to-all: ecm -> gecm
         dispatched_input = dispatched_input.reshape(self.ep_size, self.num_local_experts, -1, d_model)

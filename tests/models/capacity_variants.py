@@ -1,0 +1,41 @@
+"""Variants of the DeepSpeed-style capacity layer that the matcher must leave unchanged, with a reason.
+
+Each changes one thing of ``tests.models.deepspeed_style.DeepSpeedStyleMoE``; everything else is the matched
+pattern. (Experts with biases: ``DeepSpeedStyleMoE(..., bias=True)``.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tests.models.deepspeed_style import DeepSpeedStyleMoE, Experts
+
+
+class ScoresBeforeExperts(DeepSpeedStyleMoE):
+    """The capacity buffers hold tokens scaled by their combine weights (F is not linear: another function)."""
+
+    def dispatch(self, dispatch_mask: Tensor, combine_weights: Tensor, reshaped_input: Tensor) -> Tensor:
+        return torch.einsum("sec,sm->ecm", combine_weights.type_as(reshaped_input), reshaped_input)
+
+
+class MmDispatch(DeepSpeedStyleMoE):
+    """fairseq's ``MOELayer``: the dispatch einsum written as one ``mm`` of the permuted mask."""
+
+    def dispatch(self, dispatch_mask: Tensor, combine_weights: Tensor, reshaped_input: Tensor) -> Tensor:
+        mask_ECS = dispatch_mask.to(reshaped_input.dtype).permute(1, 2, 0)
+        e, c, s = mask_ECS.shape
+        return torch.mm(mask_ECS.reshape(e * c, s), reshaped_input).reshape(e, c, -1)
+
+
+class SlotMixingExperts(Experts):
+    """Experts that subtract the mean over their capacity slots: a row's result depends on the other tokens."""
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        out = super().forward(inputs)
+        return out - out.mean(dim=2, keepdim=True)
+
+
+def with_slot_mixing_experts(moe: DeepSpeedStyleMoE) -> DeepSpeedStyleMoE:
+    moe.experts = SlotMixingExperts(list(moe.experts.deepspeed_experts))
+    return moe

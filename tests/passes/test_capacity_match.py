@@ -1,0 +1,133 @@
+"""The capacity-region finder on real Dynamo graphs, in one process: record fields, and refusals with reasons.
+
+Graphs come from tracing the DeepSpeed- and GShard-style layers (``tests.models``) and their variants
+(``tests.models.capacity_variants``) with ``torch.compile`` under torch's fake process group (world 2): the
+collectives return garbage, so these tests look at structure only (numerics: ``test_capacity_dispatch.py``).
+Each refusal test names the user code that gives the graph and checks the reason, the node refused, that no
+region was found and that the graph was left as it was.
+
+Legend: S tokens, M model dim, E experts, E_l experts per rank, C capacity, K top-k, N ranks.
+"""
+
+from __future__ import annotations
+
+import unittest
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from relay_compile.passes import CapacityRegion, RefusedRegion, find_moe_regions, rewrite_moe_region
+from relay_compile.passes.fx_nodes import is_all_to_all
+from tests.models import capacity_variants
+from tests.models.deepspeed_style import DeepSpeedStyleMoE
+from tests.models.gshard_style import GShardStyleMoE
+
+M, F, E, N, S = 8, 6, 4, 2, 12
+
+
+def traced(model: nn.Module) -> tuple[fx.GraphModule, list[Any], list[RefusedRegion]]:
+    """``(Dynamo's graph of model(x), regions, refusals)``; checks that matching left the graph unchanged."""
+    seen: list[tuple[fx.GraphModule, list[Any], list[RefusedRegion]]] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        code = gm.code
+        regions, refused = find_moe_regions(gm)
+        assert gm.code == code, "find_moe_regions mutated the graph"
+        seen.append((gm, regions, refused))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(S, M))
+    assert len(seen) == 1, f"{len(seen)} graphs"
+    return seen[0]
+
+
+class CapacityMatch(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        # One process stands in for rank 0 of 2: Dynamo traces the collectives, which return garbage.
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        dist.destroy_process_group()
+
+    def deepspeed(self, **kwargs: Any) -> DeepSpeedStyleMoE:
+        return DeepSpeedStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=1, **kwargs)
+
+    def refusal(self, model: nn.Module) -> str:
+        """The one reason the graph of ``model`` is refused for, at its first all-to-all."""
+        gm, regions, refused = traced(model)
+        self.assertEqual(regions, [])
+        self.assertEqual(len(refused), 1, [r.reason for r in refused])
+        self.assertIs(refused[0].node, next(n for n in gm.graph.nodes if is_all_to_all(n)))
+        return refused[0].reason
+
+    # --- the pattern ---------------------------------------------------------------------------------------
+
+    def test_finds_the_deepspeed_block_with_its_masks_capacity_and_top_k(self) -> None:
+        # tests.models.deepspeed_style: top2gating + MOELayer + Experts (chunks of (N, E_l, C, M)).
+        gm, regions, refused = traced(self.deepspeed())
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertIsInstance(region, CapacityRegion)
+        self.assertEqual((region.experts_per_rank, region.capacity, region.top_k), (E // N, 3, 2))
+        self.assertEqual((region.group_size, region.group_name), (N, dist.group.WORLD.group_name))
+        self.assertEqual(region.x.name, "reshaped_input")
+        self.assertEqual(region.dispatch_mask.name, "dispatch_mask")  # combine_weights.bool()
+        self.assertEqual(region.combine_weights.target, "type_as")  # the combine einsum's operand
+        self.assertEqual(region.output.args[0], "sec,ecm->sm")
+        self.assertEqual(len(region.weights), 2 * E // N)  # fc1, fc2 of each local expert
+        self.assertEqual(region.experts_path.summary(), "grouped: " + region.lowered.plan.describe())
+        self.assertTrue(region.experts_path.description.startswith("gelu experts"))
+        # What dies: both all-to-alls, the dispatch einsum, F, the combine; never the masks, tokens, weights.
+        self.assertTrue({region.dispatch, region.combine, region.recv, region.back, region.output} <= region.nodes)
+        self.assertFalse({region.x, region.dispatch_mask, region.combine_weights, *region.weights} & region.nodes)
+        self.assertEqual({n for n in region.nodes if is_all_to_all(n)}, {region.dispatch, region.combine})
+
+    def test_finds_the_gshard_block_with_batched_experts_and_rewrites_it_to_one_ring(self) -> None:
+        # tests.models.gshard_style: topk gating, einsum("sm,sec->ecm"), einsum/bmm experts on (E_l, N*C, M).
+        gm, regions, refused = traced(GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=0.5, seed=1))
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual((region.capacity, region.top_k), (3, 2))
+        self.assertIn("relu experts, gate weights[0] stacked (in_out)", region.experts_path.description)
+        ring = rewrite_moe_region(gm, region)
+        self.assertEqual([n for n in gm.graph.nodes if is_all_to_all(n)], [])
+        ids, scores = ring.args[1:3]
+        self.assertEqual(ids.meta["val"].shape, (S, 2))  # (S, K) pairs from the masks
+        self.assertEqual(scores.meta["val"].shape, (S, 2))
+        self.assertNotIn("einsum('sec,ecm->sm'", gm.code)
+
+    # --- refusals ------------------------------------------------------------------------------------------
+
+    def test_refuses_scores_applied_before_the_experts(self) -> None:
+        # einsum("sec,sm->ecm", combine_weights.type_as(x), x): the buffers hold scaled tokens.
+        reason = self.refusal(capacity_variants.ScoresBeforeExperts(M, F, E, dist.group.WORLD, seed=1))
+        self.assertRegex(reason, r"^the dispatch einsum's mask combine_weights is not a boolean mask cast to the "
+                                 r"tokens' dtype")
+        self.assertIn("scores applied before the experts?", reason)
+
+    def test_refuses_experts_with_biases(self) -> None:
+        # nn.Linear(..., bias=True) experts: the grouped experts have no bias.
+        reason = self.refusal(self.deepspeed(bias=True))
+        self.assertRegex(reason, r"^the capacity experts are not recognized as an FFN of experts \(.* adds a bias")
+
+    def test_refuses_experts_that_mix_capacity_slots(self) -> None:
+        # out - out.mean(dim=2): a slot's result depends on the other tokens of its expert.
+        reason = self.refusal(capacity_variants.with_slot_mixing_experts(self.deepspeed()))
+        self.assertRegex(reason, r"^the capacity experts are not recognized as an FFN of experts \(.*mean")
+
+    def test_refuses_fairseqs_mm_dispatch_naming_the_supported_einsum(self) -> None:
+        # torch.mm(dispatch_mask.permute(1, 2, 0).reshape(E * C, S), x).reshape(E, C, M).
+        reason = self.refusal(capacity_variants.MmDispatch(M, F, E, dist.group.WORLD, seed=1))
+        self.assertRegex(reason, r"^the equal-split all_to_all \w+ sends \w+, not einsum\('sec,sm->ecm', "
+                                 r"dispatch_mask, x\)")
+
+
+if __name__ == "__main__":
+    unittest.main()
