@@ -409,6 +409,9 @@ def find_capacity_regions(
     for dispatch in token_a2as:
         if dispatch in claimed or not _is_capacity_dispatch(dispatch):
             continue
+        upstream = closest(upstream_collectives([all_to_all_args(dispatch).input]) & set(token_a2as))
+        if _dispatch_of(dispatch) is None and upstream - claimed:
+            continue  # the answer to an earlier all-to-all the top-k matcher pairs (or refuses)
         combine = _partner(dispatch, token_a2as)
         claimed |= {dispatch, *([combine] if combine is not None else [])}
         if combine is None:
