@@ -2,10 +2,15 @@
 
     python examples/three_styles.py                       # world 4, all three styles (~3-5 min on 2 cores)
     python examples/three_styles.py --world 2 --styles reference --steps 2 --tiny
+    python examples/three_styles.py --styles deepspeed,gshard  # capacity-based dispatch (README)
 
 Styles: the project's reference layer (``relay_compile.reference.AllToAllMoE``), the Megatron-style layer
 (``tests.models.megatron_style``: all_gather counts, ModuleList experts, index_add_) and torchtitan 0.3.0's
-``MoE`` with ``AllToAllTokenDispatcher`` (``tests.models.torchtitan_moe``; skipped when not installed).
+``MoE`` with ``AllToAllTokenDispatcher`` (``tests.models.torchtitan_moe``; skipped when not installed);
+on request (``--styles``), two capacity-based layers: DeepSpeed-style top-2 with capacity and drops
+(``tests.models.deepspeed_style``) and GShard/Tutel-style top-k with batched experts (``tests.models.gshard_style``),
+whose ``(S, E, C)`` gate tensors grow with the square of the tokens: they are measured at their own sizes
+(``--mem-capacity-*``).
 Spawns ``--world`` gloo processes; on each rank, for each style:
 
 1. Training parity: two copies of the layer from the same seed, one eager (its all-to-alls), one
@@ -48,15 +53,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.models (th
 from relay_compile.backend import compiled_reports  # noqa: E402
 from relay_compile.memory import PeakMemory  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
+from tests.models.deepspeed_style import DeepSpeedStyleMoE  # noqa: E402
+from tests.models.gshard_style import GShardStyleMoE  # noqa: E402
 from tests.models.megatron_style import MegatronStyleMoE  # noqa: E402
 from tests.models.torchtitan_moe import build_torchtitan_moe, torchtitan_available  # noqa: E402
 
 STYLES = ("reference", "megatron", "torchtitan")
+CAPACITY_STYLES = ("deepspeed", "gshard")  # only with --styles
 # Loss tolerance (relative, per step). fp32 styles run the same per-pair math as a2a; only summation orders
 # differ (~1e-7), which the optimizer's updates carry over the steps. torchtitan's GroupedExperts casts to
 # bf16 for its grouped GEMMs: the ring runs those GEMMs on other row counts (per hop) and sums each owner's
 # weight gradient from per-source bf16 partials, so losses agree to bf16 rounding, not fp32.
-LOSS_RTOL = {"reference": 1e-5, "megatron": 1e-5, "torchtitan": 1e-3}
+LOSS_RTOL = {"reference": 1e-5, "megatron": 1e-5, "torchtitan": 1e-3, "deepspeed": 1e-5, "gshard": 1e-5}
 A2A_KEYS = ("all_to_all", "alltoall")
 P2P_KEYS = ("send", "recv", "batch_isend_irecv")
 
@@ -68,6 +76,7 @@ class Sizes:
     ffn: int
     experts: int
     top_k: int
+    capacity_factor: float = 1.0  # capacity styles: C = capacity_factor * S * K / E slots per expert
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +88,7 @@ class Config:
     train: Sizes
     mem: Sizes
     mem_torchtitan: Sizes
+    mem_capacity: Sizes
     skip_memory: bool
     max_hop_rows: int = 0  # backend option for the memory measurement (0: whole hops)
 
@@ -124,7 +134,24 @@ def build(style: str, s: Sizes, world: int, seed: int) -> nn.Module:
     if style == "torchtitan":
         return build_torchtitan_moe(world, dim=s.hidden, hidden=s.ffn, num_experts=s.experts, top_k=s.top_k,
                                     seed=seed)
-    raise ValueError(f"three_styles: style {style!r} is not one of {STYLES}")
+    if style == "deepspeed":  # top-2 (K ignored)
+        return _Output0(DeepSpeedStyleMoE(s.hidden, s.ffn, s.experts, group, capacity_factor=s.capacity_factor,
+                                          seed=seed))
+    if style == "gshard":
+        return GShardStyleMoE(s.hidden, s.ffn, s.experts, s.top_k, group, capacity_factor=s.capacity_factor,
+                              seed=seed)
+    raise ValueError(f"three_styles: style {style!r} is not one of {STYLES + CAPACITY_STYLES}")
+
+
+class _Output0(nn.Module):
+    """The block's output without DeepSpeed's auxiliary loss (``MOELayer`` returns both)."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.moe(x)[0]
 
 
 def batch(style: str, s: Sizes, rank: int, step: int) -> Tensor:
@@ -225,7 +252,7 @@ def measure_style(style: str, cfg: Config, rank: int) -> StyleResult:
     del eager, ring_module, ring
     # Step 3: peak memory of the block at large sizes.
     if not cfg.skip_memory:
-        m = cfg.mem_torchtitan if style == "torchtitan" else cfg.mem
+        m = {"torchtitan": cfg.mem_torchtitan, **dict.fromkeys(CAPACITY_STYLES, cfg.mem_capacity)}.get(style, cfg.mem)
         torch._dynamo.reset()
         module = build(style, m, cfg.world, seed=12)
         x = batch(style, m, rank, 0)
@@ -315,7 +342,8 @@ def print_report(cfg: Config, results: dict[int, dict[str, StyleResult]]) -> Non
     t, m, mt = cfg.train, cfg.mem, cfg.mem_torchtitan
     print(f"\nworld {cfg.world}, gloo, CPU, {cfg.steps} SGD steps at T={t.tokens} H={t.hidden} F={t.ffn} "
           f"E={t.experts} K={t.top_k}; memory at T={m.tokens} H={m.hidden} F={m.ffn} E={m.experts} K={m.top_k}"
-          f" (torchtitan T={mt.tokens} H={mt.hidden} F={mt.ffn} E={mt.experts} K={mt.top_k}); max over ranks")
+          f" (torchtitan T={mt.tokens} H={mt.hidden} F={mt.ffn} E={mt.experts} K={mt.top_k}; capacity styles "
+          f"T={cfg.mem_capacity.tokens} H={cfg.mem_capacity.hidden} F={cfg.mem_capacity.ffn}); max over ranks")
     header = (f"{'style':11s} | {'max loss rel diff':>17s} | {'a2a events eager/compiled':>25s} | "
               f"{'p2p events compiled':>19s} | {'peak eager MiB':>14s} | {'peak relaymoe MiB':>17s} | ratio")
     print(header)
@@ -339,7 +367,8 @@ def parse(argv: list[str] | None = None) -> Config:
     """The configuration of a run from command-line arguments."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated subset of {STYLES}")
+    p.add_argument("--styles", default=",".join(STYLES),
+                   help=f"comma-separated subset of {STYLES + CAPACITY_STYLES}")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--tiny", action="store_true", help="tiny sizes everywhere (tests)")
@@ -353,23 +382,32 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--mem-top-k", type=int, default=8)
     # torchtitan's bf16 grouped GEMMs are slow on CPU: fewer tokens, same expansion (K=8) and widths.
     p.add_argument("--mem-torchtitan-tokens", type=int, default=2048)
+    # Capacity-based layers hold (S, E, C) gate tensors, S * E * C = S^2 * K * capacity_factor: fewer tokens.
+    p.add_argument("--mem-capacity-tokens", type=int, default=256)
+    p.add_argument("--mem-capacity-hidden", type=int, default=2048)
+    p.add_argument("--mem-capacity-ffn", type=int, default=128)
+    # Buffers of capacity_factor * S * K rows per rank: 4 * 2 holds as many rows as a top-8 layer's.
+    p.add_argument("--mem-capacity-factor", type=float, default=4.0)
     a = p.parse_args(argv)
     styles = tuple(s for s in a.styles.split(",") if s)
-    if unknown := [s for s in styles if s not in STYLES]:
-        p.error(f"--styles {unknown} not among {STYLES}")
+    if unknown := [s for s in styles if s not in STYLES + CAPACITY_STYLES]:
+        p.error(f"--styles {unknown} not among {STYLES + CAPACITY_STYLES}")
     if "torchtitan" in styles and not torchtitan_available():
         print("torchtitan 0.3.0 (+ triton, spmd_types) is not installed: skipping that style", flush=True)
         styles = tuple(s for s in styles if s != "torchtitan")
     if a.tiny:
         train_sizes = Sizes(tokens=24, hidden=16, ffn=8, experts=4 * a.world, top_k=2)
-        mem = mem_tt = Sizes(tokens=64, hidden=16, ffn=8, experts=4 * a.world, top_k=4)
+        mem = mem_tt = mem_cap = Sizes(tokens=64, hidden=16, ffn=8, experts=4 * a.world, top_k=4)
     else:
         train_sizes = Sizes(tokens=128, hidden=32, ffn=16, experts=4 * a.world, top_k=2)
         mem = Sizes(tokens=a.mem_tokens, hidden=a.mem_hidden, ffn=a.mem_ffn, experts=a.mem_experts, top_k=a.mem_top_k)
         mem_tt = Sizes(tokens=a.mem_torchtitan_tokens, hidden=a.mem_hidden, ffn=a.mem_ffn, experts=a.mem_experts,
                        top_k=a.mem_top_k)
+        mem_cap = Sizes(tokens=a.mem_capacity_tokens, hidden=a.mem_capacity_hidden, ffn=a.mem_capacity_ffn,
+                        experts=a.mem_experts, top_k=2,
+                        capacity_factor=a.mem_capacity_factor)
     cfg = Config(world=a.world, styles=styles, steps=a.steps, lr=a.lr, train=train_sizes, mem=mem,
-                 mem_torchtitan=mem_tt, skip_memory=a.skip_memory, max_hop_rows=a.max_hop_rows)
+                 mem_torchtitan=mem_tt, mem_capacity=mem_cap, skip_memory=a.skip_memory, max_hop_rows=a.max_hop_rows)
     for s in (cfg.train, cfg.mem):
         if s.experts % cfg.world:
             p.error(f"experts {s.experts} must be a multiple of --world {cfg.world}")
