@@ -4,4 +4,9 @@
   (all_gather counts, sort + index_select permutation, a ModuleList of ``nn.Linear`` experts, ``index_add_``).
 - ``torchtitan_moe``: torchtitan 0.3.0's ``MoE`` with ``AllToAllTokenDispatcher`` on CPU/gloo.
 - ``variants``: reference-layer variants a matcher must refuse (graph break, scores first, F reading tokens).
+- ``deepspeed_style``: DeepSpeed's ``top2gating`` + ``MOELayer`` + ``Experts`` (capacity-based dispatch: one-hot
+  cumsum slots, drops over capacity, einsum into (E, C, M), equal-split all-to-all, ModuleList experts on chunks).
+- ``gshard_style``: GShard/Tutel top-k capacity gating with batched einsum/bmm experts on (E_l, N * C, M).
+- ``capacity_variants``: DeepSpeed-style variants the capacity matcher must refuse (scores first, mm dispatch,
+  experts mixing slots).
 """
