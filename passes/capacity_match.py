@@ -241,6 +241,12 @@ def _combine_side(dispatch: fx.Node, combine: fx.Node) -> tuple[fx.Node, fx.Node
 def _bool_mask(dispatch: fx.Node, operand: fx.Node) -> fx.Node:
     """Step 3: the boolean ``(S, E, C)`` tensor the dispatch operand casts (the kept pairs)."""
     mask = peel(operand, CAST_METHODS)
+    if isinstance(mask, fx.Node) and mask.op == "placeholder":
+        raise Refusal(dispatch, f"the dispatch mask {mask.name} is an input of this graph: the gate is in another "
+                                "graph (a graph break between gate and dispatch, e.g. one_hot(locations, C) with C "
+                                "read from a tensor, as DeepSpeed's drop_tokens=False does after its all_reduce; "
+                                "TORCH_LOGS=graph_breaks shows where). The ring needs the gate's slots and top-k in "
+                                "the same graph: compute C as a Python int (an upper bound such as S drops nothing)")
     if is_method_call(mask, *_BOOL_METHODS) or dtype_of(mask) == torch.bool:
         return mask  # type: ignore[return-value]
     name = getattr(mask, "name", mask)

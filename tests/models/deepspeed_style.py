@@ -35,9 +35,12 @@ def _one_hot_to_float(x: Tensor, num_classes: int) -> Tensor:
     return nnf.one_hot(x, num_classes=num_classes).float()
 
 
-def top2gating(logits_SE: Tensor, capacity_factor: float, min_capacity: int) -> tuple[Tensor, Tensor, Tensor]:
-    """DeepSpeed's ``top2gating`` (drop_tokens=True, no 2nd-expert sampling): ``(l_aux, combine_weights_SEC,
-    dispatch_mask_SEC)``."""
+def top2gating(logits_SE: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
+               ep_group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSpeed's ``top2gating`` (no 2nd-expert sampling): ``(l_aux, combine_weights_SEC, dispatch_mask_SEC)``.
+
+    ``drop_tokens=False``: C is the largest expert load of any rank, agreed by an all-reduce (nothing dropped).
+    """
     gates_SE = nnf.softmax(logits_SE, dim=1)
     indices1_s = torch.argmax(gates_SE, dim=1)
     num_experts = int(gates_SE.shape[1])
@@ -56,10 +59,17 @@ def top2gating(logits_SE: Tensor, capacity_factor: float, min_capacity: int) -> 
     ce = torch.mean(mask1.float(), dim=0)
     l_aux = torch.mean(me * ce) * num_experts * num_experts
 
-    # Remove locations outside capacity from mask
-    capacity = max(math.ceil(gates_SE.shape[0] / num_experts * capacity_factor * 2), min_capacity)
-    mask1 *= torch.lt(locations1, capacity)
-    mask2 *= torch.lt(locations2, capacity)
+    if drop_tokens:
+        # Remove locations outside capacity from mask
+        capacity = max(math.ceil(gates_SE.shape[0] / num_experts * capacity_factor * 2), min_capacity)
+        mask1 *= torch.lt(locations1, capacity)
+        mask2 *= torch.lt(locations2, capacity)
+    else:
+        # Do not drop tokens - set capacity according to current expert assignments
+        exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
+        new_capacity = torch.max(exp_counts)
+        dist.all_reduce(new_capacity, op=dist.ReduceOp.MAX, group=ep_group)
+        capacity = int(new_capacity)  # NOTE: device-to-host sync
 
     # Store the capacity location for each token
     locations1_s = torch.sum(locations1 * mask1, dim=1)
@@ -88,14 +98,16 @@ def top2gating(logits_SE: Tensor, capacity_factor: float, min_capacity: int) -> 
 
 
 class TopKGate(nn.Module):
-    def __init__(self, model_dim: int, num_experts: int, capacity_factor: float, min_capacity: int) -> None:
+    def __init__(self, model_dim: int, num_experts: int, capacity_factor: float, min_capacity: int,
+                 drop_tokens: bool = True, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
+        self.drop_tokens, self.ep_group = drop_tokens, ep_group
 
     def forward(self, input_SM: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.wg(input_SM.float())
-        return top2gating(logits, self.capacity_factor, self.min_capacity)
+        return top2gating(logits, self.capacity_factor, self.min_capacity, self.drop_tokens, self.ep_group)
 
 
 class MLP(nn.Module):
@@ -135,19 +147,21 @@ class DeepSpeedStyleMoE(nn.Module):
     Args:
         dim, hidden, num_experts: M, F, E.
         capacity_factor: DeepSpeed's; C = ceil(S / E * capacity_factor * 2) (top-2), at least ``min_capacity``.
+        drop_tokens: False: C = the largest expert load over the ranks (an all-reduce), nothing dropped.
         group: the EP group (N ranks); rank r owns experts [r * E_l, (r + 1) * E_l).
         seed: the router and all E experts are drawn from it, identically on every rank.
         bias: experts' Linear layers with biases.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, group: dist.ProcessGroup, *,
-                 capacity_factor: float = 1.0, min_capacity: int = 1, seed: int = 0, bias: bool = False) -> None:
+                 capacity_factor: float = 1.0, min_capacity: int = 1, drop_tokens: bool = True, seed: int = 0,
+                 bias: bool = False) -> None:
         super().__init__()
         self.ep_group, self.ep_size = group, dist.get_world_size(group)
         self.num_local_experts = num_experts // self.ep_size
         state = torch.random.get_rng_state()
         torch.manual_seed(seed)
-        self.gate = TopKGate(dim, num_experts, capacity_factor, min_capacity)
+        self.gate = TopKGate(dim, num_experts, capacity_factor, min_capacity, drop_tokens, group)
         experts = [MLP(dim, hidden, bias) for _ in range(num_experts)]
         torch.random.set_rng_state(state)
         lo = dist.get_rank(group) * self.num_local_experts

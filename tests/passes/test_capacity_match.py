@@ -128,6 +128,23 @@ class CapacityMatch(unittest.TestCase):
         self.assertRegex(reason, r"^the equal-split all_to_all \w+ sends \w+, not einsum\('sec,sm->ecm', "
                                  r"dispatch_mask, x\)")
 
+    def test_refuses_a_capacity_agreed_by_all_reduce_naming_the_graph_break(self) -> None:
+        # DeepSpeed's drop_tokens=False: C = all_reduce(max(exp_counts)); one_hot(locations, C) breaks the graph
+        # (a data-dependent num_classes), so the dispatch graph gets the masks as inputs.
+        seen: list[list[RefusedRegion]] = []
+
+        def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            seen.append(find_moe_regions(gm)[1])
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            torch.compile(self.deepspeed(drop_tokens=False), backend=backend)(torch.randn(S, M))
+        reasons = [r.reason for refused in seen for r in refused]
+        self.assertEqual(len(reasons), 1, reasons)
+        self.assertRegex(reasons[0], r"^the dispatch mask \w+ is an input of this graph: the gate is in another graph")
+        self.assertIn("compute C as a Python int", reasons[0])
+
 
 if __name__ == "__main__":
     unittest.main()
