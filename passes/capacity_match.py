@@ -160,9 +160,10 @@ def _einsum_terms(n: object) -> tuple[list[str], str, list[fx.Node]] | None:
         return None
     lhs, out = equation.split("->")
     terms = lhs.split(",")
-    if len(terms) != 2 or not all(isinstance(o, fx.Node) for o in operands):
+    nodes = [o for o in operands if isinstance(o, fx.Node)]
+    if len(terms) != 2 or len(nodes) != 2:
         return None
-    return terms, out, operands
+    return terms, out, nodes
 
 
 def _dispatch_einsum(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -344,7 +345,7 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
         raise Refusal(dispatch, f"the combine weights {cw.name} are not floating point of the mask's shape {mask_shape}")
     if x_shape is None or len(x_shape) != 2 or static_int(x_shape[0]) != dims[0]:
         raise Refusal(dispatch, f"the dispatched tokens {x.name} have shape {x_shape}, not (S={dims[0]}, H)")
-    if shape_of(output) is None or tuple(shape_of(output)) != tuple(x_shape) or dtype_of(output) != dtype_of(x):
+    if tuple(shape_of(output) or ()) != tuple(x_shape) or dtype_of(output) != dtype_of(x):
         raise Refusal(dispatch, f"the block output {output.name} is {dtype_of(output)}{shape_of(output)}, the tokens "
                                 f"{dtype_of(x)}{x_shape}; the ring returns the tokens' type")
     top_k = _top_k(dispatch, mask, num_experts)  # type: ignore[arg-type]

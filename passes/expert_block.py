@@ -319,8 +319,8 @@ class _Interpreter:
             last = _ndim(n.args[0]) - 1
             return len(dims) == 2 and last not in {d % (last + 1) for d in dims}
         if is_method_call(n, "permute"):
-            dims = as_list(n.args[1]) if len(n.args) == 2 else list(n.args[1:])
-            return bool(dims) and isinstance(dims[-1], int) and dims[-1] % len(dims) == len(dims) - 1
+            order = as_list(n.args[1]) if len(n.args) == 2 else list(n.args[1:])
+            return bool(order) and isinstance(order[-1], int) and order[-1] % len(order) == len(order) - 1
         return False
 
     def cast(self, n: fx.Node, r: _Rows) -> _Rows:
