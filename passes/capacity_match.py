@@ -256,7 +256,11 @@ def _bool_mask(dispatch: fx.Node, operand: fx.Node) -> fx.Node:
 
 
 def _top_k(dispatch: fx.Node, mask: fx.Node, num_experts: int) -> int:
-    """Step 3: the gate's choices per token: argmax / max over the experts (1 each), topk(k) (k each)."""
+    """Step 3: the gate's choices per token: argmax / max over the experts (1 each), topk(k) (k each).
+
+    An overcount only adds pairs of score 0; an undercount (a choice written another way) would lose pairs,
+    which the rewrite's ``_assert_async`` on the kept pairs per token turns into an error at run time.
+    """
     behind = ancestors([mask])
     if not any((is_call(n, torch.cumsum) or is_method_call(n, "cumsum")) and arg(n, 1, "dim") == 0
                for n in behind):
@@ -267,9 +271,9 @@ def _top_k(dispatch: fx.Node, mask: fx.Node, num_experts: int) -> int:
         scores = shape_of(n.args[0]) if n.args else None
         if scores is None or len(scores) != 2 or static_int(scores[1]) != num_experts:
             continue
-        if is_call(n, torch.argmax) or is_method_call(n, "argmax"):
+        if (is_call(n, torch.argmax, torch.max) or is_method_call(n, "argmax", "max")) and arg(n, 1, "dim") in (1, -1):
             k += 1
-        elif is_call(n, torch.topk) or is_method_call(n, "topk"):
+        elif (is_call(n, torch.topk) or is_method_call(n, "topk")) and arg(n, 2, "dim", -1) in (1, -1):
             k += static_int(arg(n, 1, "k")) or 0
     if not 1 <= k <= num_experts:
         raise Refusal(dispatch, f"the gate's top-k is not readable from the graph (argmax / topk over the "

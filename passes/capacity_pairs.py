@@ -49,9 +49,13 @@ def _fake_call(target: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: 
         return target(*values, **kw_values)
 
 
-def _insert(graph: fx.Graph, target: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> fx.Node:
+def _insert(graph: fx.Graph, like: fx.Node, target: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> fx.Node:
+    """A new node at the insertion point, with its fake value and ``like``'s source location."""
     node = graph.create_node("call_method" if isinstance(target, str) else "call_function", target, args, kwargs)
     node.meta["val"] = node.meta["example_value"] = _fake_call(target, args, kwargs)
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
     return node
 
 
@@ -60,16 +64,16 @@ def insert_capacity_pairs(region: CapacityRegion) -> tuple[fx.Node, fx.Node]:
 
     The caller sets the insertion point after ``region.dispatch_mask`` and ``region.combine_weights``.
     """
-    graph = region.output.graph
-    kept_SE = _insert(graph, "any", region.dispatch_mask, -1)
-    keep_SE = _insert(graph, "to", kept_SE, node_value(region.combine_weights).dtype)
-    topk = _insert(graph, torch.topk, keep_SE, region.top_k, dim=-1)
-    ids_SK = _insert(graph, operator.getitem, topk, 1)
-    weight_SE = _insert(graph, "sum", region.combine_weights, -1)
-    scores_SE = _insert(graph, operator.mul, weight_SE, keep_SE)
-    scores_SK = _insert(graph, torch.gather, scores_SE, 1, ids_SK)
-    for n in (kept_SE, keep_SE, topk, ids_SK, weight_SE, scores_SE, scores_SK):
-        for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if k in region.output.meta:
-                n.meta[k] = region.output.meta[k]
+    graph, y = region.output.graph, region.output
+    kept_SE = _insert(graph, y, "any", region.dispatch_mask, -1)
+    # K was read from the gate's code: a token with more kept pairs would lose some, so fail loudly instead.
+    per_token = _insert(graph, y, "sum", kept_SE, -1)
+    fits = _insert(graph, y, "all", _insert(graph, y, operator.le, per_token, region.top_k))
+    _insert(graph, y, torch._assert_async, fits, f"relaymoe: a token keeps more than K={region.top_k} experts in "
+                                                 f"{region.describe()}; report it with the model's gate")
+    keep_SE = _insert(graph, y, "to", kept_SE, node_value(region.combine_weights).dtype)
+    ids_SK = _insert(graph, y, operator.getitem, _insert(graph, y, torch.topk, keep_SE, region.top_k, dim=-1), 1)
+    weight_SE = _insert(graph, y, "sum", region.combine_weights, -1)
+    scores_SE = _insert(graph, y, operator.mul, weight_SE, keep_SE)
+    scores_SK = _insert(graph, y, torch.gather, scores_SE, 1, ids_SK)
     return ids_SK, scores_SK

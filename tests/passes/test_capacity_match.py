@@ -11,6 +11,7 @@ Legend: S tokens, M model dim, E experts, E_l experts per rank, C capacity, K to
 
 from __future__ import annotations
 
+import dataclasses
 import unittest
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +103,19 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual(ids.meta["val"].shape, (S, 2))  # (S, K) pairs from the masks
         self.assertEqual(scores.meta["val"].shape, (S, 2))
         self.assertNotIn("einsum('sec,ecm->sm'", gm.code)
+
+    def test_a_token_keeping_more_pairs_than_the_read_top_k_fails_loudly_at_run_time(self) -> None:
+        # K comes from the gate's code; were it read too small, the ring would lose pairs: the rewrite asserts
+        # (on the device, before the ring) that no token keeps more than K. Here K is forced to 1 under top-2.
+        def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            (region,) = find_moe_regions(gm)[0]
+            rewrite_moe_region(gm, dataclasses.replace(region, top_k=1))
+            return gm.forward
+
+        torch._dynamo.reset()
+        model = GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=2.0, seed=1)
+        with self.assertRaisesRegex(RuntimeError, r"relaymoe: a token keeps more than K=1 experts"):
+            torch.compile(model, backend=backend)(torch.randn(S, M))
 
     # --- refusals ------------------------------------------------------------------------------------------
 
