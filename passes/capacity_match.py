@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from relay_compile.experts import GATED
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn, copy_expert_fn, slice_expert_fn
 from relay_compile.passes.expert_lowering import ExpertsPath, LoweredFFN, capacity_probe_error, tolerance
@@ -129,7 +130,7 @@ class CapacityRegion:
         weight_elems = sum(size_hint(w.numel()) or 0 for w in weights) // self.experts_per_rank
         return BlockShape(
             tokens=size_hint(x.shape[0]) or 0, hidden=hidden, top_k=self.top_k,
-            ffn=weight_elems // max(1, hidden * len(weights) // self.experts_per_rank),
+            ffn=weight_elems // max(1, hidden * (3 if self.lowered.plan.activation in GATED else 2)),
             experts_per_rank=self.experts_per_rank, group_size=self.group_size,
             elem_bytes=x.element_size(), expert_bytes=weight_elems * weights[0].element_size(),
         )

@@ -77,6 +77,8 @@ class CapacityMatch(unittest.TestCase):
         (region,) = regions
         self.assertIsInstance(region, CapacityRegion)
         self.assertEqual((region.experts_per_rank, region.capacity, region.top_k), (E // N, 3, 2))
+        shape = region.block_shape()
+        self.assertEqual((shape.tokens, shape.hidden, shape.ffn, shape.top_k, shape.experts_per_rank), (S, M, F, 2, 2))
         self.assertEqual((region.group_size, region.group_name), (N, dist.group.WORLD.group_name))
         self.assertEqual(region.x.name, "reshaped_input")
         self.assertEqual(region.dispatch_mask.name, "dispatch_mask")  # combine_weights.bool()
@@ -95,7 +97,7 @@ class CapacityMatch(unittest.TestCase):
         gm, regions, refused = traced(GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=0.5, seed=1))
         self.assertEqual(refused, [])
         (region,) = regions
-        self.assertEqual((region.capacity, region.top_k), (3, 2))
+        self.assertEqual((region.capacity, region.top_k, region.block_shape().ffn), (3, 2, F))
         self.assertIn("relu experts, gate weights[0] stacked (in_out)", region.experts_path.description)
         ring = rewrite_moe_region(gm, region)
         self.assertEqual([n for n in gm.graph.nodes if is_all_to_all(n)], [])
