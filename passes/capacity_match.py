@@ -19,29 +19,35 @@ and its rewrite (``capacity_pairs``) derives the pairs from the two masks, which
 
 Contract:
     Consumes a Dynamo graph and its floating-point all-to-alls. Never mutates it. ``find_capacity_regions``
-    claims the all-to-alls whose input is a capacity dispatch (an ``einsum("sec,sm->ecm")`` seen through views)
-    and their combine partner; it returns one ``CapacityRegion`` per pair it understands, a ``RefusedRegion``
+    claims the all-to-alls whose input is a capacity dispatch (an ``einsum("sec,sm->ecm")`` seen through views,
+    or any equal-split all-to-all of something other than a row gather that answers no other all-to-all) and
+    their combine partner; it returns one ``CapacityRegion`` per pair it understands, a ``RefusedRegion``
     (reason also logged as ``"match: skipped ..."``) per claimed all-to-all it does not, and the all-to-alls it
     did not claim, for the top-k matcher (``match``).
     Guarantees for a region: the dataflow above, with each slot holding at most one token (slots come from a
     cumsum over tokens), a 0/1 dispatch mask (a boolean tensor, cast), combine weights of the masks' shape,
     the gate's top-k ``K`` read from the graph (argmax / topk over the E experts), expert e on rank e // E_l
     (equal static splits of an e-major buffer), ``expert_fn`` a standalone copy of F whose inputs are the
-    receive and expert weights, and ``nodes`` exactly what dies once ``output``'s uses go to a ring (the masks,
+    receive and expert weights, ``lowered`` that F as grouped experts (recognized by ``expert_block`` and
+    equal to F on a random receive: F's shapes are the whole receive's, so it cannot run on a hop's rows, and
+    the ring runs ``lowered``), and ``nodes`` exactly what dies once ``output``'s uses go to a ring (the masks,
     the tokens and the weights excluded).
     Refuses: a grouped einsum (GShard's ``gsec``) or an ``mm`` dispatch, a dispatch operand that is not a
     boolean mask (scores applied before the experts), no capacity slots or top-k readable from the graph,
-    unequal or symbolic splits, a capacity C or experts count that is not a constant, F reading anything but
-    the receive and weights, and region values used outside the region.
+    unequal or symbolic splits, a capacity C or experts count that is not a constant, masks that are inputs of
+    the graph (the gate across a graph break), F reading anything but the receive and weights, F that is not
+    an FFN of experts (biases, slot-mixing ops), and region values used outside the region.
 
 Pseudo-code:
-    # Step 1: claim: token all-to-alls whose input, through views, is a capacity dispatch einsum.
+    # Step 1: claim: token all-to-alls whose input, through views, is a capacity dispatch einsum (or another
+    #         equal-split buffer, to refuse it by name).
     # Step 2: the combine partner: the closest token all-to-all downstream whose result, through views,
     #         feeds an einsum("sec,ecm->sm") as its (E, C, H) operand.
     # Step 3: the masks: the dispatch operand peels to a boolean (S, E, C) tensor; combine weights (S, E, C)
     #         floating; slots from a cumsum over tokens; K from the gate's argmax / topk.
     # Step 4: equal static splits, E = N * E_l, C constant.
-    # Step 5: F = backward slice from the combine input down to the receive and the weights; copy it.
+    # Step 5: F = backward slice from the combine input down to the receive and the weights; copy it;
+    #         recognize it as an FFN of experts and prove the lowering on a random receive.
     # Step 6: what dies once the output is replaced; refuse if an all-to-all would survive.
 
 Legend: S tokens, H hidden, E experts, E_l experts per rank, N ranks, C capacity, K the gate's top-k.
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -282,6 +289,26 @@ def _top_k(dispatch: fx.Node, mask: fx.Node, num_experts: int) -> int:
     return k
 
 
+def _masks(
+    dispatch: fx.Node, mask_operand: fx.Node, cw: fx.Node, x: fx.Node, output: fx.Node
+) -> tuple[fx.Node, int, int, int]:
+    """Step 3: ``(boolean mask, E, C, K)``, with the shapes and dtypes of the masks, tokens and output checked."""
+    mask = _bool_mask(dispatch, mask_operand)
+    mask_shape, x_shape = shape_of(mask), shape_of(x)
+    dims = [static_int(d) for d in mask_shape or ()]
+    if len(dims) != 3 or None in dims:
+        raise Refusal(dispatch, f"the dispatch mask {mask.name} has shape {mask_shape}, not a constant (S, E, C)")
+    tokens, num_experts, capacity = cast(list[int], dims)
+    if [static_int(d) for d in shape_of(cw) or ()] != dims or not (dtype_of(cw) or torch.int64).is_floating_point:
+        raise Refusal(dispatch, f"the combine weights {cw.name} are not floating point of the mask's shape {mask_shape}")
+    if x_shape is None or len(x_shape) != 2 or static_int(x_shape[0]) != tokens:
+        raise Refusal(dispatch, f"the dispatched tokens {x.name} have shape {x_shape}, not (S={tokens}, H)")
+    if tuple(shape_of(output) or ()) != tuple(x_shape) or dtype_of(output) != dtype_of(x):
+        raise Refusal(dispatch, f"the block output {output.name} is {dtype_of(output)}{shape_of(output)}, the tokens "
+                                f"{dtype_of(x)}{x_shape}; the ring returns the tokens' type")
+    return mask, num_experts, capacity, _top_k(dispatch, mask, num_experts)
+
+
 def _equal_splits(dispatch: fx.Node, a2a: fx.Node, group_size: int) -> None:
     """Step 4: equal constant splits of dim 0 (what each rank sends is a contiguous 1/N of the buffer)."""
     _, out_splits, in_splits, _ = all_to_all_args(a2a)
@@ -338,27 +365,12 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
     back, output, cw = _combine_side(dispatch, combine)
 
     # Step 3: masks and K.
-    mask = _bool_mask(dispatch, mask_operand)
-    mask_shape, cw_shape, x_shape = shape_of(mask), shape_of(cw), shape_of(x)
-    dims = [static_int(d) for d in mask_shape or ()]
-    if len(dims) != 3 or None in dims:
-        raise Refusal(dispatch, f"the dispatch mask {mask.name} has shape {mask_shape}, not a constant (S, E, C)")
-    _, num_experts, capacity = dims
-    if cw_shape is None or tuple(static_int(d) for d in cw_shape) != tuple(dims) or not (
-        dtype_of(cw) or torch.int64
-    ).is_floating_point:
-        raise Refusal(dispatch, f"the combine weights {cw.name} are not floating point of the mask's shape {mask_shape}")
-    if x_shape is None or len(x_shape) != 2 or static_int(x_shape[0]) != dims[0]:
-        raise Refusal(dispatch, f"the dispatched tokens {x.name} have shape {x_shape}, not (S={dims[0]}, H)")
-    if tuple(shape_of(output) or ()) != tuple(x_shape) or dtype_of(output) != dtype_of(x):
-        raise Refusal(dispatch, f"the block output {output.name} is {dtype_of(output)}{shape_of(output)}, the tokens "
-                                f"{dtype_of(x)}{x_shape}; the ring returns the tokens' type")
-    top_k = _top_k(dispatch, mask, num_experts)  # type: ignore[arg-type]
+    mask, num_experts, capacity, top_k = _masks(dispatch, mask_operand, cw, x, output)
 
     # Step 4: splits and placement.
     for a2a in (dispatch, combine):
         _equal_splits(dispatch, a2a, group_size)
-    e_l, rem = divmod(num_experts, group_size)  # type: ignore[operator]
+    e_l, rem = divmod(num_experts, group_size)
     if rem or e_l < 1:
         raise Refusal(dispatch, f"{num_experts} experts do not divide over {group_size} ranks")
     if dtype_of(dispatch) != dtype_of(x):
@@ -390,8 +402,7 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
         dispatch=dispatch, combine=combine, recv=recv, back=back, x=x, dispatch_mask=mask, combine_weights=cw,
         output=output, weights=tuple(weights), expert_fn=expert_fn, binding=binding, lowered=lowered,
         experts_path=path, experts_per_rank=e_l,
-        capacity=capacity, top_k=top_k, group_name=group_name, group_size=group_size,  # type: ignore[arg-type]
-        nodes=frozenset(dead),
+        capacity=capacity, top_k=top_k, group_name=group_name, group_size=group_size, nodes=frozenset(dead),
     )
 
 
