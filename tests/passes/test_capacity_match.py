@@ -26,6 +26,7 @@ from relay_compile.passes.fx_nodes import is_all_to_all
 from tests.models import capacity_variants
 from tests.models.deepspeed_style import DeepSpeedStyleMoE
 from tests.models.gshard_style import GShardStyleMoE
+from tests.passes.test_match_rewrite import ResidualStack
 
 M, F, E, N, S = 8, 6, 4, 2, 12
 
@@ -105,6 +106,18 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual(ids.meta["val"].shape, (S, 2))  # (S, K) pairs from the masks
         self.assertEqual(scores.meta["val"].shape, (S, 2))
         self.assertNotIn("einsum('sec,ecm->sm'", gm.code)
+
+    def test_two_capacity_layers_in_one_graph_are_two_disjoint_regions_and_two_rings(self) -> None:
+        # x + moe1(x), then + moe2(...): the second dispatch has the first layer's all-to-alls upstream.
+        blocks = [GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=0.5, seed=s) for s in (1, 2)]
+        gm, regions, refused = traced(ResidualStack(blocks))
+        self.assertEqual(refused, [])
+        self.assertEqual(len(regions), 2)
+        self.assertFalse(regions[0].nodes & regions[1].nodes)
+        for region in regions:
+            rewrite_moe_region(gm, region)
+        self.assertEqual([n for n in gm.graph.nodes if is_all_to_all(n)], [])
+        self.assertEqual(gm.code.count("relaymoe.ring_moe"), 2)
 
     def test_a_token_keeping_more_pairs_than_the_read_top_k_fails_loudly_at_run_time(self) -> None:
         # K comes from the gate's code; were it read too small, the ring would lose pairs: the rewrite asserts
