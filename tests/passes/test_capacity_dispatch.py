@@ -5,7 +5,7 @@ drops, a ModuleList of experts on chunks of ``(N, E_l, C, M)``; ``tests.models.g
 batched einsum/bmm experts on ``(E_l, N * C, M)``) train for three SGD steps beside the same layer run eagerly
 through its all-to-alls: losses, gradients and parameters agree to fp32 rounding (1e-5 of scale), with
 capacities low enough that tokens are dropped, and under an adversarial gate that sends every token to the
-same experts (most dropped). The rewritten graph has a ring and no all-to-all left. Nothing but the backend's
+same experts (most dropped), under each routing (auto; token and expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the backend's
 own options is set (no Dynamo config: these graphs have no data-dependent sizes).
 
 Legend: S tokens per rank, M model dim, F expert width, E experts, K top-k, N ranks, C capacity.
@@ -47,13 +47,14 @@ def _close(tc: DistributedTestCase, got: Tensor, want: Tensor, what: str) -> Non
 class Cases(DistributedTestCase):
     """The checks every world size runs (no tests of its own)."""
 
-    def train_beside_eager(self, build: Callable[[], nn.Module], batches: list[Tensor], what: str) -> str:
+    def train_beside_eager(self, build: Callable[[], nn.Module], batches: list[Tensor], what: str,
+                           routing: str = "auto") -> str:
         """Three SGD steps of ``build()`` eagerly and compiled; returns the rewritten graph's code."""
         eager, model = build(), build()
         with tempfile.TemporaryDirectory() as dump:
             torch._dynamo.reset()
             compiled = torch.compile(model, backend="relaymoe",
-                                     options={"inner_compiler": "aot_eager", "dump_dir": dump})
+                                     options={"inner_compiler": "aot_eager", "dump_dir": dump, "routing": routing})
             opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, model)]
             for step, x in enumerate(batches):
                 want, got = (_loss(fn(x), grad_seed=step) for fn in (eager, compiled))
@@ -110,22 +111,23 @@ class Cases(DistributedTestCase):
 
     # --- GShard / Tutel: top-k, batched experts ---------------------------------------------------------
 
-    def check_gshard(self, top_k: int) -> None:
+    def check_gshard(self, top_k: int, routing: str) -> None:
         def build() -> GShardStyleMoE:
             return GShardStyleMoE(M, F, E, top_k, dist.group.WORLD, capacity_factor=0.75, seed=13)
 
         batches = self.batches()
         _, dispatch_mask = topk_capacity_gating(build().wg(batches[0]), top_k, 0.75)
         self.assertLess(int(dispatch_mask.any(-1).sum()), top_k * batches[0].shape[0], "no token was dropped")
-        self.check_rewritten_graph(self.train_beside_eager(build, batches, f"gshard top-{top_k}"))
+        what = f"gshard top-{top_k} routing={routing}"
+        self.check_rewritten_graph(self.train_beside_eager(build, batches, what, routing))
 
 
 class CapacityDispatchWorld2(Cases):
     def test_deepspeed_and_gshard_style_layers_train_like_eager_with_drops_and_no_all_to_all_left(self) -> None:
         self.init_pg()
         self.check_deepspeed()
-        self.check_gshard(top_k=2)
-        self.check_gshard(top_k=1)
+        self.check_gshard(top_k=2, routing="token")  # tokens circulate
+        self.check_gshard(top_k=1, routing="expert")  # expert weights circulate
 
 
 class CapacityDispatchWorld4(Cases):
