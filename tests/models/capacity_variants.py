@@ -36,6 +36,16 @@ class SlotMixingExperts(Experts):
         return out - out.mean(dim=2, keepdim=True)
 
 
-def with_slot_mixing_experts(moe: DeepSpeedStyleMoE) -> DeepSpeedStyleMoE:
-    moe.experts = SlotMixingExperts(list(moe.experts.deepspeed_experts))
+class SourceChunkExperts(Experts):
+    """Experts on chunks of the sources' dimension (dim 0 of (N, E_l, C, M)), not of the local experts': with
+    N == E_l the same shapes as DeepSpeed's, another function (expert e gets source e's rows of every expert)."""
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        chunks = inputs.chunk(self.num_local_experts, dim=0)
+        return torch.cat([expert(chunk) for chunk, expert in zip(chunks, self.deepspeed_experts)], dim=0)
+
+
+def with_experts(moe: DeepSpeedStyleMoE, experts: type[Experts]) -> DeepSpeedStyleMoE:
+    """``moe`` with its ``Experts`` replaced by ``experts`` over the same expert modules."""
+    moe.experts = experts(list(moe.experts.deepspeed_experts))
     return moe

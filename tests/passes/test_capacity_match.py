@@ -148,8 +148,16 @@ class CapacityMatch(unittest.TestCase):
 
     def test_refuses_experts_that_mix_capacity_slots(self) -> None:
         # out - out.mean(dim=2): a slot's result depends on the other tokens of its expert.
-        reason = self.refusal(capacity_variants.with_slot_mixing_experts(self.deepspeed()))
+        reason = self.refusal(capacity_variants.with_experts(self.deepspeed(), capacity_variants.SlotMixingExperts))
         self.assertRegex(reason, r"^the capacity experts are not recognized as an FFN of experts \(.*mean")
+
+    def test_refuses_experts_on_the_wrong_dimension_found_by_the_probe(self) -> None:
+        # inputs.chunk(E_l, dim=0): structurally an FFN per chunk, but chunks of sources, not of experts; only
+        # running F beside its lowering on a random receive tells them apart.
+        model = capacity_variants.with_experts(self.deepspeed(), capacity_variants.SourceChunkExperts)
+        reason = self.refusal(model)
+        self.assertRegex(reason, r"^the capacity experts, recognized as gelu experts, .* differ from F on probe "
+                                 r"inputs by \d")
 
     def test_refuses_fairseqs_mm_dispatch_naming_the_supported_einsum(self) -> None:
         # torch.mm(dispatch_mask.permute(1, 2, 0).reshape(E * C, S), x).reshape(E, C, M).
