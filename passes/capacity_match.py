@@ -6,7 +6,8 @@ The idiom (DeepSpeed ``sharded_moe.py``: ``top2gating`` + ``MOELayer``; names ar
     mask       = one_hot(...) * (locations < C)                         # tokens over capacity C are dropped
     combine_weights_SEC = gates * one_hot(location, C)                 # (S, E, C), 0 where not dispatched
     dispatch_mask_SEC   = combine_weights_SEC.bool()
-    send_ECH   = einsum("sec,sm->ecm", dispatch_mask.type_as(x), x)     # every expert's capacity buffer
+    send_ECH   = einsum("sec,sm->ecm", dispatch_mask.type_as(x), x)     # every expert's capacity buffer (fairseq:
+                                                                        # mm(mask.permute(1, 2, 0).view(E*C, S), x))
     recv       = wait(all_to_all_single(send, [E_l] * N, [E_l] * N))   # equal splits: (N, E_l, C, H) rows
     out        = F(recv, weights)                                       # the local experts on their buffers
     back       = wait(all_to_all_single(out, equal splits))             # (E, C, H): every expert's output
@@ -19,7 +20,8 @@ and its rewrite (``capacity_pairs``) derives the pairs from the two masks, which
 
 Contract:
     Consumes a Dynamo graph and its floating-point all-to-alls. Never mutates it. ``find_capacity_regions``
-    claims the all-to-alls whose input is a capacity dispatch (an ``einsum("sec,sm->ecm")`` seen through views,
+    claims the all-to-alls whose input is a capacity dispatch (an ``einsum("sec,sm->ecm")`` or its mm form seen
+    through views,
     or any equal-split all-to-all of something other than a row gather that answers no other all-to-all) and
     their combine partner; it returns one ``CapacityRegion`` per pair it understands, a ``RefusedRegion``
     (reason also logged as ``"match: skipped ..."``) per claimed all-to-all it does not, and the all-to-alls it
@@ -32,7 +34,7 @@ Contract:
     equal to F on a random receive: F's shapes are the whole receive's, so it cannot run on a hop's rows, and
     the ring runs ``lowered``), and ``nodes`` exactly what dies once ``output``'s uses go to a ring (the masks,
     the tokens and the weights excluded).
-    Refuses: a grouped einsum (GShard's ``gsec``) or an ``mm`` dispatch, a dispatch operand that is not a
+    Refuses: a grouped einsum (GShard's ``gsec``) or a batched-matmul dispatch, a dispatch operand that is not a
     boolean mask (scores applied before the experts), no capacity slots or top-k readable from the graph,
     unequal or symbolic splits, a capacity C or experts count that is not a constant, masks that are inputs of
     the graph (the gate across a graph break), F reading anything but the receive and weights, F that is not
@@ -56,6 +58,7 @@ Legend: S tokens, H hidden, E experts, E_l experts per rank, N ranks, C capacity
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import cast
 
@@ -70,6 +73,7 @@ from relay_compile.passes.fx_nodes import (
     all_to_all_args,
     ancestors,
     arg,
+    as_list,
     closest,
     dtype_of,
     is_call,
@@ -152,7 +156,7 @@ class CapacityRegion:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Einsums
+# Einsums, and their mm form (fairseq)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -198,15 +202,55 @@ def _combine_einsum(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
+def _mm_operands(n: object) -> tuple[fx.Node, fx.Node] | None:
+    """The two 2-D operands of ``torch.mm(a, b)`` / ``a.mm(b)`` / ``a @ b``, else None."""
+    if not (is_call(n, torch.mm, torch.matmul, operator.matmul) or is_method_call(n, "mm", "matmul")):
+        return None
+    a, b = (n.args + (None, None))[:2]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and len(n.args) == 2):
+        return None
+    return (a, b) if len(shape_of(a) or ()) == 2 and len(shape_of(b) or ()) == 2 else None
+
+
+def _dispatch_mm(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(mask operand, x)`` of fairseq's ``mm(mask.to(x.dtype).permute(1, 2, 0).reshape(E * C, S), x)``."""
+    operands = _mm_operands(n)
+    if operands is None:
+        return None
+    permuted = peel(operands[0], _VIEWS, VIEW_FUNCTIONS)
+    if not (is_method_call(permuted, "permute") or is_call(permuted, torch.permute)):
+        return None
+    order = as_list(permuted.args[1]) if len(permuted.args) == 2 else list(permuted.args[1:])
+    mask = permuted.args[0]
+    if order != [1, 2, 0] or not isinstance(mask, fx.Node) or len(shape_of(mask) or ()) != 3:
+        return None
+    return mask, operands[1]
+
+
+def _combine_mm(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(combine weights (S, E, C), expert output view)`` of fairseq's
+    ``combine_weights.view(S, E * C).mm(expert_output.view(E * C, M))``."""
+    operands = _mm_operands(n)
+    if operands is None:
+        return None
+    cw = peel(operands[0], _VIEWS, VIEW_FUNCTIONS)
+    return (cw, operands[1]) if isinstance(cw, fx.Node) and len(shape_of(cw) or ()) == 3 else None
+
+
+def _dispatch_operands(send: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(mask operand, x)`` of a capacity dispatch (einsum or mm), else None."""
+    return _dispatch_einsum(send) or _dispatch_mm(send)
+
+
 def _dispatch_of(a2a: fx.Node) -> fx.Node | None:
-    """The capacity dispatch einsum an all-to-all sends (through views), else None."""
+    """The capacity dispatch (einsum or mm) an all-to-all sends (through views), else None."""
     send = peel(all_to_all_args(a2a).input, _VIEWS, VIEW_FUNCTIONS)
-    return send if isinstance(send, fx.Node) and _dispatch_einsum(send) is not None else None
+    return send if isinstance(send, fx.Node) and _dispatch_operands(send) is not None else None
 
 
 def _is_capacity_dispatch(a2a: fx.Node) -> bool:
-    """Step 1: an einsum dispatch, or an equal-split all-to-all of something other than a row gather (a
-    capacity buffer written another way: fairseq's ``mm``, GShard's grouped ``gsec`` einsum)."""
+    """Step 1: an einsum or mm dispatch, or an equal-split all-to-all of something other than a row gather (a
+    capacity buffer written another way, to refuse by name: GShard's grouped ``gsec`` einsum, a batched matmul)."""
     if _dispatch_of(a2a) is not None:
         return True
     _, out_splits, in_splits, _ = all_to_all_args(a2a)
@@ -240,11 +284,11 @@ def _combine_side(dispatch: fx.Node, combine: fx.Node) -> tuple[fx.Node, fx.Node
     """Step 2: ``(back, output einsum, combine weights operand)``."""
     back = wait_end(combine)
     for user, view in _users_through_views(back):
-        found = _combine_einsum(user)
+        found = _combine_einsum(user) or _combine_mm(user)
         if found is not None and found[1] is view:
             return back, user, found[0]
     raise Refusal(dispatch, f"the result of {combine.name} does not feed an einsum('sec,ecm->sm', combine_weights, "
-                            "expert_output) (fairseq's mm combine, or another reduction)")
+                            "expert_output) or its mm form (another reduction)")
 
 
 def _bool_mask(dispatch: fx.Node, operand: fx.Node) -> fx.Node:
@@ -300,7 +344,8 @@ def _masks(
         raise Refusal(dispatch, f"the dispatch mask {mask.name} has shape {mask_shape}, not a constant (S, E, C)")
     tokens, num_experts, capacity = cast(list[int], dims)
     if [static_int(d) for d in shape_of(cw) or ()] != dims or not (dtype_of(cw) or torch.int64).is_floating_point:
-        raise Refusal(dispatch, f"the combine weights {cw.name} are not floating point of the mask's shape {mask_shape}")
+        raise Refusal(dispatch, f"the combine weights {cw.name} are not floating point of the mask's shape "
+                                f"{mask_shape}")
     if x_shape is None or len(x_shape) != 2 or static_int(x_shape[0]) != tokens:
         raise Refusal(dispatch, f"the dispatched tokens {x.name} have shape {x_shape}, not (S={tokens}, H)")
     if tuple(shape_of(output) or ()) != tuple(x_shape) or dtype_of(output) != dtype_of(x):
@@ -357,9 +402,9 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
     if send is None:
         sent = peel(all_to_all_args(dispatch).input, _VIEWS, VIEW_FUNCTIONS)
         raise Refusal(dispatch, f"the equal-split all_to_all {dispatch.name} sends {getattr(sent, 'name', sent)}, "
-                                "not einsum('sec,sm->ecm', dispatch_mask, x) (fairseq's mm dispatch and GShard's "
-                                "grouped 'gsec' einsum are not rewritten)")
-    operands = _dispatch_einsum(send)
+                                "not einsum('sec,sm->ecm', dispatch_mask, x) nor its mm form (GShard's grouped 'gsec' "
+                                "einsum and batched matmuls are not rewritten)")
+    operands = _dispatch_operands(send)
     assert operands is not None
     mask_operand, x = operands
     back, output, cw = _combine_side(dispatch, combine)

@@ -6,7 +6,8 @@
 - ``variants``: reference-layer variants a matcher must refuse (graph break, scores first, F reading tokens).
 - ``deepspeed_style``: DeepSpeed's ``top2gating`` + ``MOELayer`` + ``Experts`` (capacity-based dispatch: one-hot
   cumsum slots, drops over capacity, einsum into (E, C, M), equal-split all-to-all, ModuleList experts on chunks).
+- ``fairseq_style``: the DeepSpeed-style layer with fairseq ``MOELayer``'s mm dispatch and combine.
 - ``gshard_style``: GShard/Tutel top-k capacity gating with batched einsum/bmm experts on (E_l, N * C, M).
-- ``capacity_variants``: DeepSpeed-style variants the capacity matcher must refuse (scores first, mm dispatch,
-  experts mixing slots).
+- ``capacity_variants``: DeepSpeed-style variants the capacity matcher must refuse (scores first, batched-matmul
+  dispatch, experts mixing slots or chunking the wrong dimension).
 """

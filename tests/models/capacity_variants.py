@@ -19,13 +19,11 @@ class ScoresBeforeExperts(DeepSpeedStyleMoE):
         return torch.einsum("sec,sm->ecm", combine_weights.type_as(reshaped_input), reshaped_input)
 
 
-class MmDispatch(DeepSpeedStyleMoE):
-    """fairseq's ``MOELayer``: the dispatch einsum written as one ``mm`` of the permuted mask."""
+class BatchedMatmulDispatch(DeepSpeedStyleMoE):
+    """The capacity buffers as one batched matmul of the permuted mask: ``(E, C, S) @ (S, M)``."""
 
     def dispatch(self, dispatch_mask: Tensor, combine_weights: Tensor, reshaped_input: Tensor) -> Tensor:
-        mask_ECS = dispatch_mask.to(reshaped_input.dtype).permute(1, 2, 0)
-        e, c, s = mask_ECS.shape
-        return torch.mm(mask_ECS.reshape(e * c, s), reshaped_input).reshape(e, c, -1)
+        return torch.matmul(dispatch_mask.to(reshaped_input.dtype).permute(1, 2, 0), reshaped_input)
 
 
 class SlotMixingExperts(Experts):

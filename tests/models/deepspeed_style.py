@@ -171,6 +171,10 @@ class DeepSpeedStyleMoE(nn.Module):
         """Every expert's capacity buffer ``(E, C, M)`` (tests.models.capacity_variants overrides it)."""
         return torch.einsum("sec,sm->ecm", dispatch_mask.type_as(reshaped_input), reshaped_input)
 
+    def combine(self, combine_weights: Tensor, expert_output: Tensor) -> Tensor:
+        """The tokens' outputs ``(S, M)`` from every expert's ``(E, C, M)`` (tests.models.fairseq_style: mm)."""
+        return torch.einsum("sec,ecm->sm", combine_weights, expert_output)
+
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
         d_model = hidden_states.shape[-1]
         reshaped_input = hidden_states.reshape(-1, d_model)
@@ -183,5 +187,5 @@ class DeepSpeedStyleMoE(nn.Module):
         expert_output = funcol.all_to_all_single_autograd(expert_output, None, None, self.ep_group)
         # Re-shape back: gecm -> ecm
         expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
-        combined_output = torch.einsum("sec,ecm->sm", combine_weights.type_as(hidden_states), expert_output)
+        combined_output = self.combine(combine_weights.type_as(hidden_states), expert_output)
         return combined_output.reshape(hidden_states.shape), l_aux

@@ -1,12 +1,13 @@
 """Capacity-based dispatch (GShard, DeepSpeed, Tutel) through ``torch.compile(model, backend="relaymoe")``.
 
-Two layers written in those codebases' idioms (``tests.models.deepspeed_style``: top-2 gating with capacity and
-drops, a ModuleList of experts on chunks of ``(N, E_l, C, M)``; ``tests.models.gshard_style``: top-k gating,
-batched einsum/bmm experts on ``(E_l, N * C, M)``) train for three SGD steps beside the same layer run eagerly
-through its all-to-alls: losses, gradients and parameters agree to fp32 rounding (1e-5 of scale), with
-capacities low enough that tokens are dropped, and under an adversarial gate that sends every token to the
-same experts (most dropped), under each routing (auto; token and expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the backend's
-own options is set (no Dynamo config: these graphs have no data-dependent sizes).
+Layers written in those codebases' idioms (``tests.models.deepspeed_style``: top-2 gating with capacity and drops,
+a ModuleList of experts on chunks of ``(N, E_l, C, M)``; ``tests.models.fairseq_style``: the same with fairseq's mm
+dispatch and combine; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C,
+M)``) train for three SGD steps beside the same layer run eagerly through its all-to-alls: losses and gradients agree
+at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens are dropped, and under an
+adversarial gate that sends every token to the same experts (most dropped), under each routing (auto; token and
+expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the backend's own options is set
+(no Dynamo config: these graphs have no data-dependent sizes).
 
 Legend: S tokens per rank, M model dim, F expert width, E experts, K top-k, N ranks, C capacity.
 """
@@ -25,6 +26,7 @@ from torch.testing._internal.common_utils import run_tests
 from relay_compile.backend import compiled_reports
 from tests.distributed import DistributedTestCase
 from tests.models.deepspeed_style import DeepSpeedStyleMoE, top2gating
+from tests.models.fairseq_style import FairseqStyleMoE
 from tests.models.gshard_style import GShardStyleMoE, topk_capacity_gating
 
 M, F, E = 8, 6, 8
@@ -109,6 +111,13 @@ class Cases(DistributedTestCase):
                                            batches, what)
             self.check_rewritten_graph(code)
 
+    def check_fairseq(self) -> None:
+        """The same gate and experts with fairseq's mm dispatch and combine."""
+        def build() -> FairseqStyleMoE:
+            return FairseqStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=11)
+
+        self.check_rewritten_graph(self.train_beside_eager(build, self.batches(), "fairseq mm"))
+
     # --- GShard / Tutel: top-k, batched experts ---------------------------------------------------------
 
     def check_gshard(self, top_k: int, routing: str) -> None:
@@ -123,9 +132,10 @@ class Cases(DistributedTestCase):
 
 
 class CapacityDispatchWorld2(Cases):
-    def test_deepspeed_and_gshard_style_layers_train_like_eager_with_drops_and_no_all_to_all_left(self) -> None:
+    def test_deepspeed_fairseq_and_gshard_style_layers_train_like_eager_with_drops_and_no_all_to_all_left(self) -> None:
         self.init_pg()
         self.check_deepspeed()
+        self.check_fairseq()
         self.check_gshard(top_k=2, routing="token")  # tokens circulate
         self.check_gshard(top_k=1, routing="expert")  # expert weights circulate
 

@@ -25,6 +25,7 @@ from relay_compile.passes import CapacityRegion, RefusedRegion, find_moe_regions
 from relay_compile.passes.fx_nodes import is_all_to_all
 from tests.models import capacity_variants
 from tests.models.deepspeed_style import DeepSpeedStyleMoE
+from tests.models.fairseq_style import FairseqStyleMoE
 from tests.models.gshard_style import GShardStyleMoE
 from tests.passes.test_match_rewrite import ResidualStack
 
@@ -159,11 +160,20 @@ class CapacityMatch(unittest.TestCase):
         self.assertRegex(reason, r"^the capacity experts, recognized as gelu experts, .* differ from F on probe "
                                  r"inputs by \d")
 
-    def test_refuses_fairseqs_mm_dispatch_naming_the_supported_einsum(self) -> None:
-        # torch.mm(dispatch_mask.permute(1, 2, 0).reshape(E * C, S), x).reshape(E, C, M).
-        reason = self.refusal(capacity_variants.MmDispatch(M, F, E, dist.group.WORLD, seed=1))
+    def test_refuses_a_batched_matmul_dispatch_naming_the_supported_forms(self) -> None:
+        # torch.matmul(dispatch_mask.to(x.dtype).permute(1, 2, 0), x): (E, C, S) @ (S, M).
+        reason = self.refusal(capacity_variants.BatchedMatmulDispatch(M, F, E, dist.group.WORLD, seed=1))
         self.assertRegex(reason, r"^the equal-split all_to_all \w+ sends \w+, not einsum\('sec,sm->ecm', "
-                                 r"dispatch_mask, x\)")
+                                 r"dispatch_mask, x\) nor its mm form")
+
+    def test_finds_fairseqs_mm_dispatch_and_combine(self) -> None:
+        # tests.models.fairseq_style: mm(mask.permute(1, 2, 0).reshape(E*C, S), x); cw.view(S, E*C).mm(out).
+        gm, regions, refused = traced(FairseqStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=1))
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual((region.capacity, region.top_k, region.dispatch_mask.name), (3, 2, "dispatch_mask"))
+        self.assertEqual(region.combine_weights.meta["example_value"].shape, (S, E, 3))
+        self.assertIs(region.output.target, "mm")
 
     def test_refuses_a_capacity_agreed_by_all_reduce_naming_the_graph_break(self) -> None:
         # DeepSpeed's drop_tokens=False: C = all_reduce(max(exp_counts)); one_hot(locations, C) breaks the graph
