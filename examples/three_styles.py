@@ -2,13 +2,14 @@
 
     python examples/three_styles.py                       # world 4, all three styles (~3-5 min on 2 cores)
     python examples/three_styles.py --world 2 --styles reference --steps 2 --tiny
-    python examples/three_styles.py --styles deepspeed,gshard  # capacity-based dispatch (README)
+    python examples/three_styles.py --styles deepspeed,fairseq,gshard  # capacity-based dispatch (README)
 
 Styles: the project's reference layer (``relay_compile.reference.AllToAllMoE``), the Megatron-style layer
 (``tests.models.megatron_style``: all_gather counts, ModuleList experts, index_add_) and torchtitan 0.3.0's
 ``MoE`` with ``AllToAllTokenDispatcher`` (``tests.models.torchtitan_moe``; skipped when not installed);
-on request (``--styles``), two capacity-based layers: DeepSpeed-style top-2 with capacity and drops
-(``tests.models.deepspeed_style``) and GShard/Tutel-style top-k with batched experts (``tests.models.gshard_style``),
+on request (``--styles``), three capacity-based layers: DeepSpeed-style top-2 with capacity and drops
+(``tests.models.deepspeed_style``; ``fairseq_style``: the same with fairseq's mm dispatch and combine) and
+GShard/Tutel-style top-k with batched experts (``tests.models.gshard_style``),
 whose ``(S, E, C)`` gate tensors grow with the square of the tokens: they are measured at their own sizes
 (``--mem-capacity-*``).
 Spawns ``--world`` gloo processes; on each rank, for each style:
@@ -54,17 +55,18 @@ from relay_compile.backend import compiled_reports  # noqa: E402
 from relay_compile.memory import PeakMemory  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
 from tests.models.deepspeed_style import DeepSpeedStyleMoE  # noqa: E402
+from tests.models.fairseq_style import FairseqStyleMoE  # noqa: E402
 from tests.models.gshard_style import GShardStyleMoE  # noqa: E402
 from tests.models.megatron_style import MegatronStyleMoE  # noqa: E402
 from tests.models.torchtitan_moe import build_torchtitan_moe, torchtitan_available  # noqa: E402
 
 STYLES = ("reference", "megatron", "torchtitan")
-CAPACITY_STYLES = ("deepspeed", "gshard")  # only with --styles
+CAPACITY_STYLES = ("deepspeed", "fairseq", "gshard")  # only with --styles
 # Loss tolerance (relative, per step). fp32 styles run the same per-pair math as a2a; only summation orders
 # differ (~1e-7), which the optimizer's updates carry over the steps. torchtitan's GroupedExperts casts to
 # bf16 for its grouped GEMMs: the ring runs those GEMMs on other row counts (per hop) and sums each owner's
 # weight gradient from per-source bf16 partials, so losses agree to bf16 rounding, not fp32.
-LOSS_RTOL = {"reference": 1e-5, "megatron": 1e-5, "torchtitan": 1e-3, "deepspeed": 1e-5, "gshard": 1e-5}
+LOSS_RTOL = {"reference": 1e-5, "megatron": 1e-5, "torchtitan": 1e-3, **dict.fromkeys(CAPACITY_STYLES, 1e-5)}
 A2A_KEYS = ("all_to_all", "alltoall")
 P2P_KEYS = ("send", "recv", "batch_isend_irecv")
 
@@ -137,6 +139,9 @@ def build(style: str, s: Sizes, world: int, seed: int) -> nn.Module:
     if style == "deepspeed":  # top-2 (K ignored)
         return _Output0(DeepSpeedStyleMoE(s.hidden, s.ffn, s.experts, group, capacity_factor=s.capacity_factor,
                                           seed=seed))
+    if style == "fairseq":  # the DeepSpeed-style gate and experts, fairseq's mm dispatch and combine
+        return _Output0(FairseqStyleMoE(s.hidden, s.ffn, s.experts, group, capacity_factor=s.capacity_factor,
+                                        seed=seed))
     if style == "gshard":
         return GShardStyleMoE(s.hidden, s.ffn, s.experts, s.top_k, group, capacity_factor=s.capacity_factor,
                               seed=seed)
