@@ -21,37 +21,15 @@ Legend: T tokens, H hidden, F expert width, E experts, E_l local experts, K top-
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as nnf
-from torch import Tensor, nn
+from torch import Tensor
 
-from relay_compile.reference import moe_weights
+from tests.models.ep_layer import EPLayer
 
 
-class DataDependentMoE(nn.Module):
-    """EP MoE whose dispatcher regroups received rows with repeat_interleave, boolean masks and nonzero.
-
-    Args:
-        dim, hidden, num_experts, top_k: H, F, E, K.
-        group: the EP group (N ranks); this rank owns experts [r * E_l, (r + 1) * E_l).
-        seed: every rank draws all E experts' weights from it (``relay_compile.reference.moe_weights``) and
-            keeps its own.
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group: dist.ProcessGroup,
-                 *, seed: int = 0) -> None:
-        super().__init__()
-        self.group = group
-        self.ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
-        self.num_experts, self.top_k = num_experts, top_k
-        self.num_local_experts = num_experts // self.ep_size
-        lo = ep_rank * self.num_local_experts
-        w = moe_weights(seed, dim, hidden, num_experts, experts=range(lo, lo + self.num_local_experts))
-        self.router = nn.Linear(dim, num_experts, bias=False)
-        with torch.no_grad():
-            self.router.weight.copy_(torch.randn(num_experts, dim, generator=torch.Generator().manual_seed(seed)))
-        self.w1, self.w2, self.w3 = (nn.Parameter(w[name].clone()) for name in ("w1", "w2", "w3"))
+class DataDependentMoE(EPLayer):
+    """EP MoE whose dispatcher regroups received rows with repeat_interleave, boolean masks and nonzero
+    (arguments: ``EPLayer``)."""
 
     def experts(self, rows_RH: Tensor, counts_NL: Tensor) -> Tensor:
         """Received rows (source-major, then local expert) -> expert outputs in the same order."""
@@ -66,7 +44,7 @@ class DataDependentMoE(nn.Module):
         for e in range(El):
             mask_R = sorted_expert_R == e
             x_eH = grouped_RH[mask_R]  # boolean mask: rows of expert e
-            y_eH = (nnf.silu(x_eH @ self.w1[e].T) * (x_eH @ self.w3[e].T)) @ self.w2[e].T
+            y_eH = self.expert(e, x_eH)
             out_RH = out_RH.index_copy(0, torch.nonzero(mask_R).squeeze(1), y_eH)
         # Megatron's unpermute: back to the received order.
         unpermuted_RH = torch.zeros_like(out_RH)

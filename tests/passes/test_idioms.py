@@ -20,6 +20,7 @@ import tests.distributed
 from relay_compile.backend import compiled_reports
 from tests.distributed import DistributedTestCase
 from tests.models.data_dependent import DataDependentMoE
+from tests.models.scores_first import ScoresFirstMoE
 
 H, F, E, K, T = 16, 8, 8, 2, 12
 STEPS, LR = 3, 0.05
@@ -67,6 +68,8 @@ class Idioms(DistributedTestCase):
         group = dist.group.WORLD
         self.check_rewritten_and_equal_to_eager(lambda: DataDependentMoE(H, F, E, K, group, seed=3),
                                                 "repeat_interleave / boolean mask / nonzero dispatcher")
+        self.check_rewritten_and_equal_to_eager(lambda: ScoresFirstMoE(H, F, E, K, group, seed=4),
+                                                "scores before the experts")
 
 
 class IdiomsWorld2(Idioms):
