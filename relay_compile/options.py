@@ -1,6 +1,6 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
-The ring's own options (routing, overlap, remat, max_hop_rows) become a ``RingOptions``, which validates them;
+The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation) become a ``RingOptions``, which validates them;
 this module adds the backend's (inner compiler, dumps, verify) and the conversions from the config's
 spellings (environment strings, ``0`` for "no bound on hop rows").
 
@@ -145,6 +145,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
         ring = RingOptions(
             routing=_str("routing", *pick("routing")), overlap=_bool("overlap", *pick("overlap")),
             remat=_bool("remat", *pick("remat")), max_hop_rows=_hop_bound(*pick("max_hop_rows")),
+            fp32_accumulation=_bool("fp32_accumulation", *pick("fp32_accumulation")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None
