@@ -18,8 +18,11 @@ or, with the scores applied before the experts (DeepSpeed, Megatron's ``moe_appl
 
 Contract:
     Consumes a Dynamo graph (``torch.compile`` with ``capture_scalar_outputs=True``; targets may be the
-    ``OpOverloadPacket`` or ``.default`` of ``torch.ops._c10d_functional.*``, and torch 2.11's
-    ``_c10d_functional_autograd.all_to_all_single`` whose wait hides in an ``autograd_function_apply``).
+    ``OpOverloadPacket`` or ``.default`` of ``torch.ops._c10d_functional.*``, torch 2.11's
+    ``_c10d_functional_autograd.all_to_all_single`` whose wait hides in an ``autograd_function_apply``, and
+    a user ``torch.autograd.Function`` whose forward is one all-to-all (Megatron's and DeepSpeed's
+    ``_AllToAll``: ``fx_nodes.function_all_to_all``), which stands for its all-to-all; an in-place
+    ``dist.all_to_all_single(out, ...)`` of the counts is ``out.copy_(wait(all_to_all_single(...)))``).
     Never mutates it (its shape env may gain a guard, below).
     ``find_moe_regions`` returns, in program order of their dispatch, one ``MoERegion`` per dispatch/combine
     pair it understands, and one ``RefusedRegion`` (with a reason, also logged at debug level as
@@ -75,6 +78,7 @@ from relay_compile.passes.fx_nodes import (
     arg,
     closest,
     dtype_of,
+    function_all_to_all,
     is_all_to_all,
     is_call,
     is_method_call,
@@ -266,7 +270,7 @@ def _scaled_gather(send: fx.Node) -> tuple[tuple[fx.Node, fx.Node], fx.Node] | N
 def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, object, fx.Node | None]:
     """Step 3: ``(x, topk_ids, order, K, scores)`` from ``send = x[order // K]``; ``scores``: the ``(T, K)``
     scores when the send is ``x[order // K] * scores.flatten()[order][:, None]`` (scores before the experts)."""
-    send = all_to_all_args(dispatch).input
+    send = peel(all_to_all_args(dispatch).input, CAST_METHODS)  # .contiguous() before an in-place all-to-all
     if not isinstance(send, fx.Node):
         raise Refusal(dispatch, f"the dispatch input {send!r} is not a row gather x[order // K] of the tokens")
     gather, scores_before = row_gather(send), None
@@ -512,10 +516,14 @@ def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion], list[RefusedR
     Pure: never mutates ``gm`` (``expert_fn`` of each region is a copy).
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    # Step 1: token all-to-alls by the dtype of what they move (the counts exchange moves integers).
-    token_a2as = [n for n in gm.graph.nodes if is_all_to_all(n) and (dtype_of(n) or torch.int64).is_floating_point]
+    # Step 1: token all-to-alls by the dtype of what they move (the counts exchange moves integers); a user
+    # autograd.Function with an all-to-all in its forward that is not understood is refused here.
+    token_a2as = [n for n in gm.graph.nodes
+                  if is_all_to_all(n) and (dtype_of(wait_end(n)) or torch.int64).is_floating_point]
+    hidden = [RefusedRegion(n, why) for n in gm.graph.nodes if isinstance(why := function_all_to_all(n), str)]
     # Step 2: pairs.
     pairs, refused = _pair_token_a2as(token_a2as)
+    refused += hidden
     regions: list[MoERegion] = []
     weak = assert_cones(gm.graph)
     for dispatch, combine in pairs:

@@ -8,8 +8,10 @@ Legend: T tokens per rank, H hidden, F expert FFN width, E experts, K top-k.
 from __future__ import annotations
 
 import datetime
+import tempfile
 import unittest.mock
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from torch.testing._internal.common_utils import run_tests
 import tests.distributed
 from relay_compile.backend import compiled_reports
 from tests.distributed import DistributedTestCase
+from tests.models.autograd_a2a import AutogradAllToAllMoE
 from tests.models.data_dependent import DataDependentMoE
 from tests.models.scores_first import ScoresFirstMoE
 
@@ -26,17 +29,19 @@ H, F, E, K, T = 16, 8, 8, 2, 12
 STEPS, LR = 3, 0.05
 
 
-def sgd_steps(model: nn.Module, run: Callable[[Tensor], Tensor], rank: int) -> list[dict[str, Tensor]]:
-    """Per step: the output and every parameter's gradient, then an SGD update (new tokens each step)."""
+def sgd_steps(model: nn.Module, run: Callable[[Tensor], Tensor], rank: int, x_grad: bool) -> list[dict[str, Tensor]]:
+    """Per step: the output and the gradients of every parameter (and of the tokens, with ``x_grad``), then an
+    SGD update (new tokens each step)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + rank)
-        x_TH, dy_TH = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+        x_TH, dy_TH = torch.randn(T, H, generator=gen).requires_grad_(x_grad), torch.randn(T, H, generator=gen)
         optimizer.zero_grad(set_to_none=True)
         y_TH = run(x_TH)
         (y_TH * dy_TH).sum().backward()
-        out.append({"y": y_TH.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}})
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()} | ({"x": x_TH.grad} if x_grad else {})
+        out.append({"y": y_TH.detach(), **grads})
         optimizer.step()
     return out
 
@@ -47,16 +52,25 @@ class Idioms(DistributedTestCase):
         with unittest.mock.patch.object(tests.distributed, "PG_TIMEOUT", datetime.timedelta(seconds=15)):
             return super().init_pg(backend)
 
-    def check_rewritten_and_equal_to_eager(self, build: Callable[[], nn.Module], what: str) -> None:
+    def check_rewritten_and_equal_to_eager(self, build: Callable[[], nn.Module], what: str, x_grad: bool = True,
+                                           function_applies: int = 0) -> None:
+        """One graph, its region rewritten (no all-to-all left; ``function_applies`` autograd.Function calls
+        before the rewrite, none after), and three SGD steps equal to eager."""
         eager, compiled = build(), build()
-        want = sgd_steps(eager, eager, self.rank)
+        want = sgd_steps(eager, eager, self.rank, x_grad)
         torch._dynamo.reset()
         seen = len(compiled_reports())
-        got = sgd_steps(compiled, torch.compile(compiled, backend="relaymoe", options={"inner_compiler": "aot_eager"}),
-                        self.rank)
+        with tempfile.TemporaryDirectory() as dump_dir:
+            options = {"inner_compiler": "aot_eager", "dump_dir": dump_dir}
+            got = sgd_steps(compiled, torch.compile(compiled, backend="relaymoe", options=options), self.rank, x_grad)
+            (graph_dir,) = Path(dump_dir).glob(f"graph*_rank{self.rank}")
+            before, after = ((graph_dir / name).read_text() for name in ("0_dynamo_graph.py", "1_rewritten_graph.py"))
         reports = compiled_reports()[seen:]
         self.assertEqual([[r.status for r in g.regions] for g in reports], [["rewritten"]],
                          f"{what}: {[r.reason for g in reports for r in g.regions]}")
+        self.assertEqual(before.count("autograd_function_apply("), function_applies, what)
+        for op in ("all_to_all_single", "autograd_function_apply", "wait_tensor"):
+            self.assertNotIn(op, after, what)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             self.assertEqual(sorted(g), sorted(w))
             for name in w:
@@ -70,6 +84,12 @@ class Idioms(DistributedTestCase):
                                                 "repeat_interleave / boolean mask / nonzero dispatcher")
         self.check_rewritten_and_equal_to_eager(lambda: ScoresFirstMoE(H, F, E, K, group, seed=4),
                                                 "scores before the experts")
+        # Tokens that need a gradient: both token all-to-alls are autograd_function_apply ops; tokens that do
+        # not: Dynamo runs the dispatch's forward inline (an in-place all-to-all into a fresh buffer).
+        for x_grad in (True, False):
+            self.check_rewritten_and_equal_to_eager(lambda: AutogradAllToAllMoE(H, F, E, K, group, seed=5),
+                                                    f"autograd.Function all-to-alls, x_grad={x_grad}", x_grad,
+                                                    function_applies=2 if x_grad else 1)
 
 
 class IdiomsWorld2(Idioms):

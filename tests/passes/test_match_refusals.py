@@ -21,6 +21,7 @@ import collections
 import operator
 import unittest
 import unittest.mock
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as nnf
@@ -104,6 +105,47 @@ class DispatchAndCombineRefusals(MatchTestCase):
         self.assertEqual([x.node for x in refused], [r.dispatch, r.combine])
         for x in refused:
             self.assertRegex(x.reason, rf"^all_to_all {x.node.name} has no partner in this graph")
+
+    # --- step 1: collectives inside a user autograd.Function ---------------------------------------------
+
+    @staticmethod
+    def function_steps(**kwargs: bool) -> dict[str, Callable[[Region], None]]:
+        """Dispatch and combine as Megatron's ``_AllToAll.apply`` (``FakeGraph.function_a2a``); ``kwargs`` shape
+        the dispatch's forward body."""
+        def dispatch(r: Region) -> None:
+            r.dispatch, r.recv = r.b.function_a2a(r.send, r.recv_splits, r.send_splits, r.group,
+                                                  names=("dispatch", "recv"), **kwargs)
+
+        def combine(r: Region) -> None:
+            r.combine, r.back = r.b.function_a2a(r.out, r.send_splits, r.recv_splits, r.group,
+                                                 names=("combine", "back"))
+
+        return {"dispatch": dispatch, "combine": combine}
+
+    def test_finds_a_region_whose_all_to_alls_are_autograd_functions(self) -> None:
+        gm, r = moe_graph(**self.function_steps())
+        regions, refused = self.match(gm)
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual((region.dispatch, region.recv, region.combine, region.back),
+                         (r.dispatch, r.recv, r.combine, r.back))
+        # The applies die with the region, and so do the get_attr nodes of their bodies.
+        bodies = {a for n in (r.dispatch, r.combine) for a in n.args[:2]}
+        self.assertLessEqual({r.dispatch, r.combine, *bodies}, region.nodes)
+
+    def test_refuses_an_autograd_function_whose_forward_is_not_one_all_to_all_of_its_inputs(self) -> None:
+        cases = {
+            "twice": "the autograd.Function dispatch (autograd_function_apply) runs 2 all-to-alls in its forward; "
+                     "one is understood",
+            "split_inside": "the autograd.Function dispatch (autograd_function_apply) computes mul inside its "
+                            "forward and passes it to its all-to-all all_to_all_single; only values it takes as "
+                            "inputs are understood",
+        }
+        for kwarg, reason in cases.items():
+            gm, r = moe_graph(**self.function_steps(**{kwarg: True}))
+            regions, refused = self.match(gm)
+            self.assertEqual(regions, [])
+            self.assertIn((r.dispatch, reason), [(x.node, x.reason) for x in refused], kwarg)
 
     # --- step 3: the dispatch side -------------------------------------------------------------------------
 
