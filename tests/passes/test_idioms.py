@@ -78,7 +78,7 @@ class Idioms(DistributedTestCase):
                 torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-5 * scale,
                                            msg=lambda m, name=name, step=step: f"{what} step {step} {name}: {m}")
 
-    def check_idioms(self) -> None:
+    def check_idioms(self, *, inline_dispatch: bool = True) -> None:
         group = dist.group.WORLD
         self.check_rewritten_and_equal_to_eager(lambda: DataDependentMoE(H, F, E, K, group, seed=3),
                                                 "repeat_interleave / boolean mask / nonzero dispatcher")
@@ -86,7 +86,7 @@ class Idioms(DistributedTestCase):
                                                 "scores before the experts")
         # Tokens that need a gradient: both token all-to-alls are autograd_function_apply ops; tokens that do
         # not: Dynamo runs the dispatch's forward inline (an in-place all-to-all into a fresh buffer).
-        for x_grad in (True, False):
+        for x_grad in (True, False) if inline_dispatch else (True,):
             self.check_rewritten_and_equal_to_eager(lambda: AutogradAllToAllMoE(H, F, E, K, group, seed=5),
                                                     f"autograd.Function all-to-alls, x_grad={x_grad}", x_grad,
                                                     function_applies=2 if x_grad else 1)
@@ -105,7 +105,7 @@ class IdiomsWorld4(Idioms):
 
     def test_layers_in_other_codebases_idioms_at_world_4_train_like_eager(self) -> None:
         self.init_pg()
-        self.check_idioms()
+        self.check_idioms(inline_dispatch=False)  # a structural variant: world 2 covers it
 
 
 if __name__ == "__main__":
