@@ -19,6 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relay_compile import ring_moe
+from relay_compile.bench.configs import LayerConfig
+from relay_compile.bench.inputs import make_inputs
+from relay_compile.bench.standin_group import standin_group
+from relay_compile.reference import a2a_moe
+
 # The output, then the gradients: inputs, scores, and the expert weights in the order the block takes them.
 LEAVES = ("y", "dx", "d_scores", "d_w1", "d_w2", "d_w3")
 
@@ -104,3 +110,36 @@ def errors_table(errors: dict[str, dict[str, float]], baseline: str) -> str:
         ]
         lines.append(f"| {leaf} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+@dataclass(kw_only=True)
+class NumericsResult:
+    """One configuration's leaf errors: ``errors[row][leaf]``, against ``truth`` (how the truth was made)."""
+
+    label: str
+    truth: str
+    errors: dict[str, dict[str, float]]
+
+
+# The rows of a layer's numerics: what stand-in EP computes exactly (expert routing; token routing's stand-in
+# revisits this rank's own tokens, a different function: ``bench.standin_group``).
+NUMERICS_ROWS = {
+    "a2a eager": {},
+    "ring (fp32 sums, default)": {"routing": "expert"},
+    "ring (bf16 sums)": {"routing": "expert", "fp32_accumulation": False},
+}
+
+
+def layer_numerics(cfg: LayerConfig) -> NumericsResult:
+    """Each leaf's error of the a2a layer and the ring on ``cfg``'s inputs (simulated EP), against fp32."""
+    group = standin_group(cfg.ep)
+    inp = make_inputs(cfg)
+    inputs = BlockInputs(x_TH=inp.x_TH, topk_ids_TK=inp.topk_ids_TK, topk_scores_TK=inp.topk_scores_TK,
+                         weights=inp.weights, grad_y_TH=inp.grad_y_TH)
+    del inp
+    blocks: dict[str, tuple[Block, dict[str, object]]] = {
+        row: ((a2a_moe, {"group": group}) if row.startswith("a2a") else (ring_moe, {"group": group, **kw}))
+        for row, kw in NUMERICS_ROWS.items()
+    }
+    errors = block_errors(blocks, inputs, a2a_moe, {"group": group})
+    return NumericsResult(label=cfg.label(), truth="a2a_moe on the same inputs in fp32", errors=errors)

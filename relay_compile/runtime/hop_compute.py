@@ -19,11 +19,10 @@ Chunks are planned once per step (``routing.plan_chunks``); an expert function w
 (``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
 packs them once, they circulate packed, and the gradients are unpacked at ``finish``.
 Sums across hops (``RingStepConfig.acc_dtype``, the ``fp32_accumulation`` option): the weight-gradient
-partials that follow their weights (expert routing), the weight gradients a rank sums over hops and the
-travelling ``y``/``dx`` accumulators (token routing) are summed in fp32, so a sum over N hops is rounded to
-bf16 once, as an fp32-accumulating GEMM of the all-to-all layer rounds it, not N - 1 times. Expert routing's
-local ``y``/``dx`` sum a token's K pairs in its own dtype, as the all-to-all layer's combine (an index_add)
-and its autograd do. The per-pair score gradients are reduced in fp32.
+partials that follow their weights (expert routing), the weight gradients a rank sums over hops (token
+routing), and the ``y``/``dx`` accumulators (travelling in token routing, local in expert routing) are summed
+in fp32, so a sum over hops is rounded to bf16 once, as an fp32-accumulating GEMM (or the CPU's index_add)
+of the all-to-all layer rounds it, not once per hop. The per-pair score gradients are reduced in fp32.
 
 A step plans from counts every rank agreed on (``runtime.agreement``; a step driven directly on a ring of
 one counts its own). Inside a multi-rank ``transport.RingRun`` the step never raises out of a hop: the
@@ -150,12 +149,29 @@ def segment_forward(
         x_CH = _scaled_rows(x_TH[tok_C], score_C1) if cfg.scores_before else x_TH[tok_C]
         out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, _chunk_weights(cfg, weights, chunk))
         if cfg.scores_before:
-            out_CH = out_CH.to(y_TH.dtype)
+            add_rows(y_TH, tok_C, out_CH)
         elif cfg.grouped is not None and out_CH.dtype == y_TH.dtype:
             out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
+            y_TH.index_add_(0, tok_C, out_CH)
         else:
-            out_CH = (out_CH * score_C1).to(y_TH.dtype)
-        y_TH.index_add_(0, tok_C, out_CH)
+            add_rows(y_TH, tok_C, out_CH, score_C1)
+
+
+# Rows widened per index_add into a wider sum: bounds the widened copy (8192 x H x 4 bytes).
+WIDENED_ROWS = 8192
+
+
+def add_rows(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
+    """``sum[tok[c]] += scale[c] * rows[c]``, in ``sum``'s dtype; rows of another dtype are converted a block
+    of ``WIDENED_ROWS`` at a time, so no widened copy of a whole hop's rows exists."""
+    if rows_CH.dtype == sum_TH.dtype:
+        sum_TH.index_add_(0, tok_C, rows_CH if scale_C1 is None else rows_CH * scale_C1)
+        return
+    for a in range(0, rows_CH.shape[0], WIDENED_ROWS):
+        block = rows_CH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
+        if scale_C1 is not None:
+            block.mul_(scale_C1[a : a + WIDENED_ROWS])
+        sum_TH.index_add_(0, tok_C[a : a + WIDENED_ROWS], block)
 
 
 @contextlib.contextmanager
@@ -211,7 +227,7 @@ def _chunk_vjp(
         score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
         with _autograd_enabled():
             grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True))
-    dx_TH.index_add_(0, tok_C, grads[0].to(dx_TH.dtype))
+    add_rows(dx_TH, tok_C, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
 
@@ -246,7 +262,7 @@ def segment_backward(
                 dy_TH[tok_C], rows.scores_S[c0:c1],
             )
         ds_S[c0:c1] = ds_C
-        dx_TH.index_add_(0, tok_C, dx_CH.to(dx_TH.dtype))
+        add_rows(dx_TH, tok_C, dx_CH)
         dw.add(dws, chunk if grouped is not None else None)
 
 
@@ -398,10 +414,11 @@ class ExpertRoutingStep:
             for owner in range(cfg.ring.size)
         ], e_l, x_TH.device)
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
+        # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
-            self.y_TH = torch.zeros_like(x_TH)
+            self.y_TH = torch.zeros_like(x_TH, dtype=cfg.sum_dtype(x_TH))
         else:
-            self.dx_TH = torch.zeros_like(x_TH)
+            self.dx_TH = torch.zeros_like(x_TH, dtype=cfg.sum_dtype(x_TH))
             # Every pair meets its expert on exactly one hop, so every entry is written.
             self.ds_S = torch.empty(self.scores_S.shape, dtype=ACC_DTYPE, device=x_TH.device)
 
@@ -460,10 +477,11 @@ class ExpertRoutingStep:
 
     @_drains(_trailing)
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
+        dtype = self.x_TH.dtype
         if self.grad_y_TH is None:
-            return (self.y_TH,)
+            return (self.y_TH.to(dtype),)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
-        return (self.dx_TH, ds_P.to(self.scores_S.dtype).view(self.topk_shape),
+        return (self.dx_TH.to(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
                 *_unpack_grads(self.cfg, trailing, self.weights, self.given_weights))
 
 
