@@ -323,10 +323,7 @@ def wait_end(n: fx.Node) -> fx.Node:
         if len(waits) == 1:
             n = waits[0]
             continue
-        applies = [
-            u for u in n.users
-            if is_function_apply(u)
-        ]
+        applies = [u for u in n.users if is_function_apply(u)]
         if len(applies) == 1:
             firsts = [g for g in applies[0].users if is_call(g, operator.getitem) and g.args[1] == 0]
             if len(firsts) == 1:
