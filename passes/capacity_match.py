@@ -89,6 +89,7 @@ from relay_compile.passes.liveness import dead_after_replacing
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel, row_gather
 from relay_compile.report import BlockShape
+from relay_compile.runtime.specs import ScoresApplied
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class CapacityRegion:
     group_size: int
     nodes: frozenset[fx.Node]  # what dies once output's uses go elsewhere
     output_aliases: tuple[fx.Node, ...] = ()
+    # The combine weights multiply the experts' outputs (a dispatch of scaled tokens is refused).
+    scores_applied: ScoresApplied = "after"
 
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, as the top-k regions report them (K = the gate's top-k)."""
@@ -418,8 +421,8 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
     e_l, rem = divmod(num_experts, group_size)
     if rem or e_l < 1:
         raise Refusal(dispatch, f"{num_experts} experts do not divide over {group_size} ranks")
-    if dtype_of(dispatch) != dtype_of(x):
-        raise Refusal(dispatch, f"{dispatch.name} moves {dtype_of(dispatch)}, the tokens are {dtype_of(x)}")
+    if dtype_of(wait_end(dispatch)) != dtype_of(x):
+        raise Refusal(dispatch, f"{dispatch.name} moves {dtype_of(wait_end(dispatch))}, the tokens are {dtype_of(x)}")
 
     # Step 5: F.
     forbidden = ancestors([all_to_all_args(dispatch).input, mask, cw])
