@@ -70,7 +70,7 @@ def insert_capacity_pairs(region: CapacityRegion) -> tuple[fx.Node, fx.Node]:
     per_token = _insert(graph, y, "sum", kept_SE, -1)
     fits = _insert(graph, y, "all", _insert(graph, y, operator.le, per_token, region.top_k))
     _insert(graph, y, torch._assert_async, fits, f"relaymoe: a token keeps more than K={region.top_k} experts in "
-                                                 f"{region.describe()}; report it with the model's gate")
+                                                 f"the capacity region of {y.name}; report it with the model's gate")
     keep_SE = _insert(graph, y, "to", kept_SE, node_value(region.combine_weights).dtype)
     ids_SK = _insert(graph, y, operator.getitem, _insert(graph, y, torch.topk, keep_SE, region.top_k, dim=-1), 1)
     weight_SE = _insert(graph, y, "sum", region.combine_weights, -1)

@@ -13,8 +13,8 @@ algorithm, by way of fairscale), on CPU/gloo:
     combine     all_to_all_single back; reshape (E, C, M); einsum("sec,ecm->sm", combine_weights, out)
 
 DeepSpeed's ``_capacity`` computes C with tensors and a Python ``if`` on one (a graph break under Dynamo): this
-layer computes it in Python, as ports of it do. Its ``_AllToAll`` autograd.Function is replaced by the functional
-``all_to_all_single_autograd`` (same data movement). Experts own their weights: every rank builds all E from one
+layer computes it in Python, as ports of it do. Its ``_AllToAll`` autograd.Function is the functional
+``all_to_all_single_autograd`` by default (same data movement), or that Function (``autograd_function=True``). Experts own their weights: every rank builds all E from one
 seed and keeps its own, so ranks agree on the router.
 
 Legend: S tokens (per rank), M model dim, E experts, E_l local experts, C capacity, N ranks, F expert width.
@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as nnf
 from torch import Tensor, nn
+
+from tests.models import autograd_a2a
 
 
 def _one_hot_to_float(x: Tensor, num_classes: int) -> Tensor:
@@ -151,11 +153,13 @@ class DeepSpeedStyleMoE(nn.Module):
         group: the EP group (N ranks); rank r owns experts [r * E_l, (r + 1) * E_l).
         seed: the router and all E experts are drawn from it, identically on every rank.
         bias: experts' Linear layers with biases.
+        autograd_function: the all-to-alls through DeepSpeed's ``_AllToAll`` autograd.Function (an in-place
+            ``dist.all_to_all_single`` in forward, the reverse in backward) instead of the functional one.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, group: dist.ProcessGroup, *,
                  capacity_factor: float = 1.0, min_capacity: int = 1, drop_tokens: bool = True, seed: int = 0,
-                 bias: bool = False) -> None:
+                 bias: bool = False, autograd_function: bool = False) -> None:
         super().__init__()
         self.ep_group, self.ep_size = group, dist.get_world_size(group)
         self.num_local_experts = num_experts // self.ep_size
@@ -166,6 +170,13 @@ class DeepSpeedStyleMoE(nn.Module):
         torch.random.set_rng_state(state)
         lo = dist.get_rank(group) * self.num_local_experts
         self.experts = Experts(experts[lo:lo + self.num_local_experts])
+        self.autograd_function = autograd_function
+
+    def all_to_all(self, t: Tensor) -> Tensor:
+        """The equal-split all-to-all of MOELayer (``_AllToAll.apply(self.ep_group, t)`` in DeepSpeed)."""
+        if self.autograd_function:
+            return autograd_a2a.all_to_all(self.ep_group, t)
+        return funcol.all_to_all_single_autograd(t, None, None, self.ep_group)
 
     def dispatch(self, dispatch_mask: Tensor, combine_weights: Tensor, reshaped_input: Tensor) -> Tensor:
         """Every expert's capacity buffer ``(E, C, M)`` (tests.models.capacity_variants overrides it)."""
@@ -180,11 +191,11 @@ class DeepSpeedStyleMoE(nn.Module):
         reshaped_input = hidden_states.reshape(-1, d_model)
         l_aux, combine_weights, dispatch_mask = self.gate(reshaped_input)
         dispatched_input = self.dispatch(dispatch_mask, combine_weights, reshaped_input)
-        dispatched_input = funcol.all_to_all_single_autograd(dispatched_input, None, None, self.ep_group)
+        dispatched_input = self.all_to_all(dispatched_input)
         # Re-shape after all-to-all: ecm -> gecm
         dispatched_input = dispatched_input.reshape(self.ep_size, self.num_local_experts, -1, d_model)
         expert_output = self.experts(dispatched_input)
-        expert_output = funcol.all_to_all_single_autograd(expert_output, None, None, self.ep_group)
+        expert_output = self.all_to_all(expert_output)
         # Re-shape back: gecm -> ecm
         expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
         combined_output = self.combine(combine_weights.type_as(hidden_states), expert_output)

@@ -1,7 +1,8 @@
 """Capacity-based dispatch (GShard, DeepSpeed, Tutel) through ``torch.compile(model, backend="relaymoe")``.
 
 Layers written in those codebases' idioms (``tests.models.deepspeed_style``: top-2 gating with capacity and drops,
-a ModuleList of experts on chunks of ``(N, E_l, C, M)``; ``tests.models.fairseq_style``: the same with fairseq's mm
+a ModuleList of experts on chunks of ``(N, E_l, C, M)``, all-to-alls functional or DeepSpeed's ``_AllToAll``
+autograd.Function; ``tests.models.fairseq_style``: the same with fairseq's mm
 dispatch and combine; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C,
 M)``) train for three SGD steps beside the same layer run eagerly through its all-to-alls: losses and gradients agree
 at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens are dropped, and under an
@@ -111,6 +112,15 @@ class Cases(DistributedTestCase):
                                            batches, what)
             self.check_rewritten_graph(code)
 
+    def check_deepspeed_autograd_function(self) -> None:
+        """DeepSpeed's own collective: ``_AllToAll.apply`` (an autograd.Function with an in-place all-to-all)."""
+        def build() -> DeepSpeedStyleMoE:
+            return DeepSpeedStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=11, autograd_function=True)
+
+        code = self.train_beside_eager(build, self.batches(), "deepspeed _AllToAll")
+        self.check_rewritten_graph(code)
+        self.assertNotIn("autograd_function_apply(", code)  # neither _AllToAll.apply is left
+
     def check_fairseq(self) -> None:
         """The same gate and experts with fairseq's mm dispatch and combine."""
         def build() -> FairseqStyleMoE:
@@ -135,6 +145,7 @@ class CapacityDispatchWorld2(Cases):
     def test_deepspeed_fairseq_and_gshard_style_layers_train_like_eager_with_drops_and_no_all_to_all_left(self) -> None:
         self.init_pg()
         self.check_deepspeed()
+        self.check_deepspeed_autograd_function()
         self.check_fairseq()
         self.check_gshard(top_k=2, routing="token")  # tokens circulate
         self.check_gshard(top_k=1, routing="expert")  # expert weights circulate
