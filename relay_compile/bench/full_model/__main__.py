@@ -89,8 +89,15 @@ def _compile_settings() -> Iterator[None]:
     # breaks the graph (and relaymoe finds no region). Each (backend, budget) is one more compiled entry of the
     # shared layer function: more than Dynamo's default of 8 would silently fall back to eager.
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    with torch._dynamo.config.patch(capture_scalar_outputs=True, **{limit: 64}), quiet_warnings():
-        yield
+    # SDPA's math kernel would materialize (S, S) scores per head: fail loudly instead of falling back to it
+    # (flash and cuDNN attention serve grouped-query attention on CUDA).
+    math_sdp = torch.backends.cuda.math_sdp_enabled()
+    torch.backends.cuda.enable_math_sdp(not torch.cuda.is_available())
+    try:
+        with torch._dynamo.config.patch(capture_scalar_outputs=True, **{limit: 64}), quiet_warnings():
+            yield
+    finally:
+        torch.backends.cuda.enable_math_sdp(math_sdp)
 
 
 def _cap_memory(cfg: FullModelConfig, budget: int) -> None:
