@@ -47,6 +47,8 @@ PRESETS = {
     "tiny": (TINY_MODEL, 0.012, 128, 2048, 1, 1, (1.0, 0.0), 0.0),
     "h200": (QWEN3_30B_A3B, 48.0, 8192, 1 << 19, 1, 1, (1.0, 0.5, 0.0), 0.1),
 }
+# Seconds the comparison lengths may take after a --time-budget spent on the searches.
+COMPARISON_S = 90.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,6 +145,8 @@ def run(args: argparse.Namespace, out: Path, progress: Progress) -> FullModelRep
         report.rows.append(runs.search(policy))
         report.write(out)
     lengths = comparison_lengths(report.rows)
+    if settings.deadline is not None:  # the comparison points get time of their own: the bars need them
+        runs.settings = dataclasses.replace(settings, deadline=time.perf_counter() + COMPARISON_S)
     for what, tokens in lengths.items():
         progress.note(f"comparison length '{what}': T={tokens}")
         for policy, result in zip(policies, report.rows, strict=True):
