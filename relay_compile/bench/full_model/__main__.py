@@ -33,7 +33,7 @@ import torch
 
 from relay_compile.bench.configs import gib
 from relay_compile.bench.full_model.bars import comparison_lengths
-from relay_compile.bench.full_model.model import QWEN3_30B_A3B, TINY_MODEL, FullModelConfig
+from relay_compile.bench.full_model.model import QWEN3_30B_A3B, TINY_MODEL, FullModelConfig, fused_gqa
 from relay_compile.bench.full_model.policies import POLICIES
 from relay_compile.bench.full_model.report import FullModelReport
 from relay_compile.bench.full_model.search import RowRuns, SearchSettings
@@ -138,6 +138,8 @@ def run(args: argparse.Namespace, out: Path, progress: Progress) -> FullModelRep
                              settings=dataclasses.asdict(settings))
     report.notes.append("command: python -m relay_compile.bench.full_model " + " ".join(args.argv))
     report.notes.append(_resident_note(trainer, budget))
+    report.notes.append("attention: scaled_dot_product_attention with " + (
+        "grouped-query heads (enable_gqa)" if fused_gqa(cfg.device) else "KV heads repeated (no fused GQA kernel)"))
     progress.note(report.notes[-1])
     runs = RowRuns(trainer, settings, progress)
     policies = [p for p in POLICIES if not args.rows or p.name in args.rows]

@@ -21,6 +21,7 @@ V vocabulary, E experts, K top-k, F expert FFN width, C loss chunk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from relay_compile.bench.configs import DTYPES
 from relay_compile.reference import AllToAllMoE
 
-__all__ = ["QWEN3_30B_A3B", "TINY_MODEL", "DecoderLayer", "FullModel", "FullModelConfig", "LayerRunner"]
+__all__ = ["QWEN3_30B_A3B", "TINY_MODEL", "DecoderLayer", "FullModel", "FullModelConfig", "LayerRunner", "fused_gqa"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,12 +109,32 @@ def _apply_rope(x_BNSD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
     return x_BNSD * cos_SD + rotated_BNSD * sin_SD
 
 
+@functools.cache
+def fused_gqa(device_type: str) -> bool:
+    """Whether SDPA's fused CUDA kernels (flash, cuDNN) take fewer KV heads than query heads; True off CUDA.
+
+    Where they do not, ``Attention`` repeats the KV heads (more memory) rather than let SDPA fall back to its
+    math kernel, which holds (S, S) scores per head.
+    """
+    if device_type != "cuda":
+        return True
+    q_BNSD = torch.randn(1, 4, 128, 64, device=device_type, dtype=torch.bfloat16)
+    kv_BGSD = torch.randn(1, 2, 128, 64, device=device_type, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            nnf.scaled_dot_product_attention(q_BNSD, kv_BGSD, kv_BGSD, is_causal=True, enable_gqa=True)
+    except RuntimeError:
+        return False
+    return True
+
+
 class Attention(nn.Module):
     """Grouped-query causal self-attention with rotary embeddings and per-head q/k RMSNorm (Qwen3), no biases."""
 
     def __init__(self, cfg: FullModelConfig, **factory: Any) -> None:
         super().__init__()
         self.cfg = cfg
+        self.repeat_kv = not fused_gqa(torch.device(factory["device"]).type)
         q_dim, kv_dim = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden, q_dim, bias=False, **factory)
         self.k_proj = nn.Linear(cfg.hidden, kv_dim, bias=False, **factory)
@@ -132,7 +154,11 @@ class Attention(nn.Module):
         v_BGSD = self._heads(self.v_proj(x_TH), cfg.kv_heads)
         cos_SD, sin_SD = _rope_cos_sin(cfg.seq_len, cfg.head_dim, cfg.rope_theta, x_TH)
         q_BNSD, k_BGSD = _apply_rope(q_BNSD, cos_SD, sin_SD), _apply_rope(k_BGSD, cos_SD, sin_SD)
-        out_BNSD = nnf.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=True)
+        if self.repeat_kv:
+            group = cfg.heads // cfg.kv_heads
+            k_BGSD, v_BGSD = k_BGSD.repeat_interleave(group, dim=1), v_BGSD.repeat_interleave(group, dim=1)
+        out_BNSD = nnf.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True,
+                                                   enable_gqa=not self.repeat_kv)
         return self.o_proj(out_BNSD.transpose(1, 2).reshape(x_TH.shape[0], cfg.heads * cfg.head_dim))
 
 
