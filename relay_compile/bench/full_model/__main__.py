@@ -96,7 +96,7 @@ def _compile_settings() -> Iterator[None]:
     math_sdp = torch.backends.cuda.math_sdp_enabled()
     torch.backends.cuda.enable_math_sdp(not torch.cuda.is_available())
     try:
-        with torch._dynamo.config.patch(capture_scalar_outputs=True, **{limit: 64}), quiet_warnings():
+        with torch._dynamo.config.patch({"capture_scalar_outputs": True, limit: 64}), quiet_warnings():
             yield
     finally:
         torch.backends.cuda.enable_math_sdp(math_sdp)

@@ -206,7 +206,7 @@ class FullModel(nn.Module):
     def __init__(self, cfg: FullModelConfig, group_name: str | None) -> None:
         super().__init__()
         self.cfg = cfg
-        factory = {"dtype": cfg.torch_dtype, "device": torch.device(cfg.device)}
+        factory: dict[str, Any] = {"dtype": cfg.torch_dtype, "device": torch.device(cfg.device)}
         torch.manual_seed(cfg.seed)  # the replicated parameters' default initialization, on their device
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden, **factory)
         self.layers = nn.ModuleList(
@@ -215,9 +215,13 @@ class FullModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps, **factory)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, **factory)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """This rank's experts: their gradients arrive complete (the all-to-all or ring brings every rank's)."""
-        return [p for layer in self.layers for p in (layer.moe.w1, layer.moe.w2, layer.moe.w3) if p is not None]
+        return [p for layer in self.decoder_layers() for p in (layer.moe.w1, layer.moe.w2, layer.moe.w3)
+                if p is not None]
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters every rank holds alike: their gradients must be reduced over the EP group."""
@@ -229,7 +233,7 @@ class FullModel(nn.Module):
         if tokens_T.shape[0] % self.cfg.seq_len:
             raise ValueError(f"FullModel: {tokens_T.shape[0]} tokens are not whole sequences of {self.cfg.seq_len}")
         x_TH = self.embed(tokens_T)
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             x_TH = run_layer(layer, x_TH)
         return x_TH
 

@@ -41,13 +41,13 @@ def _summary_table(rows: Sequence[RowResult]) -> list[str]:
         if r.error:
             lines.append(f"| {r.row} | {r.backend} | {r.recompute} | failed: {r.error} |||||||| {r.seconds:.0f} |")
             continue
-        top = r.at(r.max_tokens)
+        top = r.at(r.max_tokens) or Probe(tokens=r.max_tokens, fits=False)  # none fits: dashes
         ratio = f"{r.max_tokens / eager.max_tokens:.2f}x" if eager and eager.max_tokens else "-"
         limit = f">= {r.max_tokens} (search limit)" if r.limited_by_search else str(r.max_tokens)
         lines.append(
-            f"| {r.row} | {r.backend} | {r.recompute} | {limit} | {ratio} | {_fmt(top and top.tokens_per_s, '.0f')} "
-            f"| {fmt_ms(top and top.step_ms)} | {fmt_bytes(top and top.peak_bytes)} "
-            f"| {_fmt(top and top.memory_budget, 'g')} | {r.regions_rewritten if r.backend == 'relaymoe' else '-'} "
+            f"| {r.row} | {r.backend} | {r.recompute} | {limit} | {ratio} | {_fmt(top.tokens_per_s, '.0f')} "
+            f"| {fmt_ms(top.step_ms)} | {fmt_bytes(top.peak_bytes)} "
+            f"| {_fmt(top.memory_budget, 'g')} | {r.regions_rewritten if r.backend == 'relaymoe' else '-'} "
             f"| {r.seconds:.0f} |")
     return lines
 
@@ -66,9 +66,9 @@ def _probe_table(rows: Sequence[RowResult]) -> list[str]:
 
 
 def _bar_table(bars: Sequence[Bar]) -> list[str]:
-    lines = ["| bar | measured | target | met | compared |", "|---|---:|---:|---|---|"]
-    lines += [f"| {b.name} | {_fmt(b.value, '.2f')}x | >= {b.target:g}x | {'yes' if b.met else 'NO'} | {b.detail} |"
-              for b in bars]
+    lines = ["| bar | measured | target | met | compared | with link time (model) |", "|---|---:|---:|---|---|---:|"]
+    lines += [f"| {b.name} | {_fmt(b.value, '.2f')}x | >= {b.target:g}x | {'yes' if b.met else 'NO'} | {b.detail} "
+              f"| {_fmt(b.with_link, '.2f')}{'x' if b.with_link is not None else ''} |" for b in bars]
     return lines
 
 
@@ -86,14 +86,21 @@ def plot(rows: Sequence[RowResult], budget_bytes: int, title: str, path: Path) -
     for r in rows:
         fitting = sorted((p for p in r.probes if p.fits), key=lambda p: p.tokens)
         measured = sorted((p for p in r.probes if p.peak_bytes is not None), key=lambda p: p.tokens)
+        # The budget row shares the plain relaymoe row's lengths up to its largest: dashed, to show both.
+        style = {"ls": "--", "marker": "s", "ms": 4} if r.recompute == "budget" else {"marker": "o"}
         if fitting:
-            line, = speed.plot([p.tokens for p in fitting], [p.tokens_per_s for p in fitting], marker="o", label=r.row)
+            line, = speed.plot([p.tokens for p in fitting], [p.tokens_per_s for p in fitting], label=r.row, **style)
             speed.axvline(r.max_tokens, color=line.get_color(), ls=":", lw=0.8)
         if measured:
-            memory.plot([p.tokens for p in measured], [p.peak_bytes / GiB for p in measured], marker="o",
-                        label=r.row)
+            memory.plot([p.tokens for p in measured], [(p.peak_bytes or 0) / GiB for p in measured], label=r.row,
+                        **style)
+        if r.recompute == "budget":  # which partitioner budget each length used
+            for p in measured:
+                memory.annotate(f"{p.memory_budget:g}", (p.tokens, (p.peak_bytes or 0) / GiB), fontsize=7,
+                                textcoords="offset points", xytext=(0, -11), ha="center")
     memory.axhline(budget_bytes / GiB, color="red", ls="--", lw=1, label="memory budget")
-    for ax, ylabel in ((speed, "tokens/s per rank (dotted: largest fitting length)"), (memory, "peak GiB per rank")):
+    for ax, ylabel in ((speed, "tokens/s per rank (dotted: largest fitting length)"),
+                       (memory, "peak GiB per rank (numbers: partitioner budget)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel(ylabel)
@@ -140,11 +147,17 @@ class FullModelReport:
         out = [
             "# Full-model training on one device (simulated EP)", "",
             f"torch {env['torch']}" + (f", {env['gpu']}" if "gpu" in env else ", CPU") + f", {env['date']}.", "",
-            (f"Model: {self.label}. Per rank: {self.config['dtype']} parameters and gradients, fp32 master weights "
-            "and fp32 AdamW state (16 bytes per bf16 parameter during backward). Rank 0 of a stand-in EP group whose peers mirror it: "
-            "memory and compute are this rank's, link time is NOT simulated ('(model)' columns add transfers at "
-            f"{s['link_gbps']:g} GB/s, back to back). Memory budget {fmt_bytes(s['budget_bytes'])} per rank; "
-            f"times: median of {s['repeats']} steps after {s['warmup']} warm-up."), "",
+            (f"Model: {self.label}; tokens per rank are whole sequences packed in one batch. Per rank: "
+             f"{self.config['dtype']} parameters and gradients, fp32 master weights and fp32 AdamW state (16 bytes "
+             "per bf16 parameter during backward); AdamW over every parameter, the replicated ones' gradients "
+             "all-reduced over the EP group. Rank 0 of a stand-in EP group whose peers mirror it: memory and compute "
+             "are this rank's, link time is NOT simulated ('(model)' columns add the modeled transfers at "
+             f"{s['link_gbps']:g} GB/s, back to back: pessimistic for the ring, which overlaps them). Memory budget "
+             f"{fmt_bytes(s['budget_bytes'])} per rank (the allocator's cap on CUDA: an out-of-memory error means "
+             f"'does not fit'); times: median of {s['repeats']} step(s) after {s['warmup']} warm-up, CUDA events. "
+             "Peak: the most allocated during a step, parameters and optimizer state included. 'budget': the "
+             "torch partitioner's activation memory budget the row compiled with (relaymoe + budget chooses it "
+             "per length: the largest of its ladder that fits)."), "",
         ]
         out += [f"- {n}" for n in self.notes]
         out += ["", "## Bars (issue 14)", "", *_bar_table(self.bars()), "",

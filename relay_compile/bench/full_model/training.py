@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from relay_compile.bench.full_model.model import FullModel, FullModelConfig, LayerRunner
 from relay_compile.bench.full_model.optimizer import MixedPrecisionAdamW
@@ -70,8 +70,10 @@ class Trainer:
     @classmethod
     def build(cls, cfg: FullModelConfig, group: dist.ProcessGroup, lr: float = 1e-4) -> Trainer:
         model = FullModel(cfg, group.group_name)
-        buckets = [[model.embed.weight], *([*layer.parameters()] for layer in model.layers),
-                   [*model.norm.parameters(), *model.lm_head.parameters()]]
+        buckets: list[list[nn.Parameter]] = [
+            [*model.embed.parameters()], *([*layer.parameters()] for layer in model.layers),
+            [*model.norm.parameters(), *model.lm_head.parameters()],
+        ]
         return cls(model, MixedPrecisionAdamW(buckets, lr=lr, fused=cfg.device == "cuda"), group)
 
     @property
@@ -101,26 +103,30 @@ class Trainer:
         self.optimizer.step()
         return loss.detach()
 
+    def _measured_steps(
+        self, run_layer: LayerRunner, tokens: int, warmup: int, repeats: int
+    ) -> tuple[float, int, int]:
+        """(median step ms, resident bytes after warm-up, peak bytes above them) of ``repeats`` steps."""
+        batch = self.batch(tokens, step=0)
+        for _ in range(warmup):
+            self.step(run_layer, batch)
+        resident = self.resident_bytes()
+        with PeakMemory(self.device) as mem:
+            times = [_timed(lambda: self.step(run_layer, batch), self.device) for _ in range(max(1, repeats))]
+        return statistics.median(times), resident, mem.peak_bytes
+
     def probe(self, run_layer: LayerRunner, tokens: int, *, warmup: int, repeats: int, budget_bytes: int) -> Probe:
         """Train ``warmup`` + ``repeats`` steps at ``tokens`` per rank; fits: no OOM and peak <= budget."""
-        device = self.device
         try:
-            batch = self.batch(tokens, step=0)
-            for _ in range(warmup):
-                self.step(run_layer, batch)
-            resident = self.resident_bytes()
-            with PeakMemory(device) as mem:
-                times = [_timed(lambda: self.step(run_layer, batch), device) for _ in range(max(1, repeats))]
-            peak = resident + mem.peak_bytes
+            step_ms, resident, above = self._measured_steps(run_layer, tokens, warmup, repeats)
         except Exception as e:  # an OOM is an answer ("does not fit"); anything else is a bug to raise
             if not is_oom(e):
                 raise
             drop_pending_messages()  # a ring interrupted mid-transfer leaves a posted send
             return Probe(tokens=tokens, fits=False, error="out of memory")
-        finally:
-            batch = None
+        finally:  # the steps' tensors died with _measured_steps' frame (or the exception): return their blocks
             self.optimizer.zero_grad()
-            free_cached(str(device))
-        step_ms = statistics.median(times)
+            free_cached(str(self.device))
+        peak = resident + above
         return Probe(tokens=tokens, fits=peak <= budget_bytes, step_ms=step_ms,
                      tokens_per_s=tokens / (step_ms / 1e3), peak_bytes=peak, resident_bytes=resident)
