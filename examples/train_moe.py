@@ -88,6 +88,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     run.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     run.add_argument("--lr", type=float, default=None, help="default: 3e-3 for adamw, 0.1 for sgd")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--data-seed", type=int, default=None,
+                     help="seed of the data order (default: --seed); another value with the same --seed measures "
+                     "run-to-run noise: same initialization, other batches")
     run.add_argument("--timeout", type=float, default=900.0, help="seconds the spawned ranks may take in all")
     model = p.add_argument_group("model and data (per rank: batch x seq-len tokens)")
     model.add_argument("--batch", type=int, default=4)
@@ -280,8 +283,9 @@ def train(
         Trainer(LABELS[0], model_a, model_a, _optimizer(args, model_a.parameters()), group),
         Trainer(LABELS[1], model_b, compiled_b, _optimizer(args, model_b.parameters()), group),
     ]
+    data_seed = args.seed if args.data_seed is None else args.data_seed
     batch = lambda step: synthetic_batch(  # noqa: E731
-        args.seed, step, rank, args.batch, args.seq_len, args.vocab
+        data_seed, step, rank, args.batch, args.seq_len, args.vocab
     ).to(device)
 
     peak_step, timeline_step = args.steps - MEASURED_STEPS, args.steps - MEASURED_STEPS + 1

@@ -158,10 +158,10 @@ class LoweredFFN:
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor,
+        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"{self.__qualname__}: no fused backward"
-        return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S)
+        return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype)
 
     # --- ExpertFn (the probe, and callers without grouped entry points) ---
 

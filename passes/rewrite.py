@@ -97,6 +97,7 @@ def rewrite_moe_region(
     overlap: bool = True,
     remat: bool = True,
     max_hop_rows: int | None = None,
+    fp32_accumulation: bool = True,
 ) -> fx.Node:
     """Replace ``region`` of ``gm`` by one ``relaymoe::ring_moe`` call; returns the new node.
 
@@ -122,17 +123,18 @@ def rewrite_moe_region(
         x_TH = ...; ids_TK = ...; scores_TK = ...
         y_TH = torch.ops.relaymoe.ring_moe.default(
             x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
-            "fx_region[<digest>]|group=g|E_l=4|routing=auto|overlap=1|remat=1|max_hop_rows=None")
+            "fx_region[<digest>]|group=g|E_l=4|routing=auto|overlap=1|remat=1|max_hop_rows=None|fp32_accumulation=1")
 
     Args:
-        routing, overlap, remat, max_hop_rows: the ring's options (``relay_compile.ring_moe``).
+        routing, overlap, remat, max_hop_rows, fp32_accumulation: the ring's options (``relay_compile.ring_moe``).
 
     Raises:
         ValueError: an unknown option, or a record that no longer describes ``gm``.
     """
     # Step 1: options and record.
     options = RingOptions.checked(
-        "rewrite", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
+        "rewrite", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
+        fp32_accumulation=fp32_accumulation,
     )
     _check_record(gm, region)
 
@@ -198,11 +200,13 @@ def moe_ring_pass(
     overlap: bool = True,
     remat: bool = True,
     max_hop_rows: int | None = None,
+    fp32_accumulation: bool = True,
 ) -> tuple[list[fx.Node], list[RefusedRegion]]:
     """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""
     regions, refused = find_moe_regions(gm)
     rings = [
-        rewrite_moe_region(gm, r, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows)
+        rewrite_moe_region(gm, r, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
+                           fp32_accumulation=fp32_accumulation)
         for r in regions
     ]
     return rings, refused

@@ -140,7 +140,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     for i, region in enumerate(regions, start=len(refused)):
         entry = RegionReport.matched(
             i, region.dispatch.name, region.group_name, region.block_shape(), opts.ring.routing,
-            opts.ring.max_hop_rows,
+            opts.ring.max_hop_rows, opts.ring.fp32_accumulation,
         )
         if rewrite:
             node = rewrite_moe_region(gm, region, **dataclasses.asdict(opts.ring))

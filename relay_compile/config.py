@@ -34,6 +34,11 @@ remat: bool = Config(default=True, env_name_default="RELAYMOE_REMAT")
 # config entries read from the environment must be bool or str.)
 max_hop_rows: int = 0
 
+# Sum what the ring accumulates across hops (weight gradients; token routing's travelling outputs and input
+# gradients) in fp32, as the all-to-all layer's fp32-accumulating GEMMs do. False sums in the summands' dtype:
+# half the bytes of those transfers in bf16, one rounding per hop (docs/BENCHMARKS.md, "bf16 numerics").
+fp32_accumulation: bool = Config(default=True, env_name_default="RELAYMOE_FP32_ACCUMULATION")
+
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
 inner_compiler: str = Config(

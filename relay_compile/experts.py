@@ -49,7 +49,8 @@ class GroupedExperts(Protocol):
     ``offsets_G``: int32 prefix sums of ``rows_G`` on the device; ``rows_G``: rows per expert (host ints).
     ``vjp_rows`` is ``ExpertVJP`` on the rows ``x_TH[tok_S]``, ``dy_TH[tok_S]`` (it gathers them itself, so it
     can release each after its last use) and is called only when ``has_fused_backward``; otherwise the ring
-    differentiates ``forward_rows`` with autograd.
+    differentiates ``forward_rows`` with autograd. Its weight gradients come in ``grad_dtype`` where given
+    (the ring's fp32 sums: the GEMMs return their accumulators unrounded), else in the weights' dtype.
 
     The entry points take the weights in the function's *packed* layout (``pack``: for example SwiGLU's
     ``w1`` and ``w3`` stacked, so one GEMM computes both): that is what circulates, what a chunk slices and
@@ -72,7 +73,7 @@ class GroupedExperts(Protocol):
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor,
+        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]: ...
 
 
@@ -112,12 +113,34 @@ def _grouped_linear(x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, count
     return torch.cat([c @ w_EOD[e].T for e, c in enumerate(chunks)], dim=0)
 
 
-def _grouped_weight_grad(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: list[int] | None) -> Tensor:
-    """``dw[e] = dy_e.T @ x_e`` over the row groups ``(E, O, I)``: the weight gradient of ``_grouped_linear``."""
-    if offsets_E is not None:
-        return torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E)
-    assert counts_E is not None
-    return torch.stack([d.t() @ x for d, x in zip(torch.split(dy_SO, counts_E), torch.split(x_SI, counts_E))])
+def _grouped_weight_grad(
+    dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
+    grad_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``dw[e] = dy_e.T @ x_e`` over the row groups ``(E, O, I)``: the weight gradient of ``_grouped_linear``.
+
+    ``grad_dtype`` wider than the rows' (fp32 for bf16 rows): each GEMM returns its fp32 accumulator
+    unrounded (``torch._grouped_mm`` has no output dtype: one GEMM per expert, on the host counts
+    ``counts_E``), so a partial summed across hops is rounded to the rows' dtype once, at the end.
+    """
+    if grad_dtype is None or grad_dtype == dy_SO.dtype:
+        if offsets_E is not None:
+            return torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E)
+        assert counts_E is not None
+        return torch.stack([d.t() @ x for d, x in zip(torch.split(dy_SO, counts_E), torch.split(x_SI, counts_E))])
+    assert counts_E is not None, "a weight gradient wider than its rows needs the host counts"
+    dw_EOI = dy_SO.new_empty((len(counts_E), dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype)
+    for e, (d, x) in enumerate(zip(torch.split(dy_SO, list(counts_E)), torch.split(x_SI, list(counts_E)))):
+        dw_EOI[e] = _mm_widened(d.t(), x, grad_dtype)
+    return dw_EOI
+
+
+def _mm_widened(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` accumulated and returned in ``dtype``: the GEMM's own output dtype on CUDA (no widened
+    copies of the operands); elsewhere (CPU has no ``mm`` with an output dtype) on widened copies."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=dtype)
+    return a.to(dtype) @ b.to(dtype)
 
 
 def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weights: Tensor):
@@ -158,14 +181,17 @@ def _split_w13(w13_LGH: Tensor, ffn: int) -> list[Tensor]:
 
 def _swiglu_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
-    dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None,
+    dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
+    rows_host: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``.
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
-    (``kernels.swiglu_backward``). A chunk's transient peak is ``x + dy + h13 + g`` rows.
+    (``kernels.swiglu_backward``). A chunk's transient peak is ``x + dy + h13 + g`` rows. ``grad_dtype``:
+    the weight gradients' dtype (``_grouped_weight_grad``; needs the host row counts ``rows_host``).
     """
+    wgrad_rows = counts_host if counts_host is not None else rows_host
     dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
     g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
     x_SH = x_TH if tok_S is None else x_TH[tok_S]
@@ -173,9 +199,9 @@ def _swiglu_vjp(
     d_score_S = swiglu_backward_(h13_SG, g_SF, score_S)
     act_scaled_SF, dh13_SG = g_SF, h13_SG
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
-    dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, counts_host)
+    dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype)
     del dy_SH, act_scaled_SF, g_SF
-    dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, counts_host)
+    dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype)
     del x_SH
     dx_SH = _grouped_linear(dh13_SG, w13_LGH.transpose(-2, -1), offsets_L, counts_host)
     return dx_SH, d_score_S, [dw13, dw2]
@@ -299,11 +325,11 @@ class GroupedFFN:
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor,
+        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
-        return _swiglu_vjp(x_TH, *grouping, *weights, dy_TH, score_S, tok_S)
+        return _swiglu_vjp(x_TH, *grouping, *weights, dy_TH, score_S, tok_S, grad_dtype, rows_G)
 
 
 def ffn_expert_fn(activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> GroupedFFN:

@@ -1,8 +1,8 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
-The ring's own options (routing, overlap, remat, max_hop_rows) become a ``RingOptions``, which validates them;
-this module adds the backend's (inner compiler, dumps, verify, activation memory budget) and the conversions from the config's
-spellings (environment strings, ``0`` for "no bound on hop rows").
+The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation) become a ``RingOptions``,
+which validates them; this module adds the backend's (inner compiler, dumps, verify, activation memory budget)
+and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop rows").
 
 Two sources, two parsers. ``options={...}`` is Python: a value must have its option's type (``max_hop_rows``
 an int, never ``2.7`` or ``True``; ``overlap`` a bool, never ``"false"``). A config value may come from the
@@ -157,6 +157,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
         ring = RingOptions(
             routing=_str("routing", *pick("routing")), overlap=_bool("overlap", *pick("overlap")),
             remat=_bool("remat", *pick("remat")), max_hop_rows=_hop_bound(*pick("max_hop_rows")),
+            fp32_accumulation=_bool("fp32_accumulation", *pick("fp32_accumulation")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None

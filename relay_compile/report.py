@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relay_compile.routing import choose_routing, per_hop_bytes
+from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,10 +79,13 @@ class RegionReport:
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
-                max_hop_rows: int | None) -> RegionReport:
+                max_hop_rows: int | None, fp32_accumulation: bool = True) -> RegionReport:
+        # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``.)
+        sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
         volume_args = dict(
             tokens=shape.tokens, hidden=shape.hidden, top_k=shape.top_k,
             experts_per_rank=shape.experts_per_rank, expert_bytes=shape.expert_bytes, elem_bytes=shape.elem_bytes,
+            expert_grad_bytes=shape.expert_bytes // shape.elem_bytes * sum_elem_bytes, sum_elem_bytes=sum_elem_bytes,
         )
         return RegionReport(
             index=index, status="matched", anchor=anchor, group_name=group_name, group_size=shape.group_size,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,7 @@ def ring_moe_experts(
     overlap: bool = True,
     remat: bool = True,
     max_hop_rows: int | None = None,
+    fp32_accumulation: bool = True,
     name: str | None = None,
 ) -> Tensor:
     """``ring_moe`` with any expert function (``relay_compile.experts`` gives its contract).
@@ -133,15 +134,17 @@ def ring_moe_experts(
     with _raising_together(group_name, x):
         check_routing_args(x, topk_ids, topk_scores)
         _check_experts_per_rank(experts_per_rank)
-        key = _register(expert_fn, experts_per_rank, group_name, routing, overlap, remat, max_hop_rows, name,
-                        torch.compiler.is_compiling())
+        # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
+        key = _register(expert_fn, experts_per_rank, group_name, dict(
+            routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
+            fp32_accumulation=fp32_accumulation), name, torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
 @torch.compiler.assume_constant_result
 def _register(
-    expert_fn: ExpertFn, experts_per_rank: int, group_name: str, routing: str, overlap: bool, remat: bool,
-    max_hop_rows: int | None, name: str | None, compiling: bool,
+    expert_fn: ExpertFn, experts_per_rank: int, group_name: str, options: dict[str, Any], name: str | None,
+    compiling: bool,
 ) -> str:
     """Register the call's spec; its key.
 
@@ -149,11 +152,9 @@ def _register(
     spec exists (pinned) before the graph first runs; a registration traced as a side effect would be
     applied only after the graph ran.
     """
-    options = RingOptions.checked(
-        "ring_moe", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows
-    )
     fn_name, identity = (name, name) if name else describe(expert_fn)
-    spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name, options=options)
+    spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name,
+                    options=RingOptions.checked("ring_moe", **options))
     return register_spec(spec, fn_name, identity=identity, functional=True, pinned=compiling)
 
 
@@ -171,6 +172,7 @@ def ring_moe(
     overlap: bool = True,
     remat: bool = True,
     max_hop_rows: int | None = None,
+    fp32_accumulation: bool = True,
     use_grouped_mm: bool | None = None,
 ) -> Tensor:
     """The RelayMoE block: ``y[t] = sum_k topk_scores[t, k] * FFN_{topk_ids[t, k]}(x[t])``.
@@ -188,6 +190,9 @@ def ring_moe(
             first and keep every hop's activations, as whole-block checkpointing would; for ablation).
         max_hop_rows: bound the rows of one expert call; hops with more pairs run in chunks, so peak memory
             stops growing with tokens (None: one call per hop).
+        fp32_accumulation: sum what the ring accumulates across hops (weight gradients; token routing's
+            travelling outputs and input gradients) in fp32, like the all-to-all layer's fp32-accumulating
+            GEMMs; False: in the summands' dtype (in bf16 half the bytes of those transfers, one rounding per hop).
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
 
     Returns:
@@ -198,7 +203,7 @@ def ring_moe(
             other ranks learned of it, so none waits).
         RingInputError: on every rank alike, before any transfer: a bad argument on another rank (names the
             rank and the argument), arguments or options that differ across ranks (names both ranks: shapes,
-            dtypes, experts per rank, routing, overlap, remat, the expert function; ``max_hop_rows`` may
+            dtypes, experts per rank, routing, overlap, remat, fp32_accumulation, the expert function; ``max_hop_rows`` may
             differ), or expert ids outside ``[0, E)`` on any rank.
         RingPeerError: another rank failed inside the ring and this rank received data it sent after that
             (``runtime.transport``): at the end of this call where that status is on the CPU, else at the
@@ -218,5 +223,5 @@ def ring_moe(
         # The name ("" only without torch.distributed: a ring of one, which None says again).
         x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-        name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
+        fp32_accumulation=fp32_accumulation, name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
     )

@@ -192,24 +192,31 @@ def plan_chunks(bounds: list[list[ChunkBounds]], experts_per_rank: int, device: 
 
 def per_hop_bytes(
     routing: Routing, *, tokens: int, hidden: int, top_k: int, experts_per_rank: int, expert_bytes: int,
-    elem_bytes: int,
+    elem_bytes: int, expert_grad_bytes: int | None = None, sum_elem_bytes: int | None = None,
 ) -> dict[str, int]:
     """Per-hop transfer volume of one routing mode, forward and backward, as this ring sends it.
 
     Expert routing moves ``E_l`` experts' weights, and in backward their weight gradients beside them
     (paper Table 2). Token routing moves the tokens with their routing metadata (ids int64 + scores: M per
     token), and beside them the output accumulator one hop behind (forward); in backward the tokens, output
-    gradients and metadata, with the ``dx``/``d_scores`` accumulators one hop behind.
+    gradients and metadata, with the ``dx``/``d_scores`` accumulators one hop behind. The sums travel in
+    their own dtype (``fp32_accumulation``): ``expert_grad_bytes`` per expert's gradient (None:
+    ``expert_bytes``), ``sum_elem_bytes`` per element of ``y``/``dx`` (None: ``elem_bytes``).
     """
     if routing == "expert":
         fwd = experts_per_rank * expert_bytes
-        return {"forward": fwd, "backward": 2 * fwd}
+        return {"forward": fwd, "backward": fwd + experts_per_rank * (expert_grad_bytes or expert_bytes)}
     metadata = top_k * (8 + elem_bytes)
-    row = hidden * elem_bytes
+    row, sum_row = hidden * elem_bytes, hidden * (sum_elem_bytes or elem_bytes)
     return {
-        "forward": tokens * (row + metadata) + tokens * row,
-        "backward": tokens * (2 * row + metadata) + tokens * (row + top_k * elem_bytes),
+        "forward": tokens * (row + metadata) + tokens * sum_row,
+        "backward": tokens * (2 * row + metadata) + tokens * (sum_row + top_k * elem_bytes),
     }
+
+
+def summed_bytes(elem_bytes: int, fp32_accumulation: bool) -> int:
+    """Bytes per element of a sum across hops of elements of ``elem_bytes`` (the ``fp32_accumulation`` option)."""
+    return max(elem_bytes, 4) if fp32_accumulation else elem_bytes
 
 
 def choose_routing(**volume_args: int) -> Routing:

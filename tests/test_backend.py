@@ -131,7 +131,7 @@ class BackendOptions(unittest.TestCase):
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.splitlines()
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
-        self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows=None)", out[1])
+        self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows=None, fp32_accumulation=True)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
 
     def test_activation_memory_budget_reaches_the_partitioner_for_this_graph_only(self) -> None:

@@ -61,7 +61,7 @@ class PeakMemoryModel(unittest.TestCase):
 
 class MatchedRegion(unittest.TestCase):
     def test_auto_routing_records_the_predicted_mode_with_both_modes_volumes(self) -> None:
-        r = RegionReport.matched(2, "all_to_all_single_1", "ep0", SMALL, "auto", 3)
+        r = RegionReport.matched(2, "all_to_all_single_1", "ep0", SMALL, "auto", 3, fp32_accumulation=False)
         self.assertEqual((r.index, r.status, r.anchor, r.group_name, r.group_size), (2, "matched",
                          "all_to_all_single_1", "ep0", 4))
         self.assertEqual((r.routing_option, r.routing_predicted), ("auto", "token"))
@@ -74,18 +74,26 @@ class MatchedRegion(unittest.TestCase):
 
     def test_auto_picks_expert_routing_when_the_experts_are_the_smaller_payload(self) -> None:
         # expert_bytes 10: 30 + 60 = 90 per hop against token routing's 840.
-        r = RegionReport.matched(0, "a", "ep0", dataclasses.replace(SMALL, expert_bytes=10), "auto", 0)
+        r = RegionReport.matched(0, "a", "ep0", dataclasses.replace(SMALL, expert_bytes=10), "auto", 0,
+                                 fp32_accumulation=False)
         self.assertEqual(r.routing_predicted, "expert")
         self.assertEqual(r.per_hop_bytes["expert"], {"forward": 30, "backward": 60})
 
     def test_auto_breaks_a_tie_toward_expert_routing(self) -> None:
         # One expert of 280 bytes: 280 + 560 = 840, the same as token routing.
         r = RegionReport.matched(0, "a", "ep0", dataclasses.replace(SMALL, experts_per_rank=1, expert_bytes=280),
-                                 "auto", 0)
+                                 "auto", 0, fp32_accumulation=False)
         self.assertEqual(sum(r.per_hop_bytes["expert"].values()), sum(r.per_hop_bytes["token"].values()))
         self.assertEqual(r.routing_predicted, "expert")
 
-    def test_an_explicit_routing_is_kept_even_against_the_prediction(self) -> None:
+    def test_fp32_accumulation_sends_the_sums_in_fp32(self) -> None:
+        # bf16 weights of 100 bytes -> gradients of 200: expert backward 300 + 3 * 200 = 900.
+        # Token rows of sums H*4 = 16: forward 10*(8 + 20) + 10*16 = 440; backward 10*(16 + 20) + 10*(16 + 2*2) = 560.
+        r = RegionReport.matched(0, "a", "ep0", SMALL, "auto", 0)
+        self.assertEqual(r.per_hop_bytes, {"expert": {"forward": 300, "backward": 900},
+                                           "token": {"forward": 440, "backward": 560}})
+        self.assertEqual(r.routing_predicted, "token")  # 1200 against 1000
+
         self.assertEqual(RegionReport.matched(0, "a", "ep0", SMALL, "expert", 0).routing_predicted, "expert")
         cheap_experts = dataclasses.replace(SMALL, expert_bytes=10)
         r = RegionReport.matched(0, "a", "ep0", cheap_experts, "token", 0)

@@ -16,6 +16,8 @@ on CUDA, memory_a2a.pickle / memory_ring.pickle under --out; at most 5 files, on
 - ``capacity``: largest tokens per rank that fit ``--budget-gib`` (default 40), a2a against ring.
 - ``ablation``: paper Figure 17 (sequential / overlap, with and without grouped GEMM).
 - ``memory``: memory over time of one forward+backward, a2a and ring (paper Figures 4 and 7).
+- ``numerics``: bf16 leaf errors (y, dx, d scores, d weights) of the a2a layer and the ring against an fp32
+  truth, the Qwen3 layer at each ``--ep`` (default 8 64); with ``--dtype`` other than bf16, in that dtype.
 - ``all``: everything above but tiny.
 - ``device``: what one GPU run needs, within ``--time-budget`` (default 420 s): qwen3 at EP 8 and 64 (compiled
   rows measured last and appended to those tables), ablation, memory plot, capacity at EP 8 with 40 GiB, a Table 3
@@ -39,12 +41,13 @@ from relay_compile.bench.capacity import capacity_search
 from relay_compile.bench.configs import QWEN3_30B, TABLE3, BenchOptions, LayerConfig, gib
 from relay_compile.bench.inputs import make_weights
 from relay_compile.bench.measure import measure_layer, quiet_warnings
+from relay_compile.bench.numerics import layer_numerics
 from relay_compile.bench.progress import Progress
 from relay_compile.bench.results import Report, report_from_json
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, ablation_rows, default_rows, sweep_rows
 from relay_compile.bench.timeline import record_timeline
 
-PRESETS = ("tiny", "qwen3", "table3", "tokens", "ep", "capacity", "ablation", "memory", "all", "device")
+PRESETS = ("tiny", "qwen3", "table3", "tokens", "ep", "capacity", "ablation", "memory", "numerics", "all", "device")
 
 TINY = LayerConfig(name="tiny", hidden=64, ffn=32, experts=16, top_k=4, tokens=512, ep=4, dtype="fp32", device="cpu")
 DEVICE_TABLE3 = ("MoE-E64", "MoE-E384", "MoE-K16", "MoE-H2048")
@@ -106,6 +109,15 @@ def _timeline(cfg: LayerConfig, opts: BenchOptions, out: Path) -> Task:
     return Task(title=f"memory over time {cfg.name} EP={cfg.ep}", run=run)
 
 
+def _numerics(configs: list[LayerConfig]) -> Task:
+    def run(report: Report, progress: Progress, deadline: float | None) -> None:
+        for cfg in configs:
+            progress.line(f"numerics {cfg.label()}")
+            report.numerics.append(layer_numerics(cfg))
+
+    return Task(title="bf16 numerics", run=run)
+
+
 def build_tasks(args: argparse.Namespace, opts: BenchOptions) -> list[Task]:
     """The sections of a preset, in run order."""
     dev, dt = args.device, args.dtype
@@ -162,11 +174,12 @@ def build_tasks(args: argparse.Namespace, opts: BenchOptions) -> list[Task]:
         "capacity": lambda: [_capacity(qwen_at(ep0), opts, budget, step, args.capacity_max)],
         "ablation": lambda: [ablation(ep0)],
         "memory": lambda: [_timeline(qwen_at(ep0), opts, out)],
+        "numerics": lambda: [_numerics([qwen_at(e) for e in eps or [8, 64]])],
     }
     if p in tasks:
         return tasks[p]()
     if p == "all":
-        names = ("qwen3", "ablation", "memory", "capacity", "tokens", "ep", "table3")
+        names = ("qwen3", "ablation", "memory", "capacity", "tokens", "ep", "table3", "numerics")
         return [t for name in names for t in tasks[name]()]
     assert p == "device", f"unknown preset {p}"
     # Compiled rows last: their compile time is the one unknown, and they may be skipped with a note.

@@ -21,6 +21,7 @@ import torch
 from relay_compile.bench.capacity import CapacityResult
 from relay_compile.bench.configs import BenchOptions, GiB, MiB
 from relay_compile.bench.measure import LayerResult, RowResult
+from relay_compile.bench.numerics import NumericsResult, errors_table
 from relay_compile.bench.progress import fmt_bytes, fmt_ms, fmt_x
 from relay_compile.bench.rows import A2A_EAGER
 from relay_compile.bench.timeline import Timeline
@@ -135,6 +136,7 @@ class Report:
     capacity: list[CapacityResult] = field(default_factory=list)
     timelines: list[Timeline] = field(default_factory=list)
     timeline_title: str = ""
+    numerics: list[NumericsResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     env: dict[str, Any] = field(default_factory=environment)
 
@@ -154,6 +156,7 @@ class Report:
             "capacity": [dataclasses.asdict(c) for c in self.capacity],
             "timelines": [dataclasses.asdict(t) for t in self.timelines],
             "timeline_title": self.timeline_title,
+            "numerics": [dataclasses.asdict(n) for n in self.numerics],
         }
 
     def markdown(self) -> str:
@@ -182,6 +185,9 @@ class Report:
                     "| row | peak | snapshot |", "|---|---:|---|"]
             out += [f"| {t.row} | {fmt_bytes(t.peak_bytes)} | {t.snapshot_file or '-'} |" for t in self.timelines]
             out += ["", "![memory over time](memory_timeline.png)", ""]
+        for n in self.numerics:
+            out += ["", f"## bf16 numerics: {n.label}", "", f"Each leaf's max |error| / max |truth|; truth: {n.truth}.",
+                     "", errors_table(n.errors, next(iter(n.errors))), ""]
         return "\n".join(out) + "\n"
 
     def write(self, out: Path, *, with_json: bool = True) -> list[Path]:
@@ -206,4 +212,5 @@ def report_from_json(data: dict[str, Any]) -> Report:
     rep.capacity = [CapacityResult(**{**c, "probes": [tuple(p) for p in c["probes"]]})
                     for c in data.get("capacity", [])]
     rep.timelines = [Timeline(**t) for t in data.get("timelines", [])]
+    rep.numerics = [NumericsResult(**n) for n in data.get("numerics", [])]
     return rep

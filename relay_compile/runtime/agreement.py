@@ -8,7 +8,7 @@ Contract:
     before the exchange: code, argument and the first bytes of the message), the direction, token count,
     hidden size, top-k, the dtypes of everything that travels (x, topk_ids, topk_scores, grad_y), experts
     per rank, weight count, shapes and dtypes, the options that change the transfer schedule (routing asked,
-    overlap, remat; never ``max_hop_rows``, a per-rank memory knob), the expert function's identity
+    overlap, remat, fp32_accumulation; never ``max_hop_rows``, a per-rank memory knob), the expert function's identity
     (``fn_identity``), then what the step needs: a bad-expert-id flag and the pair counts per expert, and
     the failure status this rank's previous ring on the group left unread (``transport.RingRun.outcome``).
     Every rank checks the gathered table in the same order and raises the same ``RingInputError``, naming the
@@ -49,7 +49,8 @@ Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 # Arguments a problem can name; a problem's code is 1 + the index. "the call" is any other local error.
 ARGUMENTS = (
     "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
-    "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "the call",
+    "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "fp32_accumulation",
+    "the call",
 )
 # Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.
 _DTYPES = (
@@ -61,7 +62,7 @@ MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
 _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
-    "experts_per_rank", "routing", "overlap", "remat", "expert_fn", "num_weights", "weights_digest",
+    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "expert_fn", "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
 )
@@ -78,6 +79,7 @@ _AGREED = (
     ("routing", "option routing", lambda v: repr(ROUTINGS[v])),
     ("overlap", "option overlap", lambda v: str(bool(v))),
     ("remat", "option remat", lambda v: str(bool(v))),
+    ("fp32_accumulation", "option fp32_accumulation", lambda v: str(bool(v))),
     ("hidden", "the hidden size (x.shape[1])", str),
     ("top_k", "top-k (topk_ids.shape[1])", str),
     ("x_dtype", "x's dtype", lambda v: dtype_name(v)),
@@ -136,7 +138,8 @@ class Claims:
         row |= dict(
             direction=int(self.direction == "backward"), tokens=self.tokens, hidden=self.hidden, top_k=self.top_k,
             experts_per_rank=self.experts_per_rank, routing=ROUTINGS.index(self.options.routing),
-            overlap=int(self.options.overlap), remat=int(self.options.remat), expert_fn=self.expert_fn,
+            overlap=int(self.options.overlap), remat=int(self.options.remat),
+            fp32_accumulation=int(self.options.fp32_accumulation), expert_fn=self.expert_fn,
             num_weights=len(self.weights), counts_len=counts_len,
         )
         row |= zip(("x_dtype", "ids_dtype", "scores_dtype", "grad_dtype"), map(dtype_code, self.dtypes), strict=True)
@@ -212,12 +215,14 @@ def _group_state(ring: RingGroup) -> _GroupState:
 
 
 def agree(
-    ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, weight_bytes: int, elem_bytes: int
+    ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, weight_bytes: int, elem_bytes: int,
+    grad_bytes: int, sum_elem_bytes: int,
 ) -> Agreement:
     """The exchange of one op call; raises ``RingInputError`` (or this rank's own problem) on every rank.
 
     ``bad_ids``: ``(1,)`` int64 flag of ids outside ``[0, E)``; ``counts_E``: int64 pairs per expert (device).
-    ``weight_bytes``, ``elem_bytes``: this rank's weight and token element sizes, for ``routing="auto"``.
+    ``weight_bytes``, ``elem_bytes``: this rank's weight bytes and token element size; ``grad_bytes``,
+    ``sum_elem_bytes``: the same for the sums that travel (``routing.per_hop_bytes``), for ``routing="auto"``.
     """
     state = _group_state(ring)
     table = _exchange(ring, claims, bad_ids, counts_E, state)
@@ -229,6 +234,7 @@ def agree(
         tokens=max(row[_AT["tokens"]] for row in table), hidden=head[_AT["hidden"]], top_k=head[_AT["top_k"]],
         experts_per_rank=head[_AT["experts_per_rank"]], elem_bytes=elem_bytes,
         expert_bytes=weight_bytes // max(1, head[_AT["experts_per_rank"]]),
+        expert_grad_bytes=grad_bytes // max(1, head[_AT["experts_per_rank"]]), sum_elem_bytes=sum_elem_bytes,
     )
     asked = ROUTINGS[head[_AT["routing"]]]
     routing: Routing = choose_routing(**volume_args) if asked == "auto" else asked  # type: ignore[assignment]

@@ -15,8 +15,11 @@ vector-Jacobian product and releases everything before the next chunk (hop-scope
 Chunks are planned once per step (``routing.plan_chunks``); an expert function with grouped entry points
 (``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
 packs them once, they circulate packed, and the gradients are unpacked at ``finish``.
-Accumulators keep the dtype of what they accumulate (bf16 sums like the all-to-all layer's combine and
-its autograd, at half the bytes of fp32); the per-pair score gradients are reduced in fp32.
+Sums across hops (``RingStepConfig.acc_dtype``, the ``fp32_accumulation`` option): the weight-gradient
+partials that follow their weights (expert routing), the weight gradients a rank sums over hops (token
+routing), and the ``y``/``dx`` accumulators (travelling in token routing, local in expert routing) are summed
+in fp32, so a sum over hops is rounded to bf16 once, as an fp32-accumulating GEMM (or the CPU's index_add)
+of the all-to-all layer rounds it, not once per hop. The per-pair score gradients are reduced in fp32.
 
 A step plans from counts every rank agreed on (``runtime.agreement``; a step driven directly on a ring of
 one counts its own). Inside a multi-rank ``transport.RingRun`` the step never raises out of a hop: the
@@ -56,6 +59,8 @@ class RingStepConfig:
     ring: RingGroup
     num_experts: int
     max_hop_rows: int | None
+    # Dtype of the sums across hops (module docstring); None: the dtype of the summands.
+    acc_dtype: torch.dtype | None = None
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
     grouped: GroupedExperts | None = field(init=False)
 
@@ -65,6 +70,10 @@ class RingStepConfig:
     @property
     def experts_per_rank(self) -> int:
         return self.num_experts // self.ring.size
+
+    def sum_dtype(self, t: Tensor) -> torch.dtype:
+        """The dtype in which sums of tensors like ``t`` run across hops (never narrower than ``t``'s)."""
+        return t.dtype if self.acc_dtype is None else torch.promote_types(self.acc_dtype, t.dtype)
 
 
 @dataclass(kw_only=True)
@@ -128,9 +137,26 @@ def segment_forward(
         score_C1 = rows.scores_S[chunk.start : chunk.end, None]
         if cfg.grouped is not None and out_CH.dtype == y_TH.dtype:
             out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
+            y_TH.index_add_(0, tok_C, out_CH)
         else:
-            out_CH = (out_CH * score_C1).to(y_TH.dtype)
-        y_TH.index_add_(0, tok_C, out_CH)
+            add_rows(y_TH, tok_C, out_CH, score_C1)
+
+
+# Rows widened per index_add into a wider sum: bounds the widened copy (8192 x H x 4 bytes).
+WIDENED_ROWS = 8192
+
+
+def add_rows(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
+    """``sum[tok[c]] += scale[c] * rows[c]``, in ``sum``'s dtype; rows of another dtype are converted a block
+    of ``WIDENED_ROWS`` at a time, so no widened copy of a whole hop's rows exists."""
+    if rows_CH.dtype == sum_TH.dtype:
+        sum_TH.index_add_(0, tok_C, rows_CH if scale_C1 is None else rows_CH * scale_C1)
+        return
+    for a in range(0, rows_CH.shape[0], WIDENED_ROWS):
+        block = rows_CH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
+        if scale_C1 is not None:
+            block.mul_(scale_C1[a : a + WIDENED_ROWS])
+        sum_TH.index_add_(0, tok_C[a : a + WIDENED_ROWS], block)
 
 
 @contextlib.contextmanager
@@ -176,7 +202,7 @@ def _chunk_vjp(
     score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
     with _autograd_enabled():
         grads = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True)
-    dx_TH.index_add_(0, tok_C, grads[0].to(dx_TH.dtype))
+    add_rows(dx_TH, tok_C, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
 
@@ -199,9 +225,10 @@ def segment_backward(
         c0, c1 = chunk.start, chunk.end
         tok_C = rows.routing.tokens_P[c0:c1]
         if grouped is not None:
+            chunk_weights = _chunk_weights(cfg, weights, chunk)
             dx_CH, ds_C, dws = grouped.vjp_rows(
-                x_TH, tok_C, chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk), dy_TH,
-                rows.scores_S[c0:c1],
+                x_TH, tok_C, chunk.offsets_G, chunk.rows, chunk_weights, dy_TH, rows.scores_S[c0:c1],
+                grad_dtype=cfg.sum_dtype(chunk_weights[0]),
             )
         else:
             dx_CH, ds_C, dws = fused(
@@ -209,7 +236,7 @@ def segment_backward(
                 dy_TH[tok_C], rows.scores_S[c0:c1],
             )
         ds_S[c0:c1] = ds_C
-        dx_TH.index_add_(0, tok_C, dx_CH.to(dx_TH.dtype))
+        add_rows(dx_TH, tok_C, dx_CH)
         dw.add(dws, chunk if grouped is not None else None)
 
 
@@ -217,12 +244,12 @@ class WeightGrads:
     """Weight-gradient partials of one hop (expert routing) or one step (token routing).
 
     A chunk over every expert contributes whole-partition gradients, taken as they are when they come first;
-    a chunk over a slice of experts adds into a zero-initialised buffer at its slice. A weight no pair touched
-    (an empty hop) gets zeros.
+    any later contribution, or a chunk over a slice of experts, adds into a buffer of ``acc_dtype`` (None:
+    the gradient's dtype), zero-initialised for a slice. A weight no pair touched (an empty hop) gets zeros.
     """
 
-    def __init__(self, weights: Sequence[Tensor]) -> None:
-        self.weights = list(weights)
+    def __init__(self, weights: Sequence[Tensor], acc_dtype: torch.dtype | None = None) -> None:
+        self.weights, self.acc_dtype = list(weights), acc_dtype
         self.grads: list[Tensor | None] = [None] * len(self.weights)
 
     def add(self, grads: Sequence[Tensor | None], chunk: Chunk | None) -> None:
@@ -235,20 +262,25 @@ class WeightGrads:
             if acc is None and whole:
                 self.grads[i] = g
                 continue
+            dtype = g.dtype if self.acc_dtype is None else torch.promote_types(self.acc_dtype, g.dtype)
             if acc is None:
-                acc = self.grads[i] = torch.zeros_like(self.weights[i], dtype=g.dtype)
+                acc = self.grads[i] = torch.zeros_like(self.weights[i], dtype=dtype)
+            elif acc.dtype != dtype:
+                acc = self.grads[i] = acc.to(dtype)
             (acc if whole else acc[chunk.lo : chunk.hi]).add_(g)
 
-    def result(self) -> tuple[Tensor, ...]:
-        """The accumulated gradients in the weights' dtype."""
+    def result(self, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+        """The accumulated gradients in ``dtype`` (None: as accumulated; zeros in the weight's dtype)."""
         return tuple(
-            torch.zeros_like(w) if g is None else g.to(w.dtype) for g, w in zip(self.grads, self.weights, strict=True)
+            torch.zeros_like(w, dtype=dtype) if g is None else g.to(dtype or g.dtype)
+            for g, w in zip(self.grads, self.weights, strict=True)
         )
 
 
-def _zeros_like(t: Tensor) -> Tensor:
-    """Zeros of ``t``'s shape and dtype without allocating them (materialized only where they are sent)."""
-    return t.new_zeros(()).expand(t.shape)
+def _zeros_like(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Zeros of ``t``'s shape (and dtype, or ``dtype``) without allocating them (materialized only where they
+    are sent)."""
+    return t.new_zeros((), dtype=dtype).expand(t.shape)
 
 
 def _guarded(method: Callable[..., object], idle: Callable[..., object], step: RingStep, *args: object) -> object:
@@ -289,14 +321,17 @@ def _no_partials(step: RingStep, *args: object) -> tuple[Tensor, ...]:
 
 
 def _weight_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, ...]:
-    """Zero weight-gradient partials (expert routing backward): one per circulating weight."""
-    return tuple(_zeros_like(t) for t in args if isinstance(t, Tensor))
+    """Zero weight-gradient partials (expert routing backward): one per circulating weight, in the dtype a
+    computed partial of ``hop`` has (what travels must have the same bytes on every rank)."""
+    weights = [t for t in args if isinstance(t, Tensor)]
+    return tuple(_zeros_like(t, ExpertRoutingStep.partial_dtype(step.cfg, hop, t)) for t in weights)
 
 
 def _token_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, ...]:
     """Zero partials of the visiting tokens: ``y`` (forward), ``dx`` and ``d_scores`` (backward)."""
     x_TH, _, scores_TK, *_ = [t for t in args if isinstance(t, Tensor)]
-    return (_zeros_like(x_TH), _zeros_like(scores_TK)) if step.backward else (_zeros_like(x_TH),)
+    y_TH = _zeros_like(x_TH, step.cfg.sum_dtype(x_TH))
+    return (y_TH, _zeros_like(scores_TK)) if step.backward else (y_TH,)
 
 
 def _no_activations(step: RingStep, *args: object) -> HopActivations:
@@ -353,10 +388,11 @@ class ExpertRoutingStep:
             for owner in range(cfg.ring.size)
         ], e_l, x_TH.device)
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
+        # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
-            self.y_TH = torch.zeros_like(x_TH)
+            self.y_TH = torch.zeros_like(x_TH, dtype=cfg.sum_dtype(x_TH))
         else:
-            self.dx_TH = torch.zeros_like(x_TH)
+            self.dx_TH = torch.zeros_like(x_TH, dtype=cfg.sum_dtype(x_TH))
             # Every pair meets its expert on exactly one hop, so every entry is written.
             self.ds_S = torch.empty(self.scores_S.shape, dtype=ACC_DTYPE, device=x_TH.device)
 
@@ -377,12 +413,26 @@ class ExpertRoutingStep:
         segment_forward(self.cfg, self._rows(hop), self.x_TH, weights, self.y_TH)
         return ()
 
+    @staticmethod
+    def partial_dtype(cfg: RingStepConfig, hop: int, weight: Tensor) -> torch.dtype | None:
+        """Dtype of a weight-gradient partial of ``hop`` (None: as computed).
+
+        Hop 0's partial starts the travelling sum, so it has the sum's dtype on every rank; a later hop's is
+        added into the incoming fp32 sum as it is (``instructions.accumulate``), never copied to fp32.
+        """
+        return cfg.sum_dtype(weight) if hop == 0 else None
+
+    def _weight_grads(self, hop: int, dw: WeightGrads, weights: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        if hop == 0:
+            return dw.result(self.cfg.sum_dtype(weights[0]))
+        return dw.result()
+
     @_drains(_weight_partials)
     def backward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw = WeightGrads(weights)
+        dw = WeightGrads(weights, self.cfg.acc_dtype)
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
-        return dw.result()
+        return self._weight_grads(hop, dw, weights)
 
     @_drains(_no_activations)
     def recompute_hop(self, hop: int, *weights: Tensor) -> HopActivations:
@@ -391,21 +441,22 @@ class ExpertRoutingStep:
 
     @_drains(_weight_partials)
     def vjp_hop(self, hop: int, acts: HopActivations, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw = WeightGrads(weights)
+        dw = WeightGrads(weights, self.cfg.acc_dtype)
         assert self.grad_y_TH is not None
         rows = self._rows(hop)
         for recomputed in acts.chunks:
             _chunk_vjp(self.cfg, rows, recomputed, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
         acts.chunks.clear()
-        return dw.result()
+        return self._weight_grads(hop, dw, weights)
 
     @_drains(_trailing)
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
+        dtype = self.x_TH.dtype
         if self.grad_y_TH is None:
-            return (self.y_TH,)
+            return (self.y_TH.to(dtype),)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
-        return (self.dx_TH, ds_P.to(self.scores_S.dtype).view(self.topk_shape),
-                *_unpack_grads(self.cfg, trailing, self.given_weights))
+        return (self.dx_TH.to(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
+                *_unpack_grads(self.cfg, trailing, self.weights, self.given_weights))
 
 
 class TokenRoutingStep:
@@ -424,7 +475,7 @@ class TokenRoutingStep:
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
         if grad_y_TH is not None:
             self.circulating.append(grad_y_TH)
-            self.dw = WeightGrads(self.weights)
+            self.dw = WeightGrads(self.weights, cfg.acc_dtype)
         self.backward = grad_y_TH is not None
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
         # Per source rank: its token count, then its pairs per global expert (every rank's: token routing).
@@ -474,9 +525,13 @@ class TokenRoutingStep:
         ds_P = torch.zeros_like(ds_S).index_copy_(0, rows.routing.order_P[a:b], ds_S[a:b])
         return ds_P.to(scores_TK.dtype).view(scores_TK.shape)
 
+    def _token_sum(self, x_TH: Tensor) -> Tensor:
+        """A zero ``y``/``dx`` partial of the visiting tokens, in the dtype their sum travels in."""
+        return torch.zeros_like(x_TH, dtype=self.cfg.sum_dtype(x_TH))
+
     @_drains(_token_partials)
     def forward_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> tuple[Tensor, ...]:
-        y_TH = torch.zeros_like(x_TH)
+        y_TH = self._token_sum(x_TH)
         segment_forward(self.cfg, self._rows(hop, ids_TK, scores_TK), x_TH, self.weights, y_TH)
         return (y_TH,)
 
@@ -485,7 +540,7 @@ class TokenRoutingStep:
         self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
         rows = self._rows(hop, ids_TK, scores_TK)
-        dx_TH = torch.zeros_like(x_TH)
+        dx_TH = self._token_sum(x_TH)
         ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
         segment_backward(self.cfg, rows, x_TH, self.weights, dy_TH, dx_TH, ds_S, self.dw)
         return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
@@ -500,7 +555,7 @@ class TokenRoutingStep:
         self, hop: int, acts: HopActivations, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
     ) -> tuple[Tensor, ...]:
         rows = self._rows(hop, ids_TK, scores_TK)
-        dx_TH = torch.zeros_like(x_TH)
+        dx_TH = self._token_sum(x_TH)
         ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
         for recomputed in acts.chunks:
             _chunk_vjp(self.cfg, rows, recomputed, dy_TH, dx_TH, ds_S, self.dw)
@@ -509,9 +564,12 @@ class TokenRoutingStep:
 
     @_drains(_trailing)
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
+        # The returned y (forward) or dx (backward) in the tokens' dtype; d_scores has it already.
+        token_sum, *rest = trailing
+        token_sum = token_sum.to(self.circulating[0].dtype)
         if not self.backward:
-            return trailing
-        return (*trailing, *_unpack_grads(self.cfg, self.dw.result(), self.given_weights))
+            return (token_sum, *rest)
+        return (token_sum, *rest, *_unpack_grads(self.cfg, self.dw.result(), self.weights, self.given_weights))
 
 
 def pack_weights(cfg: RingStepConfig, weights: Sequence[Tensor]) -> list[Tensor]:
@@ -519,9 +577,16 @@ def pack_weights(cfg: RingStepConfig, weights: Sequence[Tensor]) -> list[Tensor]
     return cfg.grouped.pack(weights) if cfg.grouped is not None else list(weights)
 
 
-def _unpack_grads(cfg: RingStepConfig, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
-    """Gradients of the packed weights, in the layout the caller passed ``weights`` in."""
-    return cfg.grouped.unpack_grads(grads, weights) if cfg.grouped is not None else list(grads)
+def _unpack_grads(
+    cfg: RingStepConfig, grads: Sequence[Tensor], packed: Sequence[Tensor], weights: Sequence[Tensor]
+) -> list[Tensor]:
+    """Gradients of the ``packed`` weights (summed in any dtype), in the layout and dtypes of ``weights``.
+
+    Cast before unpacking, so the unpacked copies are made in the weights' (narrower) dtype.
+    """
+    grads = [g.to(w.dtype) for g, w in zip(grads, packed, strict=True)]
+    unpacked = cfg.grouped.unpack_grads(grads, weights) if cfg.grouped is not None else grads
+    return [g.to(w.dtype) for g, w in zip(unpacked, weights, strict=True)]
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from relay_compile.routing import PairRouting
+from relay_compile.routing import PairRouting, summed_bytes
 from relay_compile.runtime.agreement import BadArgument, Claims, agree, remember_status
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,
@@ -121,11 +121,14 @@ def _run(
     spec = state.spec
     cfg = RingStepConfig(
         expert_fn=spec.expert_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
-        max_hop_rows=spec.options.max_hop_rows,
+        max_hop_rows=spec.options.max_hop_rows, acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
+    fp32 = spec.options.fp32_accumulation
     agreed = agree(ring, local.claims, local.bad_ids, local.counts_E,
-                   weight_bytes=sum(w.numel() * w.element_size() for w in weights), elem_bytes=x.element_size())
+                   weight_bytes=sum(w.numel() * w.element_size() for w in weights), elem_bytes=x.element_size(),
+                   grad_bytes=sum(w.numel() * summed_bytes(w.element_size(), fp32) for w in weights),
+                   sum_elem_bytes=summed_bytes(x.element_size(), fp32))
     if agreed.routing != state.resolved:
         log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", agreed.routing, spec.options.routing,
                  agreed.volumes)

@@ -15,7 +15,8 @@ from relay_compile.runtime.specs import RingSpec, register_spec, spec_state
 
 class RingOptionsAreValidatedOnce(unittest.TestCase):
     def test_defaults_are_the_overlapped_rematerialized_auto_ring_with_whole_hops(self) -> None:
-        self.assertEqual(RingOptions(), RingOptions(routing="auto", overlap=True, remat=True, max_hop_rows=None))
+        self.assertEqual(RingOptions(), RingOptions(routing="auto", overlap=True, remat=True, max_hop_rows=None,
+                                                    fp32_accumulation=True))
 
     def test_bad_values_name_the_option_and_what_is_valid(self) -> None:
         cases = [
@@ -24,6 +25,7 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
             (dict(max_hop_rows=True), r"max_hop_rows must be a positive row count or None, got True"),
             (dict(max_hop_rows=2.5), r"max_hop_rows must be a positive row count or None, got 2.5"),
             (dict(overlap=1), r"^overlap must be a bool, got 1$"),
+            (dict(fp32_accumulation="yes"), r"^fp32_accumulation must be a bool, got 'yes'$"),
         ]
         for values, message in cases:
             with self.subTest(values=values), self.assertRaisesRegex(InvalidRingOption, message):
@@ -45,8 +47,8 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
             resolve({"max_hop_rows": -1})
 
     def test_the_key_spells_every_field(self) -> None:
-        key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64).key()
-        self.assertEqual(key, "routing=token|overlap=0|remat=1|max_hop_rows=64")
+        key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False).key()
+        self.assertEqual(key, "routing=token|overlap=0|remat=1|max_hop_rows=64|fp32_accumulation=0")
 
 
 SWIGLU = ffn_expert_fn("swiglu")
@@ -59,7 +61,7 @@ class RingSpecsAreKeyedByTheirContents(unittest.TestCase):
 
     def test_equal_specs_share_one_key_and_one_registration(self) -> None:
         key = register_spec(self.spec(max_hop_rows=7), "ffn_test")
-        self.assertEqual(key, "ffn_test|group=|E_l=2|routing=auto|overlap=1|remat=1|max_hop_rows=7")
+        self.assertEqual(key, "ffn_test|group=|E_l=2|routing=auto|overlap=1|remat=1|max_hop_rows=7|fp32_accumulation=1")
         self.assertEqual(register_spec(self.spec(max_hop_rows=7), "ffn_test"), key)
         self.assertEqual(spec_state(key).ring.size, 1)
 
