@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory-gib", type=float, help="per-rank memory budget (CUDA: the process's cap)")
     ap.add_argument("--start", type=int, help="first length tried, tokens per rank")
     ap.add_argument("--max-tokens", type=int, help="the search's upper end, tokens per rank")
+    ap.add_argument("--at", type=int, nargs="+", default=[],
+                    help="more lengths (tokens per rank) to measure every row at, where it fits, after the searches")
     ap.add_argument("--rows", nargs="+", choices=[p.name for p in POLICIES], help="default: all")
     ap.add_argument("--ladder", type=float, nargs="+", help="partitioner budgets the budget rows may use")
     ap.add_argument("--rel-tol", type=float, help="bisection stops at this fraction of the length (or a sequence)")
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace, out: Path, progress: Progress) -> FullModelRep
     for policy in policies:
         report.rows.append(runs.search(policy))
         report.write(out)
-    lengths = comparison_lengths(report.rows)
+    lengths = comparison_lengths(report.rows) | {f"--at {t}": t for t in args.at}
     if settings.deadline is not None:  # the comparison points get time of their own: the bars need them
         runs.settings = dataclasses.replace(settings, deadline=time.perf_counter() + COMPARISON_S)
     for what, tokens in lengths.items():
