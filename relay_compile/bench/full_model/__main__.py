@@ -27,6 +27,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,10 +43,28 @@ from relay_compile.bench.measure import quiet_warnings
 from relay_compile.bench.progress import Progress, fmt_bytes
 from relay_compile.bench.standin_group import standin_group
 
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """Defaults of a run; every field has a command-line option that overrides it."""
+
+    model: FullModelConfig
+    memory_gib: float
+    start: int  # first length tried, tokens per rank
+    max_tokens: int
+    warmup: int
+    repeats: int
+    ladder: tuple[float, ...]  # partitioner budgets the budget row may use
+    rel_tol: float  # bisection tolerance, a fraction of the length
+
+
 PRESETS = {
-    # (model, memory budget GiB, start tokens, max tokens, warm-up, repeats, ladder, bisection tolerance)
-    "tiny": (TINY_MODEL, 0.012, 128, 2048, 1, 1, (1.0, 0.0), 0.0),
-    "h200": (QWEN3_30B_A3B, 48.0, 8192, 1 << 19, 1, 1, (1.0, 0.5, 0.0), 0.1),
+    # Small enough for a test on the CPU (< 1 minute), with lengths where every row stops fitting.
+    "tiny": Preset(model=TINY_MODEL, memory_gib=0.012, start=128, max_tokens=2048, warmup=1, repeats=1,
+                   ladder=(1.0, 0.0), rel_tol=0.0),
+    # One H200 within minutes: 8 layers, a 48 GiB cap, lengths from 8192 tokens per rank.
+    "h200": Preset(model=QWEN3_30B_A3B, memory_gib=48.0, start=8192, max_tokens=1 << 19, warmup=1, repeats=1,
+                   ladder=(1.0, 0.5, 0.0), rel_tol=0.1),
 }
 # Seconds the comparison lengths may take after a --time-budget spent on the searches.
 COMPARISON_S = 90.0
@@ -76,14 +95,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replot", action="store_true", help="redraw results.md and the PNG from --out/results.json")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    model, memory, start, top, warmup, repeats, ladder, rel_tol = PRESETS[args.preset]
-    args.model = model.with_(**{k: v for k, v in (("layers", args.layers), ("seq_len", args.seq_len)) if v})
-    args.memory_gib = args.memory_gib or memory
-    args.start, args.max_tokens = args.start or start, args.max_tokens or top
-    args.warmup = warmup if args.warmup is None else args.warmup
-    args.repeats = args.repeats or repeats
-    args.ladder = tuple(sorted(args.ladder or ladder, reverse=True))
-    args.rel_tol = rel_tol if args.rel_tol is None else args.rel_tol
+    preset = PRESETS[args.preset]
+    args.model = preset.model.with_(**{k: v for k, v in (("layers", args.layers), ("seq_len", args.seq_len)) if v})
+    args.memory_gib = args.memory_gib or preset.memory_gib
+    args.start, args.max_tokens = args.start or preset.start, args.max_tokens or preset.max_tokens
+    args.warmup = preset.warmup if args.warmup is None else args.warmup
+    args.repeats = args.repeats or preset.repeats
+    args.ladder = tuple(sorted(args.ladder or preset.ladder, reverse=True))
+    args.rel_tol = preset.rel_tol if args.rel_tol is None else args.rel_tol
     return args
 
 

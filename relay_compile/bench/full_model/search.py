@@ -109,26 +109,29 @@ class RowRuns:
             self._probes[(*key, tokens)] = probe
         return dataclasses.replace(self._probes[(*key, tokens)], memory_budget=fraction)
 
-    def _budget_probe(self, policy: Policy, tokens: int) -> Probe:
-        """The largest fraction the chooser proposes that fits; the last failure when none does."""
+    def _budget_probes(self, policy: Policy, tokens: int) -> list[Probe]:
+        """The fractions the chooser proposes, largest first, up to the first that fits (every one tried)."""
         chooser = self._choosers.setdefault(policy.name, BudgetChooser(self.settings.budget_bytes,
                                                                        self.settings.ladder))
-        last = Probe(tokens=tokens, fits=False, error="every partitioner budget predicted over the memory budget")
+        tried = []
         for fraction in chooser.candidates(tokens):
-            last = self._probe(policy, fraction, tokens)
-            chooser.record(fraction, tokens, last.peak_bytes if last.fits else None, last.resident_bytes)
-            if last.fits:
+            tried.append(self._probe(policy, fraction, tokens))
+            chooser.record(fraction, tokens, tried[-1].peak_bytes if tried[-1].fits else None,
+                           tried[-1].resident_bytes)
+            if tried[-1].fits:
                 break
-        return last
+        return tried or [Probe(tokens=tokens, fits=False, error="every budget failed at a shorter length")]
 
     def _measure(self, policy: Policy, result: RowResult, tokens: int) -> Probe:
+        """The row at ``tokens`` (a budget row: each fraction tried is recorded); the last probe made."""
         if self.settings.deadline is not None and time.perf_counter() > self.settings.deadline:
             raise TimeBudgetSpent(f"time budget spent before T={tokens}")
-        probe = (self._budget_probe(policy, tokens) if policy.recompute == "budget"
-                 else self._probe(policy, None, tokens))
-        result.probes.append(probe)
-        self._report(policy, probe)
-        return probe
+        probes = (self._budget_probes(policy, tokens) if policy.recompute == "budget"
+                  else [self._probe(policy, None, tokens)])
+        for probe in probes:
+            result.probes.append(probe)
+            self._report(policy, probe)
+        return probes[-1]
 
     def _report(self, policy: Policy, p: Probe) -> None:
         head = f"{policy.name:<18} | T={p.tokens:>7}"
