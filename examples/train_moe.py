@@ -134,6 +134,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.lr = 3e-3 if args.optimizer == "adamw" else 0.1
     if args.inner_compiler is None:
         args.inner_compiler = "inductor" if args.device == "cuda" else "aot_eager"
+    if args.simulate_ep and args.routing != "expert":
+        # The stand-in group mirrors this rank as every peer: token routing would revisit this rank's own tokens
+        # with its own experts at every hop, another function than the model's (relay_compile.bench.standin_group).
+        if args.routing == "token":
+            p.error("--simulate-ep computes the model's function only with expert routing: use --routing expert")
+        args.routing = "expert"
     return args
 
 
@@ -504,7 +510,7 @@ def simulated_rank(args: argparse.Namespace) -> int:
 
     world = args.simulate_ep
     print(f"  SIMULATED EP={world}: rank 0 of a stand-in group in one process (no link time; peers mirror this "
-          "rank's data)", flush=True)
+          "rank's data; expert routing, the one the stand-in computes exactly)", flush=True)
     device = _device(args, int(os.environ.get("LOCAL_RANK", 0)))
     try:
         # train() turns capture_scalar_outputs on for its process; this one is the caller's: restore it after.

@@ -131,16 +131,18 @@ def _grouped_weight_grad(
     assert counts_E is not None, "a weight gradient wider than its rows needs the host counts"
     dw_EOI = dy_SO.new_empty((len(counts_E), dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype)
     for e, (d, x) in enumerate(zip(torch.split(dy_SO, list(counts_E)), torch.split(x_SI, list(counts_E)))):
-        dw_EOI[e] = _mm_widened(d.t(), x, grad_dtype)
+        _mm_widened(d.t(), x, dw_EOI[e])
     return dw_EOI
 
 
-def _mm_widened(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """``a @ b`` accumulated and returned in ``dtype``: the GEMM's own output dtype on CUDA (no widened
-    copies of the operands); elsewhere (CPU has no ``mm`` with an output dtype) on widened copies."""
+def _mm_widened(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """``out = a @ b`` accumulated in ``out``'s dtype: written by the GEMM itself on CUDA (``mm``'s output
+    dtype; no widened copies of the operands); elsewhere (CPU has no ``mm`` with an output dtype) on widened
+    copies."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=dtype)
-    return a.to(dtype) @ b.to(dtype)
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
 def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weights: Tensor):

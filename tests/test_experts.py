@@ -67,6 +67,26 @@ class FusedSwiGLUBackward(unittest.TestCase):
             for name, got, ref in zip(("dx", "dw1", "dw2", "dw3", "d_score"), (dx, dw1, dw2, dw3, d_score), want):
                 self.assertLess(_rel(got, ref), 1e-5, f"{name} grouped={grouped}")
 
+    def test_fp32_weight_gradients_of_bf16_rows_are_not_rounded_to_bf16(self) -> None:
+        # The ring's fp32 sums: the weight-gradient GEMMs return their fp32 accumulators; rounded to bf16 they
+        # are the bf16 gradients (up to one bf16 step: the summation order may differ).
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        for device in devices:
+            fn = ffn_expert_fn("swiglu")
+            x, counts, w1, w2, w3, dy, score = _case(device, torch.bfloat16, [40, 0, 70, 18], 64, 32)
+            packed = fn.pack([w1, w2, w3])
+            offsets, rows = torch.cumsum(counts, 0, dtype=torch.int32), counts.tolist()
+            tok = torch.arange(x.shape[0], device=device)
+            *_, dws_bf16 = fn.vjp_rows(x, tok, offsets, rows, packed, dy, score)
+            *_, dws_fp32 = fn.vjp_rows(x, tok, offsets, rows, packed, dy, score, grad_dtype=torch.float32)
+            self.assertEqual([g.dtype for g in dws_fp32], [torch.float32] * 2)
+            for got32, got16 in zip(dws_fp32, dws_bf16):
+                nonzero = got32 != 0
+                carries_fp32_bits = (got32 != got32.bfloat16().float())[nonzero].float().mean().item()
+                self.assertGreater(carries_fp32_bits, 0.9, device)  # not bf16 values widened
+                step = got32.abs() * 2**-7 + 1e-30  # one bf16 step at that magnitude
+                self.assertTrue(bool(((got32 - got16.float()).abs() <= step).all()), device)
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
     def test_triton_pointwise_and_fused_backward_on_cuda_bf16(self) -> None:
         x, counts, w1, w2, w3, dy, score = _case("cuda", torch.bfloat16, [500, 0, 1000, 548], 256, 128)

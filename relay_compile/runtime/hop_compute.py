@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.experts import ExpertFn, GroupedExperts
+from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.transport import RingGroup, active_run
@@ -139,24 +140,7 @@ def segment_forward(
             out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
             y_TH.index_add_(0, tok_C, out_CH)
         else:
-            add_rows(y_TH, tok_C, out_CH, score_C1)
-
-
-# Rows widened per index_add into a wider sum: bounds the widened copy (8192 x H x 4 bytes).
-WIDENED_ROWS = 8192
-
-
-def add_rows(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
-    """``sum[tok[c]] += scale[c] * rows[c]``, in ``sum``'s dtype; rows of another dtype are converted a block
-    of ``WIDENED_ROWS`` at a time, so no widened copy of a whole hop's rows exists."""
-    if rows_CH.dtype == sum_TH.dtype:
-        sum_TH.index_add_(0, tok_C, rows_CH if scale_C1 is None else rows_CH * scale_C1)
-        return
-    for a in range(0, rows_CH.shape[0], WIDENED_ROWS):
-        block = rows_CH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
-        if scale_C1 is not None:
-            block.mul_(scale_C1[a : a + WIDENED_ROWS])
-        sum_TH.index_add_(0, tok_C[a : a + WIDENED_ROWS], block)
+            scatter_add_rows_(y_TH, tok_C, out_CH, score_C1)
 
 
 @contextlib.contextmanager
@@ -202,7 +186,7 @@ def _chunk_vjp(
     score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
     with _autograd_enabled():
         grads = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True)
-    add_rows(dx_TH, tok_C, grads[0])
+    scatter_add_rows_(dx_TH, tok_C, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
 
@@ -236,7 +220,7 @@ def segment_backward(
                 dy_TH[tok_C], rows.scores_S[c0:c1],
             )
         ds_S[c0:c1] = ds_C
-        add_rows(dx_TH, tok_C, dx_CH)
+        scatter_add_rows_(dx_TH, tok_C, dx_CH)
         dw.add(dws, chunk if grouped is not None else None)
 
 

@@ -54,6 +54,7 @@ class TrainExampleTest(unittest.TestCase):
         self.assertEqual(result["world"], 4)
         self.assertTrue(result["loss_ok"], result)
         self.assertEqual(result["regions_rewritten"], [LAYERS])  # one rank: rank 0 of the simulated group
+        self.assertEqual(result["args"]["routing"], "expert")  # auto would pick token routing at this size
         self.assertFalse(torch.distributed.is_initialized())  # the stand-in world is torn down
 
 

@@ -1,0 +1,85 @@
+"""``sum[tok[c]] += scale[c] * rows[c]`` into a wider sum (fp32 from bf16 rows): the ring's y/dx accumulation.
+
+The ring sums a token's pairs across the hops they meet on in fp32 (``fp32_accumulation``). ``index_add_``
+needs one dtype, so eager code widens the rows first: a copy of the rows in fp32, then an fp32 scatter. On
+CUDA one Triton program per (row, column block) loads the row in its own dtype, scales it in registers and
+adds it with fp32 atomics: one pass over the rows, no widened copy. Elsewhere (CPU tests, CI) ``reference``
+widens ``WIDENED_ROWS`` rows at a time, so no widened copy of a whole hop exists either. Same result up to the
+order of the fp32 additions. Legend: T tokens, C rows, H hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+# Rows widened per index_add on the eager path: bounds the widened copy (8192 x H x 4 bytes).
+WIDENED_ROWS = 8192
+
+
+def reference(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
+    """Eager, a block of rows at a time; the definition the kernel is tested against."""
+    for a in range(0, rows_CH.shape[0], WIDENED_ROWS):
+        block = rows_CH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
+        if scale_C1 is not None:
+            block.mul_(scale_C1[a : a + WIDENED_ROWS])
+        sum_TH.index_add_(0, tok_C[a : a + WIDENED_ROWS], block)
+
+
+def scatter_add_rows_(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
+    """``sum[tok[c]] += scale[c] * rows[c]`` in place, in ``sum``'s dtype (``scale`` None: 1)."""
+    if rows_CH.dtype == sum_TH.dtype:
+        sum_TH.index_add_(0, tok_C, rows_CH if scale_C1 is None else rows_CH * scale_C1)
+        return
+    kernel = _triton_kernel() if _kernel_applies(sum_TH, tok_C, rows_CH, scale_C1) else None
+    if kernel is None:
+        reference(sum_TH, tok_C, rows_CH, scale_C1)
+        return
+    rows, hidden = rows_CH.shape
+    if rows:
+        scale = scale_C1 if scale_C1 is not None else rows_CH  # any pointer: HAS_SCALE=False never reads it
+        grid = (rows, -(-hidden // _BLOCK_H))
+        kernel[grid](sum_TH, tok_C, rows_CH, scale, hidden, sum_TH.stride(0), rows_CH.stride(0),
+                     HAS_SCALE=scale_C1 is not None, BLOCK_H=_BLOCK_H, num_warps=4)
+
+
+# Columns per program: H=2048 (Qwen3) is two programs per row; 1024 bf16 = 2 KiB per load.
+_BLOCK_H = 1024
+
+
+def _kernel_applies(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None) -> bool:
+    """CUDA, an fp32 sum, unit column strides, outside of tracing (a traced graph takes the eager form)."""
+    tensors = [sum_TH, tok_C, rows_CH] + ([] if scale_C1 is None else [scale_C1])
+    return (
+        sum_TH.dtype == torch.float32 and all(t.is_cuda for t in tensors) and sum_TH.stride(-1) == 1
+        and rows_CH.stride(-1) == 1 and tok_C.is_contiguous()
+        and (scale_C1 is None or scale_C1.numel() == rows_CH.shape[0])
+        and not torch.compiler.is_compiling()
+    )
+
+
+@functools.cache
+def _triton_kernel() -> Callable | None:
+    """The Triton kernel, compiled on first use; None where Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _kernel(sum_ptr, tok_ptr, rows_ptr, scale_ptr, hidden, stride_sum, stride_rows, HAS_SCALE: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < hidden
+        value = tl.load(rows_ptr + row * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            value = value * tl.load(scale_ptr + row).to(tl.float32)
+        token = tl.load(tok_ptr + row).to(tl.int64)
+        tl.atomic_add(sum_ptr + token * stride_sum + cols, value, mask=mask, sem="relaxed")
+
+    return _kernel
