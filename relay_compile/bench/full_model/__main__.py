@@ -34,6 +34,7 @@ import torch
 
 from relay_compile.bench.configs import gib
 from relay_compile.bench.full_model.bars import comparison_lengths
+from relay_compile.bench.full_model.budget import LADDER
 from relay_compile.bench.full_model.model import QWEN3_30B_A3B, TINY_MODEL, FullModelConfig, fused_gqa
 from relay_compile.bench.full_model.policies import POLICIES
 from relay_compile.bench.full_model.report import FullModelReport
@@ -64,7 +65,7 @@ PRESETS = {
                    ladder=(1.0, 0.0), rel_tol=0.0),
     # One H200 within minutes: 8 layers, a 48 GiB cap, lengths from 8192 tokens per rank.
     "h200": Preset(model=QWEN3_30B_A3B, memory_gib=48.0, start=8192, max_tokens=1 << 19, warmup=1, repeats=1,
-                   ladder=(1.0, 0.5, 0.0), rel_tol=0.1),
+                   ladder=LADDER, rel_tol=0.1),
 }
 # Seconds the comparison lengths may take after a --time-budget spent on the searches.
 COMPARISON_S = 90.0

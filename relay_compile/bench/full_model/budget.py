@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 __all__ = ["LADDER", "BudgetChooser"]
 
 # Fractions tried, largest first. 1.0 is torch's default: the plain relaymoe row's compilation.
-LADDER: tuple[float, ...] = (1.0, 0.5, 0.2, 0.0)
+LADDER: tuple[float, ...] = (1.0, 0.5, 0.0)
 
 
 @dataclass
