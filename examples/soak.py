@@ -109,7 +109,6 @@ def current_rss() -> int:
 
 
 def soak(rank: int, args: argparse.Namespace) -> RankResult:
-    torch._dynamo.config.capture_scalar_outputs = True  # the a2a split sizes' .tolist() stays in the graph
     group = dist.group.WORLD
     cfg = MoEModelConfig(**CFG)
     result = RankResult(rank=rank)

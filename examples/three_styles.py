@@ -238,9 +238,6 @@ def measure_style(style: str, cfg: Config, rank: int) -> StyleResult:
 def _worker(rank: int, cfg: Config, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    # The split sizes' .tolist()/.item() must stay in the graph (unbacked SymInts), or Dynamo breaks the
-    # graph inside the MoE block and the backend sees neither half whole (docs/ARCHITECTURE.md section 5).
-    torch._dynamo.config.capture_scalar_outputs = True
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world)
     results: dict[str, StyleResult] = {}
     for style in cfg.styles:

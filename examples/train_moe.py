@@ -64,6 +64,7 @@ from moe_transformer import MoEModelConfig, MoETransformer  # noqa: E402
 from train_moe_report import LABELS, MEASURED_STEPS, RTOL, RankResult, report  # noqa: E402
 
 from relay_compile.backend import compiled_reports  # noqa: E402
+from relay_compile.dynamo_settings import dynamo_settings  # noqa: E402
 from relay_compile.memory import PeakMemory, memory_timeline  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
 
@@ -257,6 +258,20 @@ def _use_grouped_mm(dtype: torch.dtype) -> bool | None:
     return None if dtype == torch.bfloat16 else False
 
 
+def _compile(module: nn.Module, args: argparse.Namespace, options: dict[str, Any]) -> Callable[..., Any]:
+    """``module`` compiled with ``args.backend``: relaymoe with ``options``, or another backend for comparison,
+    run under the Dynamo settings relaymoe sets for its own calls (so each MoE block is one graph there too)."""
+    if args.backend == "relaymoe":
+        return torch.compile(module, backend="relaymoe", options=options)
+    inner = torch._dynamo.lookup_backend(args.backend)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return inner(gm, example_inputs)
+
+    backend.backend_ctx_ctor = dynamo_settings  # type: ignore[attr-defined]
+    return torch.compile(module, backend=backend)
+
+
 def train(
     rank: int, world: int, args: argparse.Namespace, device: torch.device, group: dist.ProcessGroup | None = None,
     *, model_group_by_name: bool = False,
@@ -266,9 +281,6 @@ def train(
     ``group``: the EP group (default: the world). ``model_group_by_name``: the model's MoE blocks get the group's
     name (compiled code keeps a str as a constant; torch 2.11's Dynamo cannot proxy the stand-in group).
     """
-    # Dynamo must see each MoE block whole: the all-to-all split sizes come from `.tolist()`, which breaks the
-    # graph unless scalar outputs are captured (as unbacked SymInts).
-    torch._dynamo.config.capture_scalar_outputs = True
     group = dist.group.WORLD if group is None else group
     model_group = group.group_name if model_group_by_name else group
     dtype = getattr(torch, args.dtype)
@@ -281,10 +293,7 @@ def train(
 
     model_a, model_b = build(), build()
     options = backend_options(args)
-    if args.backend == "relaymoe":
-        compiled_b = torch.compile(model_b, backend="relaymoe", options=options)
-    else:
-        compiled_b = torch.compile(model_b, backend=args.backend)
+    compiled_b = _compile(model_b, args, options)
     trainers = [
         Trainer(LABELS[0], model_a, model_a, _optimizer(args, model_a.parameters()), group),
         Trainer(LABELS[1], model_b, compiled_b, _optimizer(args, model_b.parameters()), group),
@@ -362,10 +371,7 @@ def measure_block(
         cfg.hidden, cfg.ffn, cfg.experts, cfg.top_k, group, shared_ffn=cfg.shared_ffn, seed=args.seed + 7,
         use_grouped_mm=_use_grouped_mm(dtype),
     ).to(device=device, dtype=dtype)
-    if args.backend == "relaymoe":
-        compiled = torch.compile(block, backend="relaymoe", options=options)
-    else:
-        compiled = torch.compile(block, backend=args.backend)
+    compiled = _compile(block, args, options)
     gen = torch.Generator(device="cpu").manual_seed(10_000 + rank)
     x_BSH = torch.randn(args.batch, args.seq_len, cfg.hidden, generator=gen).to(device=device, dtype=dtype)
     dy_BSH = torch.randn(args.batch, args.seq_len, cfg.hidden, generator=gen).to(device=device, dtype=dtype)
@@ -513,9 +519,7 @@ def simulated_rank(args: argparse.Namespace) -> int:
           "rank's data; expert routing, the one the stand-in computes exactly)", flush=True)
     device = _device(args, int(os.environ.get("LOCAL_RANK", 0)))
     try:
-        # train() turns capture_scalar_outputs on for its process; this one is the caller's: restore it after.
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            result = train(0, world, args, device, group=standin_group(world), model_group_by_name=True)
+        result = train(0, world, args, device, group=standin_group(world), model_group_by_name=True)
         return report([result], args, world, f"{args.device}, SIMULATED EP")
     finally:
         destroy_standin_groups()

@@ -168,7 +168,14 @@ def is_method_call(n: object, *names: str) -> TypeGuard[fx.Node]:
 
 
 def is_all_to_all(n: object) -> TypeGuard[fx.Node]:
-    return is_call(n, *ALL_TO_ALL)
+    """An ``all_to_all_single``, or a user ``autograd.Function`` whose forward is one (``function_all_to_all``)."""
+    return is_call(n, *ALL_TO_ALL) or isinstance(function_all_to_all(n), AllToAllArgs)
+
+
+def is_function_apply(n: object) -> TypeGuard[fx.Node]:
+    """Dynamo's ``autograd_function_apply(fwd_body, bwd_body, *operands)`` of a user ``torch.autograd.Function``."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and getattr(n.target, "__name__", "") == (
+        "autograd_function_apply")
 
 
 def is_collective(n: fx.Node) -> bool:
@@ -211,6 +218,10 @@ class AllToAllArgs(NamedTuple):
 
 
 def all_to_all_args(n: fx.Node) -> AllToAllArgs:
+    """The arguments of an all-to-all; of a user ``autograd.Function``'s, in terms of the graph that calls it."""
+    found = function_all_to_all(n)
+    if isinstance(found, AllToAllArgs):
+        return found
     return AllToAllArgs(
         arg(n, 0, "input"),
         as_list(arg(n, 1, "output_split_sizes")),
@@ -219,32 +230,115 @@ def all_to_all_args(n: fx.Node) -> AllToAllArgs:
     )
 
 
+def _body(n: fx.Node, index: int) -> fx.GraphModule | None:
+    """The subgraph a higher-order op reads through its ``get_attr`` argument ``index``."""
+    ref = n.args[index] if len(n.args) > index else None
+    owner = n.graph.owning_module
+    if not (isinstance(ref, fx.Node) and ref.op == "get_attr" and owner is not None):
+        return None
+    body = getattr(owner, str(ref.target), None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def is_fresh(n: object) -> TypeGuard[fx.Node]:
+    """A new uninitialized or zero buffer: ``t.new_empty(...)``, ``torch.empty_like(t)``, ``torch.zeros(...)``..."""
+    return is_method_call(n, "new_empty", "new_zeros") or is_call(
+        n, torch.empty, torch.empty_like, torch.zeros, torch.zeros_like)
+
+
+def _written_by_copy(buffer: fx.Node) -> fx.Node | None:
+    """What ``buffer.copy_(src)`` wrote into ``buffer`` (the last such copy), else None."""
+    copies = [u for u in buffer.users if is_method_call(u, "copy_") and u.args[0] is buffer]
+    return copies[-1].args[1] if copies and isinstance(copies[-1].args[1], fx.Node) else None
+
+
+def function_all_to_all(n: object) -> AllToAllArgs | str | None:
+    """A user ``torch.autograd.Function`` whose forward is one all-to-all (Megatron's and DeepSpeed's
+    ``_AllToAll``): its arguments in terms of the calling graph; the backward, the reverse all-to-all, is not read.
+
+    ``n`` is ``autograd_function_apply(fwd_body, bwd_body, *operands)``; the forward body returns the
+    ``all_to_all_single`` result, directly or as the buffer it was copied into (``dist.all_to_all_single(out,
+    inp, ...)`` traces to ``out.copy_(wait(all_to_all_single(inp, ...)))``), and reads its input and split
+    sizes from its placeholders (the first one is the ``ctx`` where the body has one more placeholder than
+    operands). None: not such an op, or no all-to-all in its forward; a str: why an all-to-all in its forward
+    is not understood.
+    """
+    if not is_function_apply(n):
+        return None
+    body = _body(n, 0)
+    if body is None:
+        return None
+    a2as = [m for m in body.graph.nodes if is_call(m, *ALL_TO_ALL)]
+    if not a2as:
+        return None
+    where = f"the autograd.Function {n.name} (autograd_function_apply)"
+    if len(a2as) > 1:
+        return f"{where} runs {len(a2as)} all-to-alls in its forward; one is understood"
+    (a2a,) = a2as
+    placeholders = body.graph.find_nodes(op="placeholder")
+    operands = n.args[2:]
+    skip = len(placeholders) - len(operands)
+    if skip not in (0, 1):
+        return f"{where} has {len(placeholders)} forward placeholders for {len(operands)} operands"
+    outer = {p: operands[i - skip] for i, p in enumerate(placeholders) if i >= skip}
+
+    def lift(v: object) -> object:
+        while is_method_call(v, "contiguous"):
+            v = v.args[0]
+        if isinstance(v, fx.Node):
+            if v not in outer:
+                raise LookupError(v.name)
+            return outer[v]
+        return v
+
+    (out,) = body.graph.find_nodes(op="output")
+    first = out.args[0]
+    while isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    if first is not wait_end(a2a):
+        return f"{where} returns {getattr(first, 'name', first)}, not the result of its all-to-all {a2a.name}"
+    a = AllToAllArgs(arg(a2a, 0, "input"), as_list(arg(a2a, 1, "output_split_sizes")),
+                     as_list(arg(a2a, 2, "input_split_sizes")), arg(a2a, 3, "group_name"))
+    try:
+        return AllToAllArgs(lift(a.input), [lift(s) for s in a.output_split_sizes],
+                            [lift(s) for s in a.input_split_sizes], a.group_name)
+    except LookupError as e:
+        return (f"{where} computes {e} inside its forward and passes it to its all-to-all {a2a.name}; only "
+                "values it takes as inputs are understood")
+
+
 def wait_end(n: fx.Node) -> fx.Node:
     """Follow the wait chain of a collective to the node whose value the program reads.
 
-    ``wait_tensor`` users (torchtitan waits twice on its counts), or torch 2.11's
-    ``autograd_function_apply(..., a2a, ...)`` followed by ``getitem(., 0)``.
+    ``wait_tensor`` users (torchtitan waits twice on its counts), torch 2.11's
+    ``autograd_function_apply(..., a2a, ...)`` followed by ``getitem(., 0)``, ``getitem(., 0)`` of a user
+    ``autograd.Function`` that is an all-to-all (``function_all_to_all``), and the fresh buffer the result is
+    copied into (an in-place ``dist.all_to_all_single(out, ...)``: ``out.copy_(wait(...))``).
     """
+    if isinstance(function_all_to_all(n), AllToAllArgs):
+        firsts = [g for g in n.users if is_call(g, operator.getitem) and g.args[1] == 0]
+        return firsts[0] if len(firsts) == 1 else n
     while True:
         waits = [u for u in n.users if is_call(u, *WAIT)]
         if len(waits) == 1:
             n = waits[0]
             continue
-        applies = [
-            u for u in n.users
-            if u.op == "call_function" and getattr(u.target, "__name__", "") == "autograd_function_apply"
-        ]
+        applies = [u for u in n.users if is_function_apply(u)]
         if len(applies) == 1:
             firsts = [g for g in applies[0].users if is_call(g, operator.getitem) and g.args[1] == 0]
             if len(firsts) == 1:
                 n = firsts[0]
                 continue
-        return n
+        copies = [u for u in n.users if is_method_call(u, "copy_") and u.args[1] is n and is_fresh(u.args[0])]
+        return copies[0].args[0] if len(copies) == 1 else n
 
 
-def _walk_up(roots: Iterable[object], stop: Callable[[fx.Node], bool]) -> tuple[set[fx.Node], set[fx.Node]]:
+def _walk_up(
+    roots: Iterable[object], stop: Callable[[fx.Node], bool],
+    written: Callable[[fx.Node], fx.Node | None] = lambda m: None,
+) -> tuple[set[fx.Node], set[fx.Node]]:
     """``(visited, stopped)``: nodes reached walking up from ``roots`` without passing a ``stop`` node, and the
-    ``stop`` nodes met (not walked through)."""
+    ``stop`` nodes met (not walked through); ``written(m)``: a value written into ``m`` in place, walked too."""
     visited: set[fx.Node] = set()
     stopped: set[fx.Node] = set()
     stack = flat_nodes(roots)
@@ -257,6 +351,9 @@ def _walk_up(roots: Iterable[object], stop: Callable[[fx.Node], bool]) -> tuple[
             continue
         visited.add(m)
         stack.extend(m.all_input_nodes)
+        source = written(m)
+        if source is not None:
+            stack.append(source)
     return visited, stopped
 
 
@@ -266,8 +363,9 @@ def ancestors(roots: Iterable[object]) -> set[fx.Node]:
 
 
 def upstream_collectives(roots: Iterable[object]) -> set[fx.Node]:
-    """The collectives (all-to-all, all-gather; not waits) met first walking up from ``roots``."""
-    return _walk_up(roots, lambda m: is_all_to_all(m) or is_call(m, *ALL_GATHER))[1]
+    """The collectives (all-to-all, all-gather; not waits) met first walking up from ``roots``, also through
+    what a ``buffer.copy_(src)`` wrote into a buffer (an in-place ``dist.all_to_all_single(out, ...)``)."""
+    return _walk_up(roots, lambda m: is_all_to_all(m) or is_call(m, *ALL_GATHER), _written_by_copy)[1]
 
 
 def closest(candidates: set[fx.Node]) -> set[fx.Node]:

@@ -11,10 +11,18 @@ Every a2a EP dispatcher we have seen computes, per rank (names here are roles, n
     back    = wait(all_to_all_single(out, ..., splits))      # combine
     y       = scatter_add(zeros[T, H], order // K, back * topk_scores.flatten()[order])
 
+or, with the scores applied before the experts (DeepSpeed, Megatron's ``moe_apply_probs_on_input``):
+
+    send    = x[order // K] * topk_scores.flatten()[order][:, None]     # casts around the product allowed
+    y       = scatter_add(zeros[T, H], order // K, back)
+
 Contract:
     Consumes a Dynamo graph (``torch.compile`` with ``capture_scalar_outputs=True``; targets may be the
-    ``OpOverloadPacket`` or ``.default`` of ``torch.ops._c10d_functional.*``, and torch 2.11's
-    ``_c10d_functional_autograd.all_to_all_single`` whose wait hides in an ``autograd_function_apply``).
+    ``OpOverloadPacket`` or ``.default`` of ``torch.ops._c10d_functional.*``, torch 2.11's
+    ``_c10d_functional_autograd.all_to_all_single`` whose wait hides in an ``autograd_function_apply``, and
+    a user ``torch.autograd.Function`` whose forward is one all-to-all (Megatron's and DeepSpeed's
+    ``_AllToAll``: ``fx_nodes.function_all_to_all``), which stands for its all-to-all; an in-place
+    ``dist.all_to_all_single(out, ...)`` of the counts is ``out.copy_(wait(all_to_all_single(...)))``).
     Never mutates it (its shape env may gain a guard, below).
     ``find_moe_regions`` returns, in program order of their dispatch, one ``MoERegion`` per dispatch/combine
     pair it understands, and one ``RefusedRegion`` (with a reason, also logged at debug level as
@@ -24,21 +32,24 @@ Contract:
     sizes equal at this call (x's T and the ids' T as separate symbols), under a guard that the compiled graph
     keeps; E_l must be a constant.
     Guarantees for a region: its dataflow is the pattern above, so the block computes
-    ``y[t] = sum_k topk_scores[t, k] * F_{ids[t, k]}(x[t])`` with expert e on rank e // E_l; ``expert_fn`` is
+    ``y[t] = sum_k topk_scores[t, k] * F_{ids[t, k]}(x[t])`` (``scores_applied="before"``: ``y[t] = sum_k
+    F_{ids[t, k]}(topk_scores[t, k] * x[t])``) with expert e on rank e // E_l; ``expert_fn`` is
     a standalone copy of F whose only inputs are the receive rows, the counts received from the exchange,
     split SymInts and expert weights (bound by ``ExpertFnBinding``); ``nodes`` is exactly what dies once
     ``output``'s uses go to a ring (the counts exchange and its host syncs included, ``x``/``topk_ids``/
     ``topk_scores``/``weights`` excluded), and regions share no such node.
     Refuses (legal but unsupported): an all-to-all whose partner is not in this graph (graph break), scores
-    applied before the experts, F reading anything else (tokens, router, another collective), region values
+    applied both before and after the experts, F reading anything else (tokens, router, another collective), region values
     used outside the region, outputs whose shape or dtype differs from ``x``, non-contiguous expert placement.
 
 Pseudo-code:
     # Step 1: classify collectives: token all-to-alls (floating point), integer counts exchanges.
     # Step 2: pair each token all-to-all (combine) with the closest token all-to-all upstream of its
     #         input (dispatch) whose splits it swaps; the rest are refused.
-    # Step 3: dispatch side: send = x[order // K] with order = argsort(topk_ids.flatten()).
-    # Step 4: combine side: y = scatter_add(zeros[T, H], order // K, back * topk_scores.flatten()[order]).
+    # Step 3: dispatch side: send = x[order // K] (or x[order // K] * topk_scores.flatten()[order][:, None])
+    #         with order = argsort(topk_ids.flatten()).
+    # Step 4: combine side: y = scatter_add(zeros[T, H], order // K, back * topk_scores.flatten()[order]) (or
+    #         back alone when the dispatch scaled the rows).
     # Step 5: split SymInts of the receive (per source, or per (source, expert)) and the counts exchange
     #         they come from; E_l.
     # Step 6: F = backward slice from the combine input down to the receive, the counts, the split SymInts
@@ -67,6 +78,7 @@ from relay_compile.passes.fx_nodes import (
     arg,
     closest,
     dtype_of,
+    function_all_to_all,
     is_all_to_all,
     is_call,
     is_method_call,
@@ -89,6 +101,7 @@ from relay_compile.passes.roles import (
     flat_index_of_item,
     forward_through,
     is_zeros,
+    peel,
     router_num_experts,
     row_gather,
     score_column,
@@ -98,6 +111,7 @@ from relay_compile.passes.roles import (
     unflatten,
 )
 from relay_compile.report import BlockShape
+from relay_compile.runtime.specs import ScoresApplied
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +149,7 @@ class MoERegion:
     counts_exchange: fx.Node  # the integer collective the split sizes come from (a2a or all_gather)
     x: fx.Node  # resident tokens (T, H)
     topk_ids: fx.Node  # (T, K) global expert ids
-    topk_scores: fx.Node  # (T, K), applied after the combine
+    topk_scores: fx.Node  # (T, K), applied after the combine (or to the dispatched rows: scores_applied)
     order: fx.Node  # argsort of the flat ids
     output: fx.Node  # y (T, H): what the ring replaces
     weights: tuple[fx.Node, ...]  # the local expert weights F reads (DTensor parameters: after to_local)
@@ -148,6 +162,8 @@ class MoERegion:
     nodes: frozenset[fx.Node]  # what dies once output's uses go elsewhere
     # A buffer the in-place combine scatter wrote, read after it: those reads take the ring's result too.
     output_aliases: tuple[fx.Node, ...] = ()
+    # Where the scores multiply: F's output rows in the combine, or the dispatched rows before F.
+    scores_applied: ScoresApplied = "after"
 
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, from the nodes' fake values: a symbolic size's hint (0 if unbacked)."""
@@ -166,7 +182,7 @@ class MoERegion:
         return (
             f"MoE region dispatch={self.dispatch.name} combine={self.combine.name} output={self.output.name} "
             f"(group {self.group_name!r} of {self.group_size}, E_l={self.experts_per_rank}, K={self.top_k}, "
-            f"{len(self.weights)} weights, F: {len(self.expert_fn.graph.nodes)} nodes)"
+            f"{len(self.weights)} weights, F: {len(self.expert_fn.graph.nodes)} nodes, scores {self.scores_applied})"
         )
 
 
@@ -234,17 +250,36 @@ def _graph_break_hint() -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, object]:
-    """Step 3: ``(x, topk_ids, order, K)`` from ``send = x[order // K]``."""
-    send = all_to_all_args(dispatch).input
+def _scaled_gather(send: fx.Node) -> tuple[tuple[fx.Node, fx.Node], fx.Node] | None:
+    """``((x, idx), scores)`` of ``x[idx] * scores.flatten()[order][:, None]`` with ``idx = order // K`` (casts
+    around the product or its factors allowed: torchtitan's ``(rows.float() * s).to(x.dtype)``), else None."""
+    product = peel(send, CAST_METHODS)
+    if not (is_call(product, operator.mul, torch.mul) or is_method_call(product, "mul")):
+        return None
+    assert isinstance(product, fx.Node)
+    for rows, other in ((product.args[0], product.args[1]), (product.args[1], product.args[0])):
+        rows = peel(rows, CAST_METHODS)
+        gather = row_gather(rows) if isinstance(rows, fx.Node) else None
+        token = token_index(gather[1]) if gather is not None else None
+        scores = score_column(other, token[0]) if token is not None else None
+        if gather is not None and scores is not None:
+            return gather, scores
+    return None
+
+
+def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, object, fx.Node | None]:
+    """Step 3: ``(x, topk_ids, order, K, scores)`` from ``send = x[order // K]``; ``scores``: the ``(T, K)``
+    scores when the send is ``x[order // K] * scores.flatten()[order][:, None]`` (scores before the experts)."""
+    send = peel(all_to_all_args(dispatch).input, CAST_METHODS)  # .contiguous() before an in-place all-to-all
     if not isinstance(send, fx.Node):
         raise Refusal(dispatch, f"the dispatch input {send!r} is not a row gather x[order // K] of the tokens")
-    gather = row_gather(send)
+    gather, scores_before = row_gather(send), None
     if gather is None:
-        if is_call(send, operator.mul, torch.mul) or is_method_call(send, "mul"):
-            raise Refusal(dispatch, f"scores applied before the experts: the dispatch sends {send.name}, a "
-                                    "product, not a row gather x[order // K]; the ring applies scores after F")
-        raise Refusal(dispatch, f"the dispatch input {send.name} is not a row gather x[order // K] of the tokens")
+        scaled = _scaled_gather(send)
+        if scaled is None:
+            raise Refusal(dispatch, f"the dispatch input {send.name} is not a row gather x[order // K] of the "
+                                    "tokens, nor one times topk_scores.flatten()[order]")
+        gather, scores_before = scaled
     x, idx = gather
     token = token_index(idx)
     if token is None:
@@ -264,7 +299,7 @@ def _match_dispatch_side(dispatch: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, 
         raise Refusal(dispatch, f"top-k ids {topk_ids.name} have dtype {ids_dtype}, not an integer type")
     # Step 1 kept floating-point all-to-alls only, and the send has x's dtype (x's shape was checked above).
     assert x_dtype is not None and x_dtype.is_floating_point, f"match: tokens {x.name} have dtype {x_dtype}"
-    return x, topk_ids, order, top_k
+    return x, topk_ids, order, top_k, scores_before
 
 
 def _buffer_aliases(combine: fx.Node, scatter: fx.Node, buffer: fx.Node) -> tuple[fx.Node, ...]:
@@ -282,34 +317,52 @@ def _buffer_aliases(combine: fx.Node, scatter: fx.Node, buffer: fx.Node) -> tupl
     return (buffer,)
 
 
+def _combine_scatter(
+    combine: fx.Node, src: fx.Node, order: fx.Node, top_k: object
+) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """``(scatter, aliases)``: the ``scatter_add(zeros, order // K, src)`` of ``src`` (through casts), or None;
+    ``aliases``: the buffer of an in-place scatter that is read after it."""
+    for value in forward_through(src, CAST_METHODS):
+        for user in value.users:
+            scatter = as_scatter(user)
+            if scatter is None or scatter.src is not value:
+                continue
+            token = token_index(scatter.index)
+            if token is None or token[0] is not order or not same_size(token[1], top_k):
+                raise Refusal(combine, f"the combine scatter {user.name} does not index by order // K")
+            if not is_zeros(scatter.target):
+                raise Refusal(combine, f"the combine scatter {user.name} adds into "
+                                       f"{getattr(scatter.target, 'name', scatter.target)}, not fresh zeros")
+            aliases: tuple[fx.Node, ...] = ()
+            if scatter.in_place and isinstance(scatter.target, fx.Node):
+                aliases = _buffer_aliases(combine, user, scatter.target)
+            return user, aliases
+    return None
+
+
 def _match_combine_side(
-    combine: fx.Node, back: fx.Node, order: fx.Node, top_k: object
+    combine: fx.Node, back: fx.Node, order: fx.Node, top_k: object, scores_before: fx.Node | None
 ) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
     """Step 4: ``(output, topk_scores, aliases)`` from ``scatter_add(zeros, order // K, back *
-    scores.flatten()[order])``; ``aliases``: the buffer of an in-place scatter that is read after it."""
+    scores.flatten()[order])``, or ``scatter_add(zeros, order // K, back)`` when the dispatch applied
+    ``scores_before``; ``aliases``: the buffer of an in-place scatter that is read after it."""
+    if scores_before is not None:
+        found = _combine_scatter(combine, back, order, top_k)
+        if found is None:
+            raise Refusal(combine, f"the dispatch applies the scores before the experts, but no scatter_add(zeros, "
+                                   f"order // K, {back.name}) of the unweighted rows follows the combine (scores "
+                                   "applied both before and after the experts, or another reduction)")
+        return found[0], scores_before, found[1]
     for weighted in forward_through(back, CAST_METHODS):
         for mul in weighted.users:
             if not (is_call(mul, operator.mul, torch.mul) or is_method_call(mul, "mul")):
                 continue
             other = mul.args[1] if mul.args[0] is weighted else mul.args[0]
             scores = score_column(other, order)
-            if scores is None:
-                continue
-            for src in forward_through(mul, CAST_METHODS):
-                for user in src.users:
-                    scatter = as_scatter(user)
-                    if scatter is None or scatter.src is not src:
-                        continue
-                    token = token_index(scatter.index)
-                    if token is None or token[0] is not order or not same_size(token[1], top_k):
-                        raise Refusal(combine, f"the combine scatter {user.name} does not index by order // K")
-                    if not is_zeros(scatter.target):
-                        raise Refusal(combine, f"the combine scatter {user.name} adds into "
-                                               f"{getattr(scatter.target, 'name', scatter.target)}, not fresh zeros")
-                    aliases: tuple[fx.Node, ...] = ()
-                    if scatter.in_place and isinstance(scatter.target, fx.Node):
-                        aliases = _buffer_aliases(combine, user, scatter.target)
-                    return user, scores, aliases
+            found = _combine_scatter(combine, mul, order, top_k) if scores is not None else None
+            if found is not None:
+                assert scores is not None
+                return found[0], scores, found[1]
     raise Refusal(combine, f"no scatter_add(zeros, order // K, {back.name} * topk_scores.flatten()[order]) "
                            "after the combine (scores applied elsewhere, or another reduction)")
 
@@ -393,10 +446,10 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
     recv, back = wait_end(dispatch), wait_end(combine)
 
     # Step 3: dispatch side.
-    x, topk_ids, order, top_k = _match_dispatch_side(dispatch)
+    x, topk_ids, order, top_k, scores_before = _match_dispatch_side(dispatch)
 
     # Step 4: combine side.
-    output, topk_scores, aliases = _match_combine_side(combine, back, order, top_k)
+    output, topk_scores, aliases = _match_combine_side(combine, back, order, top_k, scores_before)
     if not same_shape(shape_of(topk_scores), shape_of(topk_ids)) or not (
         dtype_of(topk_scores) or torch.int64
     ).is_floating_point:
@@ -448,6 +501,7 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
         topk_ids=topk_ids, topk_scores=topk_scores, order=order, output=output, weights=tuple(weights),
         expert_fn=expert_fn, binding=binding, experts_per_rank=e_l, top_k=_size_hint(size_value(top_k)),
         group_name=group_name, group_size=group_size, nodes=frozenset(dead), output_aliases=aliases,
+        scores_applied="after" if scores_before is None else "before",
     )
 
 
@@ -462,10 +516,14 @@ def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion], list[RefusedR
     Pure: never mutates ``gm`` (``expert_fn`` of each region is a copy).
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    # Step 1: token all-to-alls by the dtype of what they move (the counts exchange moves integers).
-    token_a2as = [n for n in gm.graph.nodes if is_all_to_all(n) and (dtype_of(n) or torch.int64).is_floating_point]
+    # Step 1: token all-to-alls by the dtype of what they move (the counts exchange moves integers); a user
+    # autograd.Function with an all-to-all in its forward that is not understood is refused here.
+    token_a2as = [n for n in gm.graph.nodes
+                  if is_all_to_all(n) and (dtype_of(wait_end(n)) or torch.int64).is_floating_point]
+    hidden = [RefusedRegion(n, why) for n in gm.graph.nodes if isinstance(why := function_all_to_all(n), str)]
     # Step 2: pairs.
     pairs, refused = _pair_token_a2as(token_a2as)
+    refused += hidden
     regions: list[MoERegion] = []
     weak = assert_cones(gm.graph)
     for dispatch, combine in pairs:

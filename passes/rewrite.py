@@ -123,7 +123,7 @@ def rewrite_moe_region(
         x_TH = ...; ids_TK = ...; scores_TK = ...
         y_TH = torch.ops.relaymoe.ring_moe.default(
             x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
-            "fx_region[<digest>]|group=g|E_l=4|routing=auto|overlap=1|remat=1|max_hop_rows=None|fp32_accumulation=1")
+            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=None|fp32_accumulation=1")
 
     Args:
         routing, overlap, remat, max_hop_rows, fp32_accumulation: the ring's options (``relay_compile.ring_moe``).
@@ -141,7 +141,8 @@ def rewrite_moe_region(
     # Step 2: the expert function and its spec.
     fn, path = choose_expert_fn(region)
     spec = RingSpec(
-        expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options
+        expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options,
+        scores_applied=region.scores_applied,
     )
     key = register_spec(spec, region_fn_name(region, fn))
 

@@ -3,8 +3,9 @@
     model = torch.compile(model, backend="relaymoe", options={"routing": "auto"})
 
 Registered through the ``torch_dynamo_backends`` entry point, so the name works without importing the
-package. Dynamo must see each MoE block whole: with data-dependent split sizes (``.tolist()``) that takes
-``torch._dynamo.config.capture_scalar_outputs = True`` (a refused region's reason says so when it is missing).
+package. Dynamo must see each MoE block whole: the backend's ``backend_ctx_ctor`` sets what that takes
+(``relay_compile.dynamo_settings``: host reads of split sizes and data-dependent shapes stay in the graph)
+around each call of a model compiled with it, and only there.
 
 Per Dynamo graph:
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._logging import trace_structured
 
+from relay_compile.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.options import Options, resolve
 from relay_compile.passes import MoERegion, find_moe_regions, rewrite_moe_region
 from relay_compile.passes.expert_lowering import choose_expert_fn
@@ -181,6 +183,12 @@ def relaymoe_backend(
     return compiled
 
 
+# Dynamo enters this around each call of a frame compiled with the backend (tracing included): the settings
+# that keep a region in one graph hold there and nowhere else. torch.compile needs help to find it.
+relaymoe_backend.backend_ctx_ctor = dynamo_settings  # type: ignore[attr-defined]
+keep_backend_ctx_through_torch_compile()
+
+
 def explain(model: Callable, *inputs: Any, **options: Any) -> list[GraphReport]:
     """What ``backend="relaymoe"`` would do to ``model(*inputs)``, without rewriting or training.
 
@@ -196,6 +204,7 @@ def explain(model: Callable, *inputs: Any, **options: Any) -> list[GraphReport]:
         reports.append(analyze(gm, opts, f"explain{len(reports)}", rewrite=False))
         return gm.forward
 
+    match_only.backend_ctx_ctor = dynamo_settings  # type: ignore[attr-defined]
     with torch.no_grad():
         torch.compile(model, backend=match_only, fullgraph=False)(*inputs)
     return reports

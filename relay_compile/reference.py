@@ -482,10 +482,12 @@ def dense_moe(
     w2_EHF: Tensor,
     w3_EFH: Tensor | None = None,
     activation: Activation = "swiglu",
+    scores_applied: str = "after",
 ) -> Tensor:
     """Ground truth of ``a2a_moe`` on one process with ALL experts' weights ``(E, F, H)``: a loop over experts.
 
-    Returns ``(T, H)``: ``sum_k scores[t, k] * FFN_{ids[t, k]}(x[t])``; differentiable like ``a2a_moe``.
+    Returns ``(T, H)``: ``sum_k scores[t, k] * FFN_{ids[t, k]}(x[t])`` (``scores_applied="before"``:
+    ``sum_k FFN_{ids[t, k]}(scores[t, k] * x[t])``); differentiable like ``a2a_moe``.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"dense_moe: activation={activation!r} is not one of {ACTIVATIONS}")
@@ -495,9 +497,13 @@ def dense_moe(
         if token_X.numel() == 0:
             continue
         w3_FH = None if w3_EFH is None else w3_EFH[e]
+        score_X1 = topk_scores_TK[token_X, slot_X].to(x_TH.dtype).unsqueeze(-1)
+        if scores_applied == "before":
+            y_TH = y_TH.index_add(0, token_X, _dense_ffn(x_TH[token_X] * score_X1, w1_EFH[e], w2_EHF[e], w3_FH,
+                                                         activation))
+            continue
         out_XH = _dense_ffn(x_TH[token_X], w1_EFH[e], w2_EHF[e], w3_FH, activation)
-        weighted_XH = out_XH * topk_scores_TK[token_X, slot_X].to(out_XH.dtype).unsqueeze(-1)
-        y_TH = y_TH.index_add(0, token_X, weighted_XH)
+        y_TH = y_TH.index_add(0, token_X, out_XH * score_X1)
     return y_TH
 
 

@@ -25,7 +25,7 @@ from relay_compile.runtime.agreement import BadArgument, fail_together
 from relay_compile.runtime.fn_identity import describe
 from relay_compile.runtime.ops import check_routing_args, ring_moe_op
 from relay_compile.runtime.ring_options import RingOptions
-from relay_compile.runtime.specs import RingSpec, register_spec
+from relay_compile.runtime.specs import SCORES_APPLIED, RingSpec, ScoresApplied, register_spec
 from relay_compile.runtime.transport import RingGroup
 
 # Every FFN expert function, made once: building one while torch.compile traces ``ring_moe`` would make
@@ -102,6 +102,12 @@ def _check_experts_per_rank(experts_per_rank: int) -> None:
             f"ring_moe: each rank must hold at least one expert, got {experts_per_rank}"))
 
 
+def _check_scores_applied(scores_applied: object) -> None:
+    if scores_applied not in SCORES_APPLIED:
+        raise BadArgument("scores_applied", (
+            f"ring_moe: scores_applied={scores_applied!r} is not one of {SCORES_APPLIED}"))
+
+
 def ring_moe_experts(
     x: Tensor,
     topk_ids: Tensor,
@@ -117,6 +123,7 @@ def ring_moe_experts(
     max_hop_rows: int | None = None,
     fp32_accumulation: bool = True,
     name: str | None = None,
+    scores_applied: ScoresApplied = "after",
 ) -> Tensor:
     """``ring_moe`` with any expert function (``relay_compile.experts`` gives its contract).
 
@@ -129,22 +136,24 @@ def ring_moe_experts(
             function's code and what it captures (``runtime.fn_identity``), so a new closure over equal
             values is the same expert function, and a different one is told apart. Under torch.compile the
             spec is registered while Dynamo traces: the compiled graph keeps the function it was traced with.
+        scores_applied: see ``ring_moe``.
     """
     group_name = _group_name(group)
     with _raising_together(group_name, x):
         check_routing_args(x, topk_ids, topk_scores)
         _check_experts_per_rank(experts_per_rank)
+        _check_scores_applied(scores_applied)
         # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
         key = _register(expert_fn, experts_per_rank, group_name, dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-            fp32_accumulation=fp32_accumulation), name, torch.compiler.is_compiling())
+            fp32_accumulation=fp32_accumulation), name, scores_applied, torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
 @torch.compiler.assume_constant_result
 def _register(
     expert_fn: ExpertFn, experts_per_rank: int, group_name: str, options: dict[str, Any], name: str | None,
-    compiling: bool,
+    scores_applied: ScoresApplied, compiling: bool,
 ) -> str:
     """Register the call's spec; its key.
 
@@ -154,7 +163,7 @@ def _register(
     """
     fn_name, identity = (name, name) if name else describe(expert_fn)
     spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name,
-                    options=RingOptions.checked("ring_moe", **options))
+                    options=RingOptions.checked("ring_moe", **options), scores_applied=scores_applied)
     return register_spec(spec, fn_name, identity=identity, functional=True, pinned=compiling)
 
 
@@ -174,6 +183,7 @@ def ring_moe(
     max_hop_rows: int | None = None,
     fp32_accumulation: bool = True,
     use_grouped_mm: bool | None = None,
+    scores_applied: ScoresApplied = "after",
 ) -> Tensor:
     """The RelayMoE block: ``y[t] = sum_k topk_scores[t, k] * FFN_{topk_ids[t, k]}(x[t])``.
 
@@ -194,6 +204,8 @@ def ring_moe(
             travelling outputs and input gradients) in fp32, like the all-to-all layer's fp32-accumulating
             GEMMs; False: in the summands' dtype (in bf16 half the bytes of those transfers, one rounding per hop).
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
+        scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
+            FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
 
     Returns:
         ``(T, H)`` in ``x``'s dtype.
@@ -203,7 +215,8 @@ def ring_moe(
             other ranks learned of it, so none waits).
         RingInputError: on every rank alike, before any transfer: a bad argument on another rank (names the
             rank and the argument), arguments or options that differ across ranks (names both ranks: shapes,
-            dtypes, experts per rank, routing, overlap, remat, fp32_accumulation, the expert function; ``max_hop_rows`` may
+            dtypes, experts per rank, routing, overlap, remat, fp32_accumulation, the expert function,
+            scores_applied; ``max_hop_rows`` may
             differ), or expert ids outside ``[0, E)`` on any rank.
         RingPeerError: another rank failed inside the ring and this rank received data it sent after that
             (``runtime.transport``): at the end of this call where that status is on the CPU, else at the
@@ -224,4 +237,5 @@ def ring_moe(
         x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
         fp32_accumulation=fp32_accumulation, name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
+        scores_applied=scores_applied,
     )

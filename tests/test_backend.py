@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch.testing._internal.common_utils import run_tests
 
 import relay_compile
-from relay_compile.backend import _compare_outputs, relaymoe_backend
+from relay_compile.backend import _compare_outputs, compiled_reports
+from relay_compile.dynamo_settings import DYNAMO_SETTINGS
 from relay_compile.reference import a2a_moe, moe_weights
 from tests.distributed import DistributedTestCase
+from tests.models import variants
 
 H, F, E_L, K, T = 16, 8, 2, 2, 12
 
@@ -159,13 +161,44 @@ class BackendOptions(unittest.TestCase):
             _compare_outputs([good * 1.01], [good], "graph7")
 
 
+class DynamoSettings(unittest.TestCase):
+    """The backend's Dynamo settings hold around calls of what it compiled, and nowhere else."""
+
+    @staticmethod
+    def probe(x):
+        # A boolean mask (data-dependent shape) and a host read: each breaks the graph under Dynamo's defaults.
+        return x[x > 0] * x.sum().item()
+
+    def test_backend_captures_host_reads_and_data_dependent_shapes_only_inside_its_calls(self) -> None:
+        before = {name: getattr(torch._dynamo.config, name) for name in DYNAMO_SETTINGS}
+        x = torch.tensor([1.0, -2.0, 3.0])
+        for fullgraph in (False, True):
+            torch._dynamo.reset()
+            seen = len(compiled_reports())
+            compiled = torch.compile(self.probe, backend="relaymoe", fullgraph=fullgraph,
+                                     options={"inner_compiler": "eager"})
+            torch.testing.assert_close(compiled(x), self.probe(x))
+            self.assertEqual(len(compiled_reports()) - seen, 1, f"fullgraph={fullgraph}: one graph")
+            self.assertEqual({name: getattr(torch._dynamo.config, name) for name in DYNAMO_SETTINGS}, before)
+        graphs: list[torch.fx.GraphModule] = []
+
+        def other(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        with torch._dynamo.config.patch(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False):
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(self.probe, backend=other)(x), self.probe(x))
+        self.assertGreater(len(graphs), 1, "another backend in the same process keeps Dynamo's defaults")
+
+
 class BackendEndToEnd(DistributedTestCase):
     def weights(self, world: int) -> list[torch.Tensor]:
         w = moe_weights(0, H, F, E_L * world, experts=range(self.rank * E_L, (self.rank + 1) * E_L))
         return [w["w1"], w["w2"], w["w3"]]
 
-    @torch._dynamo.config.patch(capture_scalar_outputs=True)
     def test_rewritten_block_matches_eager_over_steps_with_dumps_verify_and_no_recompiles(self) -> None:
+        # No Dynamo config set here: the backend sets what a region needs around its own calls.
         self.init_pg()
         world = dist.get_world_size()
         weights = self.weights(world)
@@ -175,20 +208,17 @@ class BackendEndToEnd(DistributedTestCase):
             for inner in ("aot_eager", "inductor"):
                 torch._dynamo.reset()
                 options = {"inner_compiler": inner, "dump_dir": dump_dir, "verify": True}
-                graphs = []
-
-                def counting(gm, example_inputs, options=options, graphs=graphs):
-                    graphs.append(gm)
-                    return relaymoe_backend(gm, example_inputs, options=options)
-
-                compiled = torch.compile(block, backend=counting)
+                seen = len(compiled_reports())
+                compiled = torch.compile(block, backend="relaymoe", options=options)
                 for step in range(3):  # three routings, one compilation
                     x, ids, scores = inputs(self.rank, world, step)
                     got = step_outputs(compiled, x, ids, scores, weights)
                     want = step_outputs(block, x, ids, scores, weights)
                     for g, w in zip(got, want):
                         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+                graphs = compiled_reports()[seen:]
                 self.assertEqual(len(graphs), 1, f"{inner}: one graph, no recompilation across routings")
+                self.assertEqual([r.status for r in graphs[0].regions], ["rewritten"])
             report = json.loads(next(Path(dump_dir).glob(f"graph*_rank{self.rank}/report.json")).read_text())
             region = report["regions"][0]
             self.assertEqual((region["status"], region["group_size"]), ("rewritten", world))
@@ -200,21 +230,34 @@ class BackendEndToEnd(DistributedTestCase):
             self.assertIn("relaymoe.ring_moe", rewritten)
             self.assertNotIn("all_to_all_single", rewritten)
 
-    def test_region_split_by_graph_breaks_is_left_alone_and_reported(self) -> None:
-        # Without capture_scalar_outputs, Dynamo breaks the graph at the split sizes' .tolist(): the
-        # all-to-alls land in different graphs, so no graph holds a whole region.
+    def test_region_split_by_a_graph_break_is_refused_and_other_backends_keep_dynamo_defaults(self) -> None:
         self.init_pg()
         world = dist.get_world_size()
         weights = self.weights(world)
-        reports = relay_compile.explain(block, *inputs(self.rank, world, 0), *weights)
-        refused = [r for rep in reports for r in rep.regions]
-        self.assertTrue(refused and all(r.status == "refused" and r.reason for r in refused), refused)
-        torch._dynamo.reset()
-        compiled = torch.compile(block, backend="relaymoe", options={"inner_compiler": "eager"})
         x, ids, scores = inputs(self.rank, world, 1)
-        for g, w in zip(step_outputs(compiled, x, ids, scores, weights), step_outputs(block, x, ids, scores, weights)):
-            torch.testing.assert_close(g, w)
 
+        def broken(x, ids, scores, w1, w2, w3):
+            return variants.a2a_moe_graph_break(x, ids, scores, w1, w2, w3, group=dist.group.WORLD)
+
+        # A graph break inside the block (torch._dynamo.graph_break()): no graph holds a whole region.
+        reports = relay_compile.explain(broken, x, ids, scores, *weights)
+        refused = [r for rep in reports for r in rep.regions]
+        self.assertTrue(refused and all(r.status == "refused" and "no partner" in r.reason for r in refused), refused)
+        torch._dynamo.reset()
+        compiled = torch.compile(broken, backend="relaymoe", options={"inner_compiler": "eager"})
+        for g, w in zip(step_outputs(compiled, x, ids, scores, weights), step_outputs(broken, x, ids, scores, weights)):
+            torch.testing.assert_close(g, w)
+        # The same block under another backend, after relaymoe's calls: Dynamo's defaults, so .tolist() of the
+        # split sizes breaks the graph as it always did.
+        graphs: list[torch.fx.GraphModule] = []
+
+        def other(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        step_outputs(torch.compile(block, backend=other), x, ids, scores, weights)
+        self.assertGreater(len(graphs), 1)
+        self.assertFalse(any(n.target == "item" for gm in graphs for n in gm.graph.nodes))
 
 if __name__ == "__main__":
     run_tests()

@@ -157,15 +157,17 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
 class RingMoEOnOneProcess(TestCase):
     """World size 1 (no process group): one hop, no communication; and the ops under torch.compile."""
 
-    def test_matches_the_dense_loop_without_a_process_group_for_every_routing_case(self) -> None:
+    def test_matches_the_dense_loop_without_a_process_group_for_every_routing_case_and_scores_placement(self) -> None:
         weights = local_weights(0, 4, 1)
         for case in ROUTINGS:
             x, ids, scores = routed_inputs(case, 0, 1, 4, seed=3)
-            want = forward_backward(dense_moe, x, ids, scores, weights, 0)
-            for routing in ("expert", "token"):
-                got = forward_backward(ring_moe, x, ids, scores, weights, 0, routing=routing, max_hop_rows=5)
-                for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
-                    assert_close_rel(g, w, 1e-5, f"{case} {routing} {name}")
+            for scores_applied in ("after", "before"):
+                want = forward_backward(dense_moe, x, ids, scores, weights, 0, scores_applied=scores_applied)
+                for routing in ("expert", "token"):
+                    got = forward_backward(ring_moe, x, ids, scores, weights, 0, routing=routing, max_hop_rows=5,
+                                           scores_applied=scores_applied)
+                    for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
+                        assert_close_rel(g, w, 1e-5, f"{case} {routing} scores {scores_applied} {name}")
 
     def test_compiles_into_one_graph_with_aot_autograd_and_matches_eager(self) -> None:
         weights = local_weights(0, 4, 1)
@@ -206,12 +208,15 @@ class RingMoEOnOneProcess(TestCase):
             (dict(w1=w1.double()), "w1 is torch.float64 on cpu but x is torch.float32"),
             (dict(routing="ring"), r"routing='ring' is not one of \('auto', 'expert', 'token'\)"),
             (dict(max_hop_rows=0), "max_hop_rows must be a positive row count"),
+            (dict(scores_applied="inside"), r"scores_applied='inside' is not one of \('after', 'before'\)"),
         ]
         for change, message in cases:
-            args = dict(x=x, ids=ids, scores=scores, w1=w1, w2=w2, w3=w3, routing="auto", max_hop_rows=None) | change
+            args = dict(x=x, ids=ids, scores=scores, w1=w1, w2=w2, w3=w3, routing="auto", max_hop_rows=None,
+                        scores_applied="after") | change
             with self.assertRaisesRegex(ValueError, message):
                 ring_moe(args["x"], args["ids"], args["scores"], args["w1"], args["w2"], args["w3"],
-                         routing=args["routing"], max_hop_rows=args["max_hop_rows"])
+                         routing=args["routing"], max_hop_rows=args["max_hop_rows"],
+                         scores_applied=args["scores_applied"])
         ids_bad = ids.clone()
         ids_bad[3, 1] = 4
         with self.assertRaisesRegex(RingInputError, r"expert ids outside \[0, 4\) on rank 0"):

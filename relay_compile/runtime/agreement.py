@@ -8,8 +8,9 @@ Contract:
     before the exchange: code, argument and the first bytes of the message), the direction, token count,
     hidden size, top-k, the dtypes of everything that travels (x, topk_ids, topk_scores, grad_y), experts
     per rank, weight count, shapes and dtypes, the options that change the transfer schedule (routing asked,
-    overlap, remat, fp32_accumulation; never ``max_hop_rows``, a per-rank memory knob), the expert function's identity
-    (``fn_identity``), then what the step needs: a bad-expert-id flag and the pair counts per expert, and
+    overlap, remat, fp32_accumulation; never ``max_hop_rows``, a per-rank memory knob), the expert function's
+    identity (``fn_identity``) and where the scores apply (before or after it), then what the step needs: a
+    bad-expert-id flag and the pair counts per expert, and
     the failure status this rank's previous ring on the group left unread (``transport.RingRun.outcome``).
     Every rank checks the gathered table in the same order and raises the same ``RingInputError``, naming the
     rank and the argument (``RingPeerError`` for a previous ring's failure); the rank whose own argument
@@ -50,6 +51,7 @@ Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 ARGUMENTS = (
     "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
     "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "fp32_accumulation",
+    "scores_applied",
     "the call",
 )
 # Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.
@@ -62,7 +64,8 @@ MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
 _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
-    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "expert_fn", "num_weights", "weights_digest",
+    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "expert_fn", "scores_before",
+    "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
 )
@@ -76,6 +79,7 @@ COUNTS = BAD_IDS + 2
 _AGREED = (
     ("experts_per_rank", "experts per rank (experts_per_rank, or w1.shape[0])", str),
     ("expert_fn", "the expert function (expert_fn and name=; code shown is a digest)", lambda v: f"#{v:x}"),
+    ("scores_before", "where the scores apply (scores_applied)", lambda v: "before" if v else "after"),
     ("routing", "option routing", lambda v: repr(ROUTINGS[v])),
     ("overlap", "option overlap", lambda v: str(bool(v))),
     ("remat", "option remat", lambda v: str(bool(v))),
@@ -123,6 +127,7 @@ class Claims:
     experts_per_rank: int = 0
     options: RingOptions = field(default_factory=RingOptions)
     expert_fn: int = 0
+    scores_before: bool = False
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
 
     def header(self, counts_len: int) -> list[int]:
@@ -140,6 +145,7 @@ class Claims:
             experts_per_rank=self.experts_per_rank, routing=ROUTINGS.index(self.options.routing),
             overlap=int(self.options.overlap), remat=int(self.options.remat),
             fp32_accumulation=int(self.options.fp32_accumulation), expert_fn=self.expert_fn,
+            scores_before=int(self.scores_before),
             num_weights=len(self.weights), counts_len=counts_len,
         )
         row |= zip(("x_dtype", "ids_dtype", "scores_dtype", "grad_dtype"), map(dtype_code, self.dtypes), strict=True)

@@ -10,8 +10,11 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
   computes their pairs for its own experts. The output (backward: ``dx``, ``d_scores``) accumulator travels
   one hop behind the tokens; weight gradients accumulate locally.
 
-Per chunk, forward: ``y[t] += score * F(x[t])``; backward recomputes ``F`` on the chunk, takes its
-vector-Jacobian product and releases everything before the next chunk (hop-scoped rematerialization).
+Per chunk, forward: ``y[t] += score * F(x[t])`` (scores applied after the experts), or ``y[t] += F(score * x[t])``
+(``scores_before``: DeepSpeed, Megatron's ``moe_apply_probs_on_input``); backward recomputes ``F`` on the chunk,
+takes its vector-Jacobian product and releases everything before the next chunk (hop-scoped rematerialization).
+Scores before ``F``: with ``g = vjp_F(s x)[dy]``, ``dx += s g`` and ``d_score = <g, x>`` (autograd over the
+scaling, always: the fused backward entry points assume scores after).
 Chunks are planned once per step (``routing.plan_chunks``); an expert function with grouped entry points
 (``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
 packs them once, they circulate packed, and the gradients are unpacked at ``finish``.
@@ -62,6 +65,8 @@ class RingStepConfig:
     max_hop_rows: int | None
     # Dtype of the sums across hops (module docstring); None: the dtype of the summands.
     acc_dtype: torch.dtype | None = None
+    # Scores scale F's input rows (``F(s x)``) instead of its output (``s F(x)``).
+    scores_before: bool = False
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
     grouped: GroupedExperts | None = field(init=False)
 
@@ -128,15 +133,25 @@ def _splits_N(cfg: RingStepConfig, chunk: Chunk, src: int) -> list[int]:
     return splits_N
 
 
+def _scaled_rows(x_CH: Tensor, score_C1: Tensor) -> Tensor:
+    """``s * x`` per row, as F sees it when scores come first: in fp32, cast back (torchtitan's
+    ``score_before_experts``; exact for fp32)."""
+    return (x_CH.to(ACC_DTYPE) * score_C1.to(ACC_DTYPE)).to(x_CH.dtype)
+
+
 def segment_forward(
     cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], y_TH: Tensor
 ) -> None:
-    """``y[t] += scores[p] * F_owner(x[t])`` for the pairs ``p = (t, k)`` of the hop's chunks."""
+    """``y[t] += scores[p] * F_owner(x[t])`` (or ``F_owner(scores[p] * x[t])``) for the pairs ``p = (t, k)`` of
+    the hop's chunks."""
     for chunk in rows.chunks:
         tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
-        out_CH = _expert_forward(cfg, chunk, rows.src, x_TH[tok_C], _chunk_weights(cfg, weights, chunk))
         score_C1 = rows.scores_S[chunk.start : chunk.end, None]
-        if cfg.grouped is not None and out_CH.dtype == y_TH.dtype:
+        x_CH = _scaled_rows(x_TH[tok_C], score_C1) if cfg.scores_before else x_TH[tok_C]
+        out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, _chunk_weights(cfg, weights, chunk))
+        if cfg.scores_before:
+            scatter_add_rows_(y_TH, tok_C, out_CH)
+        elif cfg.grouped is not None and out_CH.dtype == y_TH.dtype:
             out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
             y_TH.index_add_(0, tok_C, out_CH)
         else:
@@ -162,14 +177,19 @@ def _autograd_enabled() -> Iterator[None]:
 def _recompute_chunk(
     cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor]
 ) -> tuple[Chunk, Tensor, list[Tensor], Tensor]:
-    """Rerun ``F`` on one chunk with autograd: ``(chunk, x_CH leaf, weight leaves, out_CH)``.
+    """Rerun ``F`` on one chunk with autograd: ``(chunk, x_CH leaf, leaves, out_CH)``.
 
-    Weight leaves are the chunk's expert slices (grouped ``F``) or whole partitions.
+    Leaves: the weights, the chunk's expert slices (grouped ``F``) or whole partitions; with scores before
+    ``F``, then the chunk's scores ``(C, 1)`` in fp32 (their gradient is ``<g, x>``).
     """
     tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
     x_CH = x_TH[tok_C].detach().requires_grad_()
     w_leaves = [w.detach().requires_grad_() for w in _chunk_weights(cfg, weights, chunk)]
     with _autograd_enabled():
+        if cfg.scores_before:
+            score_C1 = rows.scores_S[chunk.start : chunk.end, None].detach().to(ACC_DTYPE).requires_grad_()
+            out_CH = _expert_forward(cfg, chunk, rows.src, _scaled_rows(x_CH, score_C1), w_leaves)
+            return chunk, x_CH, [*w_leaves, score_C1], out_CH
         out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, w_leaves)
     return chunk, x_CH, w_leaves, out_CH
 
@@ -182,10 +202,15 @@ def _chunk_vjp(
     chunk, x_CH, w_leaves, out_CH = recomputed
     tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
     dy_CH = dy_TH[tok_C]
-    ds_S[chunk.start : chunk.end] = (dy_CH.to(ACC_DTYPE) * out_CH.detach().to(ACC_DTYPE)).sum(-1)
-    score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
-    with _autograd_enabled():
-        grads = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True)
+    if cfg.scores_before:  # the last leaf is the scores: autograd gives dx = s g and d_score = <g, x>
+        with _autograd_enabled():
+            *grads, ds_C1 = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True)
+        ds_S[chunk.start : chunk.end] = 0 if ds_C1 is None else ds_C1.view(-1)
+    else:
+        ds_S[chunk.start : chunk.end] = (dy_CH.to(ACC_DTYPE) * out_CH.detach().to(ACC_DTYPE)).sum(-1)
+        score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
+        with _autograd_enabled():
+            grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True))
     scatter_add_rows_(dx_TH, tok_C, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
@@ -197,11 +222,12 @@ def segment_backward(
     """Per chunk: recompute, vector-Jacobian product, accumulate, release.
 
     Uses the expert function's fused backward where it has one (``vjp_rows``, else ``vjp``), else autograd
-    over a recomputed forward.
+    over a recomputed forward (always with scores before ``F``: the fused entry points scale ``F``'s output).
     """
     grouped = cfg.grouped
     fused = getattr(cfg.expert_fn, "vjp", None)
-    no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
+    no_fused = cfg.scores_before or (grouped is None and fused is None) or (
+        grouped is not None and not grouped.has_fused_backward)
     for chunk in rows.chunks:
         if no_fused:
             _chunk_vjp(cfg, rows, _recompute_chunk(cfg, rows, chunk, x_TH, weights), dy_TH, dx_TH, ds_S, dw)

@@ -105,6 +105,7 @@ def _prepare(
         direction=direction, tokens=x.shape[0], hidden=x.shape[1], top_k=topk_ids.shape[1],
         dtypes=(x.dtype, topk_ids.dtype, topk_scores.dtype, None if grad_y is None else grad_y.dtype),
         experts_per_rank=spec.experts_per_rank, options=spec.options, expert_fn=state.identity_code,
+        scores_before=spec.scores_applied == "before",
         weights=tuple((w.dtype, tuple(w.shape)) for w in weights),
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
@@ -122,6 +123,7 @@ def _run(
     cfg = RingStepConfig(
         expert_fn=spec.expert_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
         max_hop_rows=spec.options.max_hop_rows, acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
+        scores_before=spec.scores_applied == "before",
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
     fp32 = spec.options.fp32_accumulation
@@ -146,7 +148,8 @@ def _run(
 
 @torch.library.custom_op("relaymoe::ring_moe", mutates_args=())
 def ring_moe_op(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> Tensor:
-    """``y[t] = sum_k scores[t, k] * F_{ids[t, k]}(x[t])`` by a ring over the spec's EP group."""
+    """``y[t] = sum_k scores[t, k] * F_{ids[t, k]}(x[t])`` (or ``F_{ids[t, k]}(scores[t, k] * x[t])``, the
+    spec's ``scores_applied``) by a ring over the spec's EP group."""
     with torch.no_grad():
         return _run("forward", spec, x, topk_ids, topk_scores, weights)[0]
 

@@ -26,6 +26,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from relay_compile.experts import ExpertFn, GroupedExperts
 from relay_compile.routing import Routing
@@ -36,6 +37,11 @@ from relay_compile.runtime.transport import RingGroup
 # Functional registrations kept at once (one per live expert function and max_hop_rows, typically a few).
 MAX_FUNCTIONAL_SPECS = 64
 
+# Where the router's scores multiply: F's output rows (``y[t] += s F(x[t])``, the all-to-all reference) or
+# its input rows (``y[t] += F(s x[t])``: DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
+ScoresApplied = Literal["after", "before"]
+SCORES_APPLIED: tuple[ScoresApplied, ...] = ("after", "before")
+
 
 @dataclass(frozen=True, kw_only=True)
 class RingSpec:
@@ -45,10 +51,12 @@ class RingSpec:
     experts_per_rank: int
     group_name: str
     options: RingOptions
+    scores_applied: ScoresApplied = "after"
 
     def key(self, fn_name: str) -> str:
-        """``<fn_name>|group=<g>|E_l=<n>|routing=...|overlap=...|remat=...|max_hop_rows=...``."""
-        return f"{fn_name}|group={self.group_name}|E_l={self.experts_per_rank}|{self.options.key()}"
+        """``<fn_name>|group=<g>|E_l=<n>|scores=<after|before>|routing=...|overlap=...|remat=...|max_hop_rows=...``."""
+        return (f"{fn_name}|group={self.group_name}|E_l={self.experts_per_rank}|scores={self.scores_applied}|"
+                f"{self.options.key()}")
 
     def circulating_weights(self, num_weights: int) -> int:
         """How many weight tensors circulate for ``num_weights`` given ones (the expert function's packing)."""

@@ -1,5 +1,5 @@
-"""Variants of the reference all-to-all layer in other codebases' idioms: the matcher rewrites some, and must
-leave the others unchanged, with a reason.
+"""Variants of the reference all-to-all layer in other codebases' idioms: the matcher rewrites some (in-place
+combine, scores before the experts), and must leave the others unchanged, with a reason.
 
 Each is ``fn(x_TH, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, group) -> y_TH`` built from the reference's own
 steps (``relay_compile.reference``), so everything but the one unsupported feature is the matched pattern.
@@ -43,7 +43,8 @@ def a2a_moe_graph_break(x_TH, ids_TK, scores_TK, w1, w2, w3, *, group):
 
 
 def a2a_moe_scores_first(x_TH, ids_TK, scores_TK, w1, w2, w3, *, group):
-    """Scores scale the tokens before the experts (a different function: F is not linear)."""
+    """Scores scale the tokens before the experts, and the combine adds the rows unweighted (DeepSpeed,
+    Megatron's ``moe_apply_probs_on_input``: a different function, F is not linear)."""
     order_P, send_PH, counts_NL, send_splits, recv_splits = _dispatch(x_TH, ids_TK, w1, group)
     send_PH = send_PH * scores_TK.flatten()[order_P].unsqueeze(-1)
     recv_RH = _dispatch_tokens(send_PH, send_splits, recv_splits, group)

@@ -58,6 +58,7 @@ class FakeGraph:
         self.shape_env = ShapeEnv()
         self.mode = FakeTensorMode(shape_env=self.shape_env)
         self.graph = fx.Graph()
+        self.submodules: dict[str, torch.nn.Module] = {}  # what get_attr nodes read (higher-order op bodies)
 
     def input(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> fx.Node:
         """A tensor placeholder."""
@@ -100,11 +101,52 @@ class FakeGraph:
         a2a = self.fn(A2A, t, list(out_splits), list(in_splits), group, name=names[0])
         return a2a, self.fn(WAIT, a2a, name=names[1])
 
+    def function_a2a(self, t: fx.Node, out_splits: Sequence[Any], in_splits: Sequence[Any], group: str,
+                     names: tuple[str | None, str | None] = (None, None), *, twice: bool = False,
+                     split_inside: bool = False) -> tuple[fx.Node, fx.Node]:
+        """``(apply, getitem(apply, 0))``: Megatron's ``_AllToAll.apply(group, t, out_splits, in_splits)`` as Dynamo
+        traces it, ``autograd_function_apply(fwd_body, bwd_body, t, *out_splits, *in_splits)`` whose forward is
+        ``buf = t.new_empty(...); buf.copy_(wait(all_to_all_single(t.contiguous(), ...)))``; ``twice``: a second
+        all-to-all in the forward; ``split_inside``: the first output split computed inside the forward."""
+        body = FakeGraph()
+        # Row counts are not read from the body (symbolic outside it): any static stand-in will do.
+        shape = (1, *(int(d) for d in t.meta["val"].shape[1:]))
+        t_in = body.input("input", shape, dtype=t.meta["val"].dtype)
+        outs = [body.int_input(f"out{i}", 1) for i in range(len(out_splits))]
+        ins = [body.int_input(f"in{i}", 1) for i in range(len(in_splits))]
+        sent = body.method("contiguous", t_in)
+        if split_inside:
+            outs[0] = body.fn(operator.mul, outs[0], 1)
+        buf = body.method("new_empty", sent, [body.fn(torch.sym_sum, outs), *shape[1:]])
+        _, result = body.a2a(sent, outs, ins, group)
+        if twice:
+            _, result = body.a2a(result, ins, outs, group)
+        body.method("copy_", buf, result)
+        body.graph.output(((buf,), tuple(ins)))
+        fwd = fx.GraphModule(torch.nn.Module(), body.graph)
+        refs = []
+        for kind in ("fwd_body", "bwd_body"):  # the backward body is never read: the forward stands in
+            attr = f"{kind}_{len(self.submodules) // 2}"
+            self.submodules[attr] = fwd
+            refs.append(self.graph.get_attr(attr))
+        apply = self.graph.call_function(
+            torch.ops.higher_order.autograd_function_apply, (*refs, t, *out_splits, *in_splits),
+            {"non_differentiable_idx": [], "saved_for_backward_idx": []}, name=names[0])
+        with self.mode:
+            rows = sum(s.meta["val"] for s in out_splits)
+            apply.meta["val"] = (t.meta["val"].new_empty((rows, *t.meta["val"].shape[1:])),)
+        first = self.graph.call_function(operator.getitem, (apply, 0), name=names[1])
+        first.meta["val"] = apply.meta["val"][0]
+        return apply, first
+
     def module(self, outputs: Sequence[fx.Node]) -> fx.GraphModule:
         """Close the graph with ``return (outputs...)`` (Dynamo returns a tuple) and wrap it."""
         self.graph.output(tuple(outputs))
         self.graph.lint()
-        return fx.GraphModule(torch.nn.Module(), self.graph)
+        root = torch.nn.Module()
+        for name, sub in self.submodules.items():
+            root.add_module(name, sub)
+        return fx.GraphModule(root, self.graph)
 
     def _placeholder(self, name: str) -> fx.Node:
         node = self.graph.placeholder(name)

@@ -21,6 +21,7 @@ import collections
 import operator
 import unittest
 import unittest.mock
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as nnf
@@ -105,25 +106,79 @@ class DispatchAndCombineRefusals(MatchTestCase):
         for x in refused:
             self.assertRegex(x.reason, rf"^all_to_all {x.node.name} has no partner in this graph")
 
+    # --- step 1: collectives inside a user autograd.Function ---------------------------------------------
+
+    @staticmethod
+    def function_steps(**kwargs: bool) -> dict[str, Callable[[Region], None]]:
+        """Dispatch and combine as Megatron's ``_AllToAll.apply`` (``FakeGraph.function_a2a``); ``kwargs`` shape
+        the dispatch's forward body."""
+        def dispatch(r: Region) -> None:
+            r.dispatch, r.recv = r.b.function_a2a(r.send, r.recv_splits, r.send_splits, r.group,
+                                                  names=("dispatch", "recv"), **kwargs)
+
+        def combine(r: Region) -> None:
+            r.combine, r.back = r.b.function_a2a(r.out, r.send_splits, r.recv_splits, r.group,
+                                                 names=("combine", "back"))
+
+        return {"dispatch": dispatch, "combine": combine}
+
+    def test_finds_a_region_whose_all_to_alls_are_autograd_functions(self) -> None:
+        gm, r = moe_graph(**self.function_steps())
+        regions, refused = self.match(gm)
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual((region.dispatch, region.recv, region.combine, region.back),
+                         (r.dispatch, r.recv, r.combine, r.back))
+        # The applies die with the region, and so do the get_attr nodes of their bodies.
+        bodies = {a for n in (r.dispatch, r.combine) for a in n.args[:2]}
+        self.assertLessEqual({r.dispatch, r.combine, *bodies}, region.nodes)
+
+    def test_refuses_an_autograd_function_whose_forward_is_not_one_all_to_all_of_its_inputs(self) -> None:
+        cases = {
+            "twice": "the autograd.Function dispatch (autograd_function_apply) runs 2 all-to-alls in its forward; "
+                     "one is understood",
+            "split_inside": "the autograd.Function dispatch (autograd_function_apply) computes mul inside its "
+                            "forward and passes it to its all-to-all all_to_all_single; only values it takes as "
+                            "inputs are understood",
+        }
+        for kwarg, reason in cases.items():
+            gm, r = moe_graph(**self.function_steps(**{kwarg: True}))
+            regions, refused = self.match(gm)
+            self.assertEqual(regions, [])
+            self.assertIn((r.dispatch, reason), [(x.node, x.reason) for x in refused], kwarg)
+
     # --- step 3: the dispatch side -------------------------------------------------------------------------
 
-    def test_refuses_scores_applied_before_the_experts(self) -> None:
-        # tests.models.variants.a2a_moe_scores_first: send = x[order // K] * scores.flatten()[order][:, None];
-        # y = zeros_like(x).index_add(0, order // K, back).
-        def permute(r: Region) -> None:
-            b = r.b
-            r.order = b.fn(torch.argsort, b.method("flatten", r.ids), stable=True, name="order")
-            rows = b.fn(operator.getitem, r.x, b.fn(operator.floordiv, r.order, D.K))
-            r.send = b.fn(operator.mul, rows, score_column(r), name="send")
+    @staticmethod
+    def scores_first(r: Region) -> None:
+        """send = (x[order // K].float() * scores.flatten()[order][:, None]).to(x.dtype) (torchtitan's
+        ``score_before_experts``; tests.models.variants.a2a_moe_scores_first without the casts)."""
+        b = r.b
+        r.order = b.fn(torch.argsort, b.method("flatten", r.ids), stable=True, name="order")
+        rows = b.method("float", b.fn(operator.getitem, r.x, b.fn(operator.floordiv, r.order, D.K)))
+        r.send = b.method("to", b.fn(operator.mul, rows, score_column(r)), torch.float32, name="send")
 
+    def test_finds_scores_applied_before_the_experts_with_an_unweighted_combine(self) -> None:
+        # y = zeros_like(x).index_add(0, order // K, back).
         def scatter(r: Region) -> None:
             token = r.b.fn(operator.floordiv, r.order, D.K)
             r.y = r.b.method("index_add", r.b.fn(torch.zeros_like, r.x), 0, token, r.back, name="y")
 
-        gm, r = moe_graph(permute=permute, scatter=scatter)
-        reason = self.refusal(gm, r.dispatch)
-        self.assertEqual(reason, "scores applied before the experts: the dispatch sends send, a product, not a row "
-                                 "gather x[order // K]; the ring applies scores after F")
+        gm, r = moe_graph(permute=self.scores_first, scatter=scatter)
+        regions, refused = self.match(gm)
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual(region.scores_applied, "before")
+        self.assertEqual((region.x, region.topk_scores, region.output), (r.x, r.scores, r.y))
+        self.assertIn(r.send, region.nodes)
+        self.assertNotIn(r.scores, region.nodes)
+
+    def test_refuses_scores_applied_both_before_and_after_the_experts(self) -> None:
+        gm, r = moe_graph(permute=self.scores_first)  # the reference's weighted combine
+        reason = self.refusal(gm, r.combine)
+        self.assertEqual(reason, "the dispatch applies the scores before the experts, but no scatter_add(zeros, "
+                                 "order // K, back) of the unweighted rows follows the combine (scores applied both "
+                                 "before and after the experts, or another reduction)")
 
     def test_refuses_a_dispatch_that_does_not_send_a_row_gather_of_the_tokens(self) -> None:
         # send = torch.gather(x, 0, (order // K)[:, None].expand(-1, H)).
@@ -135,7 +190,8 @@ class DispatchAndCombineRefusals(MatchTestCase):
 
         gm, r = moe_graph(permute=permute)
         reason = self.refusal(gm, r.dispatch)
-        self.assertEqual(reason, "the dispatch input send is not a row gather x[order // K] of the tokens")
+        self.assertEqual(reason, "the dispatch input send is not a row gather x[order // K] of the tokens, nor one "
+                                 "times topk_scores.flatten()[order]")
 
     def test_refuses_a_send_gather_not_indexed_by_order_floordiv_k(self) -> None:
         # send = x.repeat_interleave(K, dim=0)[order]: the pair rows gathered from the expanded tokens.

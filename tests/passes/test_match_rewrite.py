@@ -315,7 +315,7 @@ class GraphModule(torch.nn.Module):
         sum_1: "f32[12, 1]" = scores_TK.sum(dim = -1, keepdim = True)
         scores_TK_1: "f32[12, 2]" = scores_TK / sum_1;  scores_TK = sum_1 = None
         topk_scores_TK: "f32[12, 2]" = scores_TK_1.to(torch.float32);  scores_TK_1 = None
-        ring_moe: "f32[12, 16]" = torch.ops.relaymoe.ring_moe.default(x_TH, ids_TK, topk_scores_TK, [l_self_parameters_w1_, l_self_parameters_w2_, l_self_parameters_w3_], 'fx_region[<digest>]|group=0|E_l=4|routing=auto|overlap=1|remat=1|max_hop_rows=None|fp32_accumulation=1');  x_TH = ids_TK = topk_scores_TK = l_self_parameters_w1_ = l_self_parameters_w2_ = l_self_parameters_w3_ = None
+        ring_moe: "f32[12, 16]" = torch.ops.relaymoe.ring_moe.default(x_TH, ids_TK, topk_scores_TK, [l_self_parameters_w1_, l_self_parameters_w2_, l_self_parameters_w3_], 'fx_region[<digest>]|group=0|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=None|fp32_accumulation=1');  x_TH = ids_TK = topk_scores_TK = l_self_parameters_w1_ = l_self_parameters_w2_ = l_self_parameters_w3_ = None
         view_as: "f32[2, 6, 16]" = ring_moe.view_as(l_x_bsh_);  ring_moe = l_x_bsh_ = None
         return (view_as,)""")
 
@@ -382,24 +382,27 @@ class GraphModule(torch.nn.Module):
 
     # --- refusals --------------------------------------------------------------------------------------
 
-    def check_in_place_combine_into_a_returned_buffer(self) -> None:
-        """``y = zeros_like(x); y.index_add_(...); return y``: rewritten, and equal to eager a2a."""
+    def check_variants_rewritten(self) -> None:
+        """An in-place combine into a returned buffer (``y = zeros_like(x); y.index_add_(...); return y``) and
+        scores applied before the experts: rewritten, and equal to eager a2a."""
         group = dist.group.WORLD
         e_l = E // self.world_size
         w = moe_weights(1, H, F, E, experts=range(self.rank * e_l, (self.rank + 1) * e_l))
         gen = torch.Generator().manual_seed(self.rank)
         ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(12)])
-
-        def fn(x, scores, w1, w2, w3):
-            return variants.a2a_moe_in_place_combine(x, ids, scores, w1, w2, w3, group=group)
-
         inputs = [(torch.randn(12, H, generator=gen), torch.rand(12, K, generator=gen), w["w1"], w["w2"], w["w3"])]
-        want = run_steps(fn, None, inputs, grad_seed=0)
-        backend = RingBackend()
-        got = run_steps(compile_with(fn, backend), None, inputs, grad_seed=0)
-        self.check_graph_rewritten(backend.graphs[0])
-        self.assertEqual(len(backend.graphs[0].regions[0].output_aliases), 1)
-        assert_close_rel(self, got[0], want[0], {"y": 1e-5, "grad": 1e-5}, "in-place combine")
+        cases = {variants.a2a_moe_in_place_combine: (1, "after"), variants.a2a_moe_scores_first: (0, "before")}
+        for variant, (aliases, scores_applied) in cases.items():
+            def fn(x, scores, w1, w2, w3, variant=variant):
+                return variant(x, ids, scores, w1, w2, w3, group=group)
+
+            want = run_steps(fn, None, inputs, grad_seed=0)
+            backend = RingBackend()
+            got = run_steps(compile_with(fn, backend), None, inputs, grad_seed=0)
+            self.check_graph_rewritten(backend.graphs[0])
+            region = backend.graphs[0].regions[0]
+            self.assertEqual((len(region.output_aliases), region.scores_applied), (aliases, scores_applied))
+            assert_close_rel(self, got[0], want[0], {"y": 1e-5, "grad": 1e-5}, variant.__name__)
 
     def check_unsupported_regions_are_left_unchanged(self) -> None:
         group = dist.group.WORLD
@@ -411,7 +414,6 @@ class GraphModule(torch.nn.Module):
         scores = torch.rand(12, K, generator=gen)
         cases = {
             variants.a2a_moe_graph_break: "no partner in this graph",
-            variants.a2a_moe_scores_first: "scores applied before the experts",
             variants.a2a_moe_experts_read_tokens: "which also feeds the dispatch",
         }
         for variant, reason in cases.items():
@@ -447,10 +449,10 @@ class MatchRewriteWorld2(Cases):
         self.init_pg()
         self.check_torchtitan_layer()
 
-    def test_unsupported_regions_are_left_unchanged_with_a_reason_and_an_in_place_combine_is_rewritten(self) -> None:
+    def test_unsupported_regions_are_left_unchanged_with_a_reason_and_supported_variants_are_rewritten(self) -> None:
         self.init_pg()
         self.check_unsupported_regions_are_left_unchanged()
-        self.check_in_place_combine_into_a_returned_buffer()
+        self.check_variants_rewritten()
 
 
 class MatchRewriteWorld4(Cases):

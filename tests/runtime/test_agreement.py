@@ -119,6 +119,8 @@ class ArgumentsAreAgreedByEveryRank(ShortTimeoutCase):
                 (dict(kw=dict(overlap=not other)), "option overlap"),
                 (dict(kw=dict(remat=not other)), "option remat"),
                 (dict(kw=dict(routing="token" if other else "expert")), "option routing"),
+                (dict(kw=dict(scores_applied="before" if other else "after")),
+                 "where the scores apply \\(scores_applied\\): rank 1 passes before where rank 0 passes after"),
                 (dict(width=F + 4 * other), r"weight shapes of rank 1 differ from rank 0's: weights\[0\] is"),
                 (dict(e_l=self.e_l + other), "experts per rank"),
             ]

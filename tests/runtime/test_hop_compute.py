@@ -57,21 +57,22 @@ def make_inputs(tokens: int, num_experts: int, top_k: int, seed: int, activation
     )
 
 
-def dense_truth(inp: dict) -> tuple[Tensor, list[Tensor]]:
+def dense_truth(inp: dict, scores_before: bool = False) -> tuple[Tensor, list[Tensor]]:
     """``y`` and ``[dx, d_scores, *d_weights]`` by autograd through the dense loop, fp64."""
     leaves = [inp["x"].clone().requires_grad_(), inp["scores"].clone().requires_grad_()]
     leaves += [w.clone().requires_grad_() for w in inp["weights"]]
     x, scores, w1, w2, *w3 = leaves
-    y = dense_moe(x, inp["ids"], scores, w1, w2, w3[0] if w3 else None, inp["activation"])
+    y = dense_moe(x, inp["ids"], scores, w1, w2, w3[0] if w3 else None, inp["activation"],
+                  scores_applied="before" if scores_before else "after")
     if not y.requires_grad:  # no pair at all: nothing depends on any input
         return y, [torch.zeros_like(t) for t in leaves]
     grads = torch.autograd.grad(y, leaves, inp["dy"], allow_unused=True, materialize_grads=True)
     return y.detach(), list(grads)
 
 
-def config(expert_fn, num_experts: int, max_hop_rows: int | None) -> RingStepConfig:
+def config(expert_fn, num_experts: int, max_hop_rows: int | None, scores_before: bool = False) -> RingStepConfig:
     return RingStepConfig(expert_fn=expert_fn, ring=RingGroup.resolve(""), num_experts=num_experts,
-                          max_hop_rows=max_hop_rows)
+                          max_hop_rows=max_hop_rows, scores_before=scores_before)
 
 
 def step_inputs(inp: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, list[Tensor], Tensor]:
@@ -110,14 +111,14 @@ def run_backward(routing: str, cfg: RingStepConfig, x, ids, scores, weights, dy,
 
 class HopComputeCase(unittest.TestCase):
     def check(self, inp: dict, expert_fn_for: Callable[[torch.dtype, bool | None], object] | None = None,
-              max_hop_rows: int | None = None, numerics=NUMERICS, label: str = "") -> None:
+              max_hop_rows: int | None = None, numerics=NUMERICS, label: str = "", scores_before: bool = False) -> None:
         """Forward and both backward paths of both routings against the dense truth; inputs left unchanged."""
         num_experts = inp["weights"][0].shape[0]
-        y_want, grads_want = dense_truth(inp)
+        y_want, grads_want = dense_truth(inp, scores_before)
         names = ["dx", "d_scores"] + [f"d_w{i}" for i in (1, 2, 3)][: len(inp["weights"])]
         for dtype, grouped_mm in numerics:
             fn = (expert_fn_for or (lambda d, g: ffn_expert_fn(inp["activation"], g)))(dtype, grouped_mm)
-            cfg = config(fn, num_experts, max_hop_rows)
+            cfg = config(fn, num_experts, max_hop_rows, scores_before)
             for routing in ROUTINGS:
                 args = step_inputs(inp, dtype)
                 before = [t.clone() for t in (*args[:3], *args[3], args[4])]
@@ -263,6 +264,41 @@ class RoutingShapesAtWorldOne(HopComputeCase):
     def test_zero_tokens_give_empty_outputs_and_zero_weight_gradients(self) -> None:
         inp = make_inputs(tokens=0, num_experts=4, top_k=2, seed=14, ids=torch.empty(0, 2, dtype=torch.int64))
         self.check(inp, max_hop_rows=4)
+
+
+class ScoresBeforeTheExpertsAtWorldOne(HopComputeCase):
+    """``y[t] = sum_k F(s x[t])``: forward and backward of both routings against the dense loop."""
+
+    def test_swiglu_grouped_and_looped_experts_match_the_dense_loop_whole_and_in_chunks(self) -> None:
+        for max_hop_rows in (None, 3):
+            self.check(make_inputs(tokens=12, num_experts=4, top_k=2, seed=21), max_hop_rows=max_hop_rows,
+                       scores_before=True, label="before")
+        self.check(make_inputs(tokens=10, num_experts=4, top_k=2, seed=22, activation="gelu"), scores_before=True,
+                   label="before gelu")
+
+    def test_an_expert_function_with_a_fused_vjp_falls_back_to_autograd(self) -> None:
+        class FusedPlain:
+            def __call__(self, x_SH, counts_NL, splits_N, weights):
+                return expert_ffn(x_SH, counts_NL.sum(0), *weights, use_grouped_mm=False)
+
+            def vjp(self, *args):  # scales F's output: wrong for scores before F
+                raise AssertionError("the fused vjp was called with scores before the experts")
+
+        self.check(make_inputs(tokens=9, num_experts=4, top_k=2, seed=23), lambda d, g: FusedPlain(), 4,
+                   scores_before=True, label="before fused plain")
+
+    def test_adversarial_routings_all_tokens_on_one_expert_empty_experts_and_no_tokens(self) -> None:
+        one = make_inputs(tokens=10, num_experts=4, top_k=1, seed=24, ids=torch.full((10, 1), 2))
+        empty = make_inputs(tokens=8, num_experts=6, top_k=2, seed=25, ids=torch.tensor([[1, 4], [4, 1]] * 4))
+        none = make_inputs(tokens=0, num_experts=4, top_k=2, seed=26, ids=torch.empty(0, 2, dtype=torch.int64))
+        for label, inp in (("one expert", one), ("empty experts", empty), ("no tokens", none)):
+            self.check(inp, max_hop_rows=4, scores_before=True, label=f"before {label}")
+
+    def test_scores_before_and_after_differ_for_a_nonlinear_expert(self) -> None:
+        # The test above would pass for a step ignoring scores_before only if F(s x) == s F(x): it is not.
+        inp = make_inputs(tokens=6, num_experts=2, top_k=1, seed=27)
+        before, after = dense_truth(inp, scores_before=True)[0], dense_truth(inp)[0]
+        self.assertGreater((before - after).abs().max().item(), 1e-3)
 
 
 class BadExpertIds(unittest.TestCase):

@@ -61,7 +61,7 @@ class RingSpecsAreKeyedByTheirContents(unittest.TestCase):
 
     def test_equal_specs_share_one_key_and_one_registration(self) -> None:
         key = register_spec(self.spec(max_hop_rows=7), "ffn_test")
-        self.assertEqual(key, "ffn_test|group=|E_l=2|routing=auto|overlap=1|remat=1|max_hop_rows=7|fp32_accumulation=1")
+        self.assertEqual(key, "ffn_test|group=|E_l=2|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=7|fp32_accumulation=1")
         self.assertEqual(register_spec(self.spec(max_hop_rows=7), "ffn_test"), key)
         self.assertEqual(spec_state(key).ring.size, 1)
 
