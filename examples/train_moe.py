@@ -112,6 +112,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     backend.add_argument("--dump-dir", default="", help="per-graph dumps of the backend (empty: none)")
     backend.add_argument(
+        "--activation-memory-budget", type=float, default=None, metavar="F",
+        help="the backend's activation_memory_budget, torch's partitioner budget: 1 its default choice, 0 save only "
+             "each graph's inputs, in between recompute what costs least time per byte (default: torch's setting; "
+             "docs/BENCHMARKS.md, full-model training, measures it)",
+    )
+    backend.add_argument(
         "--backend", default="relaymoe",
         help="compile (b) with another torch.compile backend instead, e.g. aot_eager, for comparison",
     )
@@ -156,7 +162,10 @@ def model_config(args: argparse.Namespace) -> MoEModelConfig:
 
 
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"routing": args.routing, "inner_compiler": args.inner_compiler, "dump_dir": args.dump_dir}
+    options = {"routing": args.routing, "inner_compiler": args.inner_compiler, "dump_dir": args.dump_dir}
+    if args.activation_memory_budget is not None:
+        options["activation_memory_budget"] = args.activation_memory_budget
+    return options
 
 
 # ----------------------------------------------------------------------------------------------------------

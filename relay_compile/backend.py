@@ -13,7 +13,8 @@ Per Dynamo graph:
     rewrite_moe_region    (passes.rewrite)  each region -> one relaymoe::ring_moe call whose experts run on
                                             grouped GEMMs when F is recognized (passes.expert_lowering), else
                                             F eagerly; its ring programs (remat, overlap) are built on first use
-    inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph
+    inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph, under the
+                                            activation_memory_budget option (torch's partitioner budget)
     verify                (option)          the first call also runs the original graph and compares
 
 Options are ``relay_compile.config`` values overridden per call (``relay_compile.options``). Every graph's
@@ -78,6 +79,16 @@ def _inner_compiler(name: str) -> Callable:
     if name == "eager":
         return lambda gm, example_inputs: gm.forward
     return torch._dynamo.lookup_backend(name)
+
+
+def _compile_inner(opts: Options, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    """The inner compiler on the rewritten graph; aot_autograd partitions it here, so the budget applies here."""
+    budget = opts.activation_memory_budget
+    if budget is None:
+        return _inner_compiler(opts.inner_compiler)(gm, example_inputs)
+    # Scoped to this graph: torch's partitioner reads the global config while it partitions, inside this call.
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        return _inner_compiler(opts.inner_compiler)(gm, example_inputs)
 
 
 def _compare_outputs(got: Sequence[Any], want: Sequence[Any], graph: str) -> None:
@@ -166,7 +177,7 @@ def relaymoe_backend(
     original = copy.deepcopy(gm) if opts.verify else None
     report = analyze(gm, opts, graph, rewrite=True)
     _REPORTS.append(report)
-    compiled = _inner_compiler(opts.inner_compiler)(gm, example_inputs)
+    compiled = _compile_inner(opts, gm, example_inputs)
     if original is not None and any(r.status == "rewritten" for r in report.regions):
         return _verifying(compiled, original, graph)
     return compiled

@@ -52,5 +52,13 @@ dump_dir: str = Config(default="", env_name_default="RELAYMOE_DUMP_DIR")
 # Run the original graph beside the rewritten one at the first call and raise if their outputs differ.
 verify: bool = Config(default=False, env_name_default="RELAYMOE_VERIFY")
 
+# What the inner compiler's partitioner saves for backward: torch's own activation memory budget
+# (``torch._functorch.config.activation_memory_budget``), applied to this compilation only. 1.0 saves what runs
+# fastest, 0.0 saves only the graph's inputs and recomputes the rest; in between, torch picks what to recompute
+# by runtime per byte. The ring already recomputes its experts per hop, so what the budget trades is the rest
+# of the graph (attention, norms, router). None leaves torch's global setting alone. Needs an inner compiler
+# with aot_autograd (inductor, aot_eager).
+activation_memory_budget: float | None = None
+
 
 install_config_module(sys.modules[__name__])

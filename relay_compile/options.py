@@ -1,8 +1,8 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
-The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation) become a ``RingOptions``, which validates them;
-this module adds the backend's (inner compiler, dumps, verify) and the conversions from the config's
-spellings (environment strings, ``0`` for "no bound on hop rows").
+The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation) become a ``RingOptions``,
+which validates them; this module adds the backend's (inner compiler, dumps, verify, activation memory budget)
+and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop rows").
 
 Two sources, two parsers. ``options={...}`` is Python: a value must have its option's type (``max_hop_rows``
 an int, never ``2.7`` or ``True``; ``overlap`` a bool, never ``"false"``). A config value may come from the
@@ -28,7 +28,7 @@ from relay_compile.runtime.ring_options import InvalidRingOption, RingOptions
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
-_BACKEND_FIELDS = ("inner_compiler", "dump_dir", "verify")
+_BACKEND_FIELDS = ("inner_compiler", "dump_dir", "verify", "activation_memory_budget")
 # Every option name, in the order the README lists them.
 OPTION_NAMES = (*_RING_FIELDS, *_BACKEND_FIELDS)
 
@@ -41,11 +41,13 @@ class Options:
     inner_compiler: str
     dump_dir: str
     verify: bool
+    activation_memory_budget: float | None
 
     def as_dict(self) -> dict[str, Any]:
         """Flat ``{option: value}`` as the user spells them (``max_hop_rows`` None: no bound)."""
         return {**dataclasses.asdict(self.ring), "inner_compiler": self.inner_compiler,
-                "dump_dir": self.dump_dir, "verify": self.verify}
+                "dump_dir": self.dump_dir, "verify": self.verify,
+                "activation_memory_budget": self.activation_memory_budget}
 
 
 # Environment spellings of a bool (any case).
@@ -105,6 +107,16 @@ def _dump_dir(value: Any, parse: bool) -> str:
     return path
 
 
+def _memory_budget(value: Any, parse: bool) -> float | None:
+    """A fraction in [0, 1] (torch's ``activation_memory_budget``), or None to leave torch's setting alone."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"relaymoe: option activation_memory_budget={value!r} must be a number in [0, 1] (1: save "
+                         "what runs fastest, 0: recompute all but the graph's inputs) or None (torch's setting)")
+    return float(value)
+
+
 def _given(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
     """``options={...}`` checked for shape: a mapping of known option names."""
     if options is None:
@@ -150,4 +162,5 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None
     return Options(ring=ring, inner_compiler=inner, dump_dir=_dump_dir(*pick("dump_dir")),
-                   verify=_bool("verify", *pick("verify")))
+                   verify=_bool("verify", *pick("verify")),
+                   activation_memory_budget=_memory_budget(*pick("activation_memory_budget")))

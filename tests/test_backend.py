@@ -79,6 +79,8 @@ class BackendOptions(unittest.TestCase):
             ({"routing": 1}, r"option routing=1 must be a str$"),
             ({"inner_compiler": None}, r"option inner_compiler=None must be a str$"),
             ({"dump_dir": True}, r"option dump_dir=True must be a directory"),
+            ({"activation_memory_budget": 1.5}, r"option activation_memory_budget=1\.5 must be a number in \[0, 1\]"),
+            ({"activation_memory_budget": "0.5"}, r"option activation_memory_budget='0\.5' must be a number"),
             (["routing"], r"options must be a dict \{option: value\}, got list \['routing'\]; valid options are"),
         ]
         for options, message in cases:
@@ -133,6 +135,24 @@ class BackendOptions(unittest.TestCase):
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
         self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows=None, fp32_accumulation=True)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
+
+    def test_activation_memory_budget_reaches_the_partitioner_for_this_graph_only(self) -> None:
+        def saved_by(options: dict) -> int:
+            """Tensors the compiled graph's forward saves for backward."""
+            torch._dynamo.reset()
+            x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+            fn = torch.compile(lambda x, w: ((x @ w).relu() @ w).sum(), backend="relaymoe", options=options)
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                fn(x, w)
+            return len(saved)
+
+        base = {"inner_compiler": "aot_eager"}
+        # Budget 0 saves only the graph's inputs (x, w); by default the partitioner also saves x @ w's relu
+        # (a matmul is not worth recomputing). torch's own setting is untouched afterwards.
+        self.assertEqual(saved_by({**base, "activation_memory_budget": 0.0}), 2)
+        self.assertGreater(saved_by(base), 2)
+        self.assertEqual(torch._functorch.config.activation_memory_budget, 1.0)
 
     def test_verify_raises_on_a_mismatch_naming_the_graph(self) -> None:
         good = torch.ones(3)

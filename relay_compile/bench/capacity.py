@@ -6,6 +6,7 @@ measured by ``relay_compile.bench.measure.peak_step`` on top of the resident ten
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -80,38 +81,53 @@ def capacity_search(
                       f"({'fits' if fits else 'over'} {fmt_bytes(budget_bytes)})")
         return total if fits else None
 
-    # Step 1: bracket the limit by doubling (or halving) from the configuration's own token count.
-    lo, lo_bytes = 0, None  # largest multiple of step known to fit
+    lo, result.limited_by_search = largest_fitting(lambda t: used(t) is not None, start=cfg.tokens, step=step,
+                                                   top=max_tokens)
+    result.max_tokens = lo
+    result.bytes_at_max = next((b for t, b in result.probes if t == lo), None) if lo else None
+    return result
+
+
+def largest_fitting(
+    fits: Callable[[int], bool], *, start: int, step: int, top: int, rel_tol: float = 0.0
+) -> tuple[int, bool]:
+    """Largest multiple of ``step`` in ``[step, top]`` for which ``fits`` holds (0: none), assuming monotonicity.
+
+    Doubling (or halving) from ``start`` brackets the limit, then a binary search over multiples of ``step``
+    narrows it until the gap is one ``step`` or at most ``rel_tol`` of the answer (fewer probes when each is
+    expensive); ``fits`` is called once per length tried. Returns ``(tokens, limited)``: ``limited`` when
+    ``top`` itself fits (the limit lies beyond the search).
+    """
+    top = max(step, top // step * step)
+    # Step 1: bracket the limit by doubling (or halving) from start.
+    lo = 0  # largest multiple of step known to fit
     hi: int | None = None  # smallest multiple of step known not to fit
-    top = max(step, max_tokens // step * step)
-    t = min(top, max(step, cfg.tokens // step * step))
-    if (b := used(t)) is not None:
-        lo, lo_bytes = t, b
+    t = min(top, max(step, start // step * step))
+    if fits(t):
+        lo = t
         while hi is None and lo < top:
             t = min(top, lo * 2)
-            if (b := used(t)) is None:
-                hi = t
+            if fits(t):
+                lo = t
             else:
-                lo, lo_bytes = t, b
+                hi = t
     else:
         hi = t
         while lo == 0 and t > step:
             t = max(step, t // 2 // step * step)
-            if (b := used(t)) is None:
-                hi = t
+            if fits(t):
+                lo = t
             else:
-                lo, lo_bytes = t, b
+                hi = t
     if hi is None:
-        result.limited_by_search = True
-        hi = lo + step
+        return lo, True
     # Step 2: binary search over multiples of step inside (lo, hi).
-    while hi - lo > step:
+    while hi - lo > max(step, rel_tol * lo):
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:
             break
-        if (b := used(mid)) is None:
-            hi = mid
+        if fits(mid):
+            lo = mid
         else:
-            lo, lo_bytes = mid, b
-    result.max_tokens, result.bytes_at_max = lo, lo_bytes
-    return result
+            hi = mid
+    return lo, False

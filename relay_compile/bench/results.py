@@ -65,6 +65,18 @@ def plot_timelines(timelines: Sequence[Timeline], title: str, path: Path) -> boo
     return True
 
 
+def write_json_and_markdown(out: Path, data: dict[str, Any] | None, markdown: str) -> list[Path]:
+    """``out/results.json`` (unless ``data`` is None) and ``out/results.md``; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    if data is not None:
+        paths.append(out / "results.json")
+        paths[-1].write_text(json.dumps(data, indent=1, default=str))
+    paths.append(out / "results.md")
+    paths[-1].write_text(markdown)
+    return paths
+
+
 def environment() -> dict[str, Any]:
     """torch and Python versions, the date and the GPU's name (where there is one), for results.json."""
     env = {"torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -180,13 +192,7 @@ class Report:
 
     def write(self, out: Path, *, with_json: bool = True) -> list[Path]:
         """Write results.json, results.md and (with timelines) memory_timeline.png; the paths written."""
-        out.mkdir(parents=True, exist_ok=True)
-        paths = []
-        if with_json:
-            paths.append(out / "results.json")
-            paths[-1].write_text(json.dumps(self.to_json(), indent=1, default=str))
-        paths.append(out / "results.md")
-        paths[-1].write_text(self.markdown())
+        paths = write_json_and_markdown(out, self.to_json() if with_json else None, self.markdown())
         if self.timelines and plot_timelines(self.timelines, self.timeline_title, out / "memory_timeline.png"):
             paths.append(out / "memory_timeline.png")
         return paths

@@ -46,7 +46,9 @@ class TrainExampleTest(unittest.TestCase):
         train_moe = load_example("train_moe")
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "report.json"
-            code = train_moe.main([*TINY[2:], "--simulate-ep", "4", "--plot", "", "--report-json", str(report)])
+            # Also with a partitioner budget: the backend option travels through the example and still trains alike.
+            code = train_moe.main([*TINY[2:], "--simulate-ep", "4", "--activation-memory-budget", "0.5", "--plot", "",
+                                   "--report-json", str(report)])
             result = json.loads(report.read_text())
         self.assertEqual(code, 0, result)
         self.assertEqual(result["world"], 4)
