@@ -68,7 +68,9 @@ class Idioms(DistributedTestCase):
         reports = compiled_reports()[seen:]
         self.assertEqual([[r.status for r in g.regions] for g in reports], [["rewritten"]],
                          f"{what}: {[r.reason for g in reports for r in g.regions]}")
-        self.assertEqual(before.count("autograd_function_apply("), function_applies, what)
+        # At least the layer's own autograd.Function calls (torch 2.11 also traces each functional all-to-all's
+        # autograd wrapper as one).
+        self.assertGreaterEqual(before.count("autograd_function_apply("), function_applies, what)
         for op in ("all_to_all_single", "autograd_function_apply", "wait_tensor"):
             self.assertNotIn(op, after, what)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
