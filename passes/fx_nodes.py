@@ -330,7 +330,9 @@ def wait_end(n: fx.Node) -> fx.Node:
                 n = firsts[0]
                 continue
         copies = [u for u in n.users if is_method_call(u, "copy_") and u.args[1] is n and is_fresh(u.args[0])]
-        return copies[0].args[0] if len(copies) == 1 else n
+        buffer = copies[0].args[0] if len(copies) == 1 else n
+        assert isinstance(buffer, fx.Node)  # is_fresh holds only for nodes
+        return buffer
 
 
 def _walk_up(

@@ -258,8 +258,8 @@ def _scaled_gather(send: fx.Node) -> tuple[tuple[fx.Node, fx.Node], fx.Node] | N
     if not (is_call(product, operator.mul, torch.mul) or is_method_call(product, "mul")):
         return None
     assert isinstance(product, fx.Node)
-    for rows, other in ((product.args[0], product.args[1]), (product.args[1], product.args[0])):
-        rows = peel(rows, CAST_METHODS)
+    for factor, other in ((product.args[0], product.args[1]), (product.args[1], product.args[0])):
+        rows = peel(factor, CAST_METHODS)
         gather = row_gather(rows) if isinstance(rows, fx.Node) else None
         token = token_index(gather[1]) if gather is not None else None
         scores = score_column(other, token[0]) if token is not None else None

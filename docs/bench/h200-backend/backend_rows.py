@@ -1,6 +1,11 @@
 """Device run for issue 10: the relaymoe-backend row beside a2a eager and ring_moe direct, Qwen3 layer, EP 8 / 64."""
-import dataclasses, json, sys, time
+import dataclasses
+import json
+import sys
+import time
+
 import torch
+
 from relay_compile.backend import compiled_reports
 from relay_compile.bench.configs import QWEN3_30B, BenchOptions
 from relay_compile.bench.measure import measure_layer
