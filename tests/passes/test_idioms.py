@@ -53,9 +53,9 @@ class Idioms(DistributedTestCase):
             return super().init_pg(backend)
 
     def check_rewritten_and_equal_to_eager(self, build: Callable[[], nn.Module], what: str, x_grad: bool = True,
-                                           function_applies: int = 0) -> None:
-        """One graph, its region rewritten (no all-to-all left; ``function_applies`` autograd.Function calls
-        before the rewrite, none after), and three SGD steps equal to eager."""
+                                           function_applies: int = 0, regions: int = 1) -> None:
+        """One graph, its ``regions`` regions rewritten (no all-to-all left; ``function_applies``
+        autograd.Function calls before the rewrite, none after), and three SGD steps equal to eager."""
         eager, compiled = build(), build()
         want = sgd_steps(eager, eager, self.rank, x_grad)
         torch._dynamo.reset()
@@ -66,7 +66,7 @@ class Idioms(DistributedTestCase):
             (graph_dir,) = Path(dump_dir).glob(f"graph*_rank{self.rank}")
             before, after = ((graph_dir / name).read_text() for name in ("0_dynamo_graph.py", "1_rewritten_graph.py"))
         reports = compiled_reports()[seen:]
-        self.assertEqual([[r.status for r in g.regions] for g in reports], [["rewritten"]],
+        self.assertEqual([[r.status for r in g.regions] for g in reports], [["rewritten"] * regions],
                          f"{what}: {[r.reason for g in reports for r in g.regions]}")
         # At least the layer's own autograd.Function calls (torch 2.11 also traces each functional all-to-all's
         # autograd wrapper as one).
