@@ -240,6 +240,26 @@ def _body(n: fx.Node, index: int) -> fx.GraphModule | None:
     return body if isinstance(body, fx.GraphModule) else None
 
 
+def subgraph_all_to_alls(n: fx.Node) -> str | None:
+    """Why ``n``, a higher-order op other than ``autograd_function_apply`` (``tag_activation_checkpoint`` of
+    ``torch.utils.checkpoint``, ``wrap``, control flow), hides all-to-alls from the matcher: they sit in its
+    subgraphs, which the matcher does not read; None if it holds none."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator) or is_function_apply(n):
+        return None
+    found = []
+    for index in range(len(n.args)):
+        body = _body(n, index)
+        if body is not None:
+            found += [f"{body.__class__.__name__}.{m.name}" for m in body.graph.nodes if is_call(m, *ALL_TO_ALL)]
+    if not found:
+        return None
+    op = getattr(n.target, "__name__", str(n.target))
+    hint = (" (torch.utils.checkpoint around the MoE block: checkpoint the layers around it instead; the ring "
+            "recomputes its hops in backward itself)" if op == "tag_activation_checkpoint" else "")
+    return (f"all-to-alls {found} are inside the subgraph of the higher-order op {n.name} ({op}), which the matcher "
+            f"does not read: that MoE block runs unchanged{hint}")
+
+
 def is_fresh(n: object) -> TypeGuard[fx.Node]:
     """A new uninitialized or zero buffer: ``t.new_empty(...)``, ``torch.empty_like(t)``, ``torch.zeros(...)``..."""
     return is_method_call(n, "new_empty", "new_zeros") or is_call(

@@ -91,6 +91,7 @@ from relay_compile.passes.fx_nodes import (
     size_hint,
     size_value,
     static_int,
+    subgraph_all_to_alls,
     upstream_collectives,
     wait_end,
 )
@@ -511,6 +512,13 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _hidden_all_to_alls(n: fx.Node) -> str | None:
+    """Why all-to-alls at ``n`` are out of the matcher's reach (a user autograd.Function it does not understand,
+    or the subgraph of another higher-order op), else None."""
+    why = function_all_to_all(n)
+    return why if isinstance(why, str) else subgraph_all_to_alls(n)
+
+
 def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion | CapacityRegion], list[RefusedRegion]]:
     """All a2a EP MoE regions of ``gm`` in program order, and the token all-to-alls left alone (with why).
 
@@ -522,7 +530,7 @@ def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion | CapacityRegio
     # autograd.Function with an all-to-all in its forward that is not understood is refused here.
     token_a2as = [n for n in gm.graph.nodes
                   if is_all_to_all(n) and (dtype_of(wait_end(n)) or torch.int64).is_floating_point]
-    hidden = [RefusedRegion(n, why) for n in gm.graph.nodes if isinstance(why := function_all_to_all(n), str)]
+    hidden = [RefusedRegion(n, why) for n in gm.graph.nodes if (why := _hidden_all_to_alls(n)) is not None]
     weak = assert_cones(gm.graph)
     # Capacity-based dispatch (einsum into (E, C, H) buffers, equal splits) claims its all-to-alls first.
     regions: list[MoERegion | CapacityRegion]

@@ -19,7 +19,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from relay_compile.backend import compiled_reports
 from relay_compile.reference import AllToAllMoE, Group
-from tests.passes.test_idioms import E, F, H, Idioms, K
+from tests.passes.test_idioms import E, F, H, Idioms, K, T
 
 FS = 12
 
@@ -58,10 +58,26 @@ class CombinationsWorld2(Idioms):
         self.check_rewritten_and_equal_to_eager(lambda: TwoMoE(group), "two MoE layers in one graph", regions=2)
         self.check_rewritten_and_equal_to_eager(lambda: moe(group, seed=5, shared_ffn=FS),
                                                 "shared experts beside routed experts")
+        self.check_checkpointed_block_is_refused_with_the_edit(group)
+
+    def check_checkpointed_block_is_refused_with_the_edit(self, group: Group) -> None:
+        """Until the matcher reads checkpoint subgraphs: the region is reported refused, naming the op and the
+        edit, and the block runs unchanged (its output equals eager)."""
+        torch._dynamo.reset()
+        seen = len(compiled_reports())
+        eager, compiled = CheckpointedMoE(group), CheckpointedMoE(group)
+        x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(self.rank))
+        y_TH = torch.compile(compiled, backend="relaymoe", options={"inner_compiler": "aot_eager"})(x_TH)
+        torch.testing.assert_close(y_TH, eager(x_TH))
+        regions = [r for g in compiled_reports()[seen:] for r in g.regions]
+        self.assertEqual([r.status for r in regions], ["refused"], [r.reason for r in regions])
+        self.assertIn("tag_activation_checkpoint", regions[0].reason)
+        self.assertIn("checkpoint the layers around it", regions[0].reason)
 
     # Fails: Dynamo traces the checkpointed block as a ``tag_activation_checkpoint`` higher-order op whose
     # ``wrap_body_0`` subgraph holds the whole region (all-to-alls included); the matcher reads only the top
-    # graph, so it finds no region there (none rewritten, none refused) and the all-to-alls run as before.
+    # graph, so it refuses the region naming the op (``check_checkpointed_block_is_refused_with_the_edit``) and
+    # the all-to-alls run as before.
     @unittest.expectedFailure
     def test_block_under_activation_checkpointing_is_rewritten_and_trains_like_eager(self) -> None:
         group = self.init_pg()
