@@ -74,13 +74,13 @@ from relay_compile.passes.fx_nodes import (
     ancestors,
     arg,
     as_list,
+    block_shape,
     closest,
     dtype_of,
     is_call,
     is_method_call,
     node_value,
     shape_of,
-    size_hint,
     static_int,
     upstream_collectives,
     wait_end,
@@ -138,15 +138,9 @@ class CapacityRegion:
 
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, as the top-k regions report them (K = the gate's top-k)."""
-        x = node_value(self.x)
-        weights = [node_value(w) for w in self.weights]
-        hidden = size_hint(x.shape[1]) or 0
-        weight_elems = sum(size_hint(w.numel()) or 0 for w in weights) // self.experts_per_rank
-        return BlockShape(
-            tokens=size_hint(x.shape[0]) or 0, hidden=hidden, top_k=self.top_k,
-            ffn=weight_elems // max(1, hidden * (3 if self.lowered.plan.activation in GATED else 2)),
-            experts_per_rank=self.experts_per_rank, group_size=self.group_size,
-            elem_bytes=x.element_size(), expert_bytes=weight_elems * weights[0].element_size(),
+        return block_shape(
+            self.x, self.weights, top_k=self.top_k, experts_per_rank=self.experts_per_rank,
+            group_size=self.group_size, matrices_per_expert=3 if self.lowered.plan.activation in GATED else 2,
         )
 
     def describe(self) -> str:

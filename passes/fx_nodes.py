@@ -24,6 +24,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false, is_concrete_int
 
+from relay_compile.report import BlockShape
+
 # ----------------------------------------------------------------------------------------------------------
 # Op identities
 # ----------------------------------------------------------------------------------------------------------
@@ -102,6 +104,29 @@ def size_hint(size: int | torch.SymInt) -> int | None:
     if isinstance(size, torch.SymInt):
         return int(size.node.hint) if size.node.has_hint() else None
     return int(size)
+
+
+def report_size(size: int | torch.SymInt | None) -> int:
+    """A size for the report: its hint, 0 when it has none (an unbacked or unknown size)."""
+    return 0 if size is None else size_hint(size) or 0
+
+
+def block_shape(
+    x: fx.Node, weights: Sequence[fx.Node], *, top_k: int, experts_per_rank: int, group_size: int,
+    matrices_per_expert: int,
+) -> BlockShape:
+    """Sizes of an MoE block on this rank from its nodes' fake values (the report's ``BlockShape``): tokens and
+    hidden from ``x``, F from the weights, which hold ``matrices_per_expert`` (F, H) matrices per expert."""
+    x_val = node_value(x)
+    weight_vals = [node_value(w) for w in weights]
+    hidden = report_size(x_val.shape[1])
+    weight_elems = sum(report_size(w.numel()) for w in weight_vals) // experts_per_rank
+    return BlockShape(
+        tokens=report_size(x_val.shape[0]), hidden=hidden, top_k=top_k,
+        ffn=weight_elems // max(1, hidden * matrices_per_expert), experts_per_rank=experts_per_rank,
+        group_size=group_size, elem_bytes=x_val.element_size(),
+        expert_bytes=weight_elems * weight_vals[0].element_size(),
+    )
 
 
 def static_int(n: object) -> int | None:

@@ -77,6 +77,7 @@ from relay_compile.passes.fx_nodes import (
     all_to_all_args,
     ancestors,
     arg,
+    block_shape,
     closest,
     dtype_of,
     function_all_to_all,
@@ -85,10 +86,10 @@ from relay_compile.passes.fx_nodes import (
     is_method_call,
     is_mutator,
     node_value,
+    report_size,
     same_shape,
     same_size,
     shape_of,
-    size_hint,
     size_value,
     static_int,
     subgraph_all_to_alls,
@@ -118,11 +119,6 @@ from relay_compile.runtime.specs import ScoresApplied
 log = logging.getLogger(__name__)
 
 __all__ = ["MoERegion", "find_moe_regions"]
-
-
-def _size_hint(v: int | torch.SymInt | None) -> int:
-    """A size for the report: its hint, 0 when it has none (an unbacked or unknown size)."""
-    return 0 if v is None else size_hint(v) or 0
 
 
 def _flat_index(item: fx.Node) -> int:
@@ -169,15 +165,10 @@ class MoERegion:
 
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, from the nodes' fake values: a symbolic size's hint (0 if unbacked)."""
-        x, ids = node_value(self.x), node_value(self.topk_ids)
-        weights = [node_value(w) for w in self.weights]
-        hidden = _size_hint(x.shape[1])
-        weight_elems = sum(_size_hint(w.numel()) for w in weights) // self.experts_per_rank
-        return BlockShape(
-            tokens=_size_hint(x.shape[0]), hidden=hidden, top_k=_size_hint(ids.shape[1]),
-            ffn=weight_elems // max(1, hidden * len(weights)),  # F of 2-3 (F, H) matrices per expert
+        return block_shape(
+            self.x, self.weights, top_k=report_size(node_value(self.topk_ids).shape[1]),
             experts_per_rank=self.experts_per_rank, group_size=self.group_size,
-            elem_bytes=x.element_size(), expert_bytes=weight_elems * weights[0].element_size(),
+            matrices_per_expert=len(self.weights),  # 2-3 weights, one (F, H) matrix per expert each
         )
 
     def describe(self) -> str:
@@ -501,7 +492,7 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
     return MoERegion(
         dispatch=dispatch, combine=combine, recv=recv, back=back, counts_exchange=exchange, x=x,
         topk_ids=topk_ids, topk_scores=topk_scores, order=order, output=output, weights=tuple(weights),
-        expert_fn=expert_fn, binding=binding, experts_per_rank=e_l, top_k=_size_hint(size_value(top_k)),
+        expert_fn=expert_fn, binding=binding, experts_per_rank=e_l, top_k=report_size(size_value(top_k)),
         group_name=group_name, group_size=group_size, nodes=frozenset(dead), output_aliases=aliases,
         scores_applied="after" if scores_before is None else "before",
     )
