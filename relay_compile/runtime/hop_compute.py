@@ -17,7 +17,7 @@ Scores before ``F``: with ``g = vjp_F(s x)[dy]``, ``dx += s g`` and ``d_score = 
 scaling, always: the fused backward entry points assume scores after).
 Chunks are planned once per step (``routing.plan_chunks``); an expert function with grouped entry points
 (``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
-packs them once, they circulate packed, and the gradients are unpacked at ``finish``.
+packs them once, they circulate packed, and the gradients are unpacked at ``finish`` (``weight_grads``).
 Sums across hops (``RingStepConfig.acc_dtype``, the ``fp32_accumulation`` option): the weight-gradient
 partials that follow their weights (expert routing), the weight gradients a rank sums over hops (token
 routing), and the ``y``/``dx`` accumulators (travelling in token routing, local in expert routing) are summed
@@ -48,6 +48,7 @@ from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.transport import RingGroup, active_run
+from relay_compile.runtime.weight_grads import WeightGrads, pack_weights, unpack_grads
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -250,43 +251,6 @@ def segment_backward(
         dw.add(dws, chunk if grouped is not None else None)
 
 
-class WeightGrads:
-    """Weight-gradient partials of one hop (expert routing) or one step (token routing).
-
-    A chunk over every expert contributes whole-partition gradients, taken as they are when they come first;
-    any later contribution, or a chunk over a slice of experts, adds into a buffer of ``acc_dtype`` (None:
-    the gradient's dtype), zero-initialised for a slice. A weight no pair touched (an empty hop) gets zeros.
-    """
-
-    def __init__(self, weights: Sequence[Tensor], acc_dtype: torch.dtype | None = None) -> None:
-        self.weights, self.acc_dtype = list(weights), acc_dtype
-        self.grads: list[Tensor | None] = [None] * len(self.weights)
-
-    def add(self, grads: Sequence[Tensor | None], chunk: Chunk | None) -> None:
-        """``chunk=None``: whole-partition gradients; else gradients of ``chunk``'s expert slice."""
-        whole = chunk is None or chunk.whole
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            acc = self.grads[i]
-            if acc is None and whole:
-                self.grads[i] = g
-                continue
-            dtype = g.dtype if self.acc_dtype is None else torch.promote_types(self.acc_dtype, g.dtype)
-            if acc is None:
-                acc = self.grads[i] = torch.zeros_like(self.weights[i], dtype=dtype)
-            elif acc.dtype != dtype:
-                acc = self.grads[i] = acc.to(dtype)
-            (acc if whole else acc[chunk.lo : chunk.hi]).add_(g)
-
-    def result(self, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
-        """The accumulated gradients in ``dtype`` (None: as accumulated; zeros in the weight's dtype)."""
-        return tuple(
-            torch.zeros_like(w, dtype=dtype) if g is None else g.to(dtype or g.dtype)
-            for g, w in zip(self.grads, self.weights, strict=True)
-        )
-
-
 def _zeros_like(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Zeros of ``t``'s shape (and dtype, or ``dtype``) without allocating them (materialized only where they
     are sent)."""
@@ -381,7 +345,7 @@ class ExpertRoutingStep:
         packed: list[Tensor] | None = None,
     ) -> None:
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
-        self.weights = pack_weights(cfg, weights) if packed is None else packed
+        self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
         self.grad_y_TH = grad_y_TH
         self.backward = grad_y_TH is not None
         self.topk_shape = topk_scores_TK.shape
@@ -433,9 +397,7 @@ class ExpertRoutingStep:
         return cfg.sum_dtype(weight) if hop == 0 else None
 
     def _weight_grads(self, hop: int, dw: WeightGrads, weights: Sequence[Tensor]) -> tuple[Tensor, ...]:
-        if hop == 0:
-            return dw.result(self.cfg.sum_dtype(weights[0]))
-        return dw.result()
+        return dw.result([self.partial_dtype(self.cfg, hop, w) for w in weights])
 
     @_drains(_weight_partials)
     def backward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
@@ -466,7 +428,7 @@ class ExpertRoutingStep:
             return (self.y_TH.to(dtype),)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
         return (self.dx_TH.to(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
-                *_unpack_grads(self.cfg, trailing, self.weights, self.given_weights))
+                *unpack_grads(self.cfg.grouped, trailing, self.weights, self.given_weights))
 
 
 class TokenRoutingStep:
@@ -481,7 +443,7 @@ class TokenRoutingStep:
         packed: list[Tensor] | None = None,
     ) -> None:
         self.cfg, self.given_weights = cfg, list(weights)
-        self.weights = pack_weights(cfg, weights) if packed is None else packed
+        self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
         if grad_y_TH is not None:
             self.circulating.append(grad_y_TH)
@@ -579,24 +541,7 @@ class TokenRoutingStep:
         token_sum = token_sum.to(self.circulating[0].dtype)
         if not self.backward:
             return (token_sum, *rest)
-        return (token_sum, *rest, *_unpack_grads(self.cfg, self.dw.result(), self.weights, self.given_weights))
-
-
-def pack_weights(cfg: RingStepConfig, weights: Sequence[Tensor]) -> list[Tensor]:
-    """The weights in the expert function's packed layout (what circulates and what chunks slice)."""
-    return cfg.grouped.pack(weights) if cfg.grouped is not None else list(weights)
-
-
-def _unpack_grads(
-    cfg: RingStepConfig, grads: Sequence[Tensor], packed: Sequence[Tensor], weights: Sequence[Tensor]
-) -> list[Tensor]:
-    """Gradients of the ``packed`` weights (summed in any dtype), in the layout and dtypes of ``weights``.
-
-    Cast before unpacking, so the unpacked copies are made in the weights' (narrower) dtype.
-    """
-    grads = [g.to(w.dtype) for g, w in zip(grads, packed, strict=True)]
-    unpacked = cfg.grouped.unpack_grads(grads, weights) if cfg.grouped is not None else grads
-    return [g.to(w.dtype) for g, w in zip(unpacked, weights, strict=True)]
+        return (token_sum, *rest, *unpack_grads(self.cfg.grouped, self.dw.result(), self.weights, self.given_weights))
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep

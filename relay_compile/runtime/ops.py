@@ -36,13 +36,13 @@ from relay_compile.runtime.hop_compute import (
     RingStepConfig,
     TokenRoutingStep,
     clamped_ids,
-    pack_weights,
 )
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
+from relay_compile.runtime.weight_grads import pack_weights
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _prepare(
         _check_grad(x, grad_y)
         ids_TK, bad = clamped_ids(cfg.num_experts, topk_ids)
         counts_E = PairRouting.counts(ids_TK, cfg.num_experts)
-        packed = pack_weights(cfg, weights)
+        packed = pack_weights(cfg.grouped, weights)
         circulating = len(packed)
         assert circulating == spec.circulating_weights(len(weights)), (
             f"ring_moe: the expert function packs {len(weights)} weights into {circulating} tensors, "
