@@ -123,10 +123,10 @@ class NumericsResult:
 
 # The rows of a layer's numerics: what stand-in EP computes exactly (expert routing; token routing's stand-in
 # revisits this rank's own tokens, a different function: ``bench.standin_group``).
-NUMERICS_ROWS = {
-    "a2a eager": {},
-    "ring (fp32 sums, default)": {"routing": "expert"},
-    "ring (bf16 sums)": {"routing": "expert", "fp32_accumulation": False},
+NUMERICS_ROWS: dict[str, tuple[Block, dict[str, object]]] = {
+    "a2a eager": (a2a_moe, {}),
+    "ring (fp32 sums, default)": (ring_moe, {"routing": "expert"}),
+    "ring (bf16 sums)": (ring_moe, {"routing": "expert", "fp32_accumulation": False}),
 }
 
 
@@ -137,9 +137,6 @@ def layer_numerics(cfg: LayerConfig) -> NumericsResult:
     inputs = BlockInputs(x_TH=inp.x_TH, topk_ids_TK=inp.topk_ids_TK, topk_scores_TK=inp.topk_scores_TK,
                          weights=inp.weights, grad_y_TH=inp.grad_y_TH)
     del inp
-    blocks: dict[str, tuple[Block, dict[str, object]]] = {
-        row: ((a2a_moe, {"group": group}) if row.startswith("a2a") else (ring_moe, {"group": group, **kw}))
-        for row, kw in NUMERICS_ROWS.items()
-    }
+    blocks = {row: (block, {"group": group, **kw}) for row, (block, kw) in NUMERICS_ROWS.items()}
     errors = block_errors(blocks, inputs, a2a_moe, {"group": group})
     return NumericsResult(label=cfg.label(), truth="a2a_moe on the same inputs in fp32", errors=errors)
