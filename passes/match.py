@@ -166,7 +166,7 @@ class MoERegion:
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, from the nodes' fake values: a symbolic size's hint (0 if unbacked)."""
         return block_shape(
-            self.x, self.weights, top_k=report_size(node_value(self.topk_ids).shape[1]),
+            self.x, self.weights, top_k=self.top_k,
             experts_per_rank=self.experts_per_rank, group_size=self.group_size,
             matrices_per_expert=len(self.weights),  # 2-3 weights, one (F, H) matrix per expert each
         )
