@@ -85,7 +85,6 @@ from relay_compile.passes.fx_nodes import (
     is_call,
     is_method_call,
     is_mutator,
-    node_value,
     report_size,
     same_shape,
     same_size,
