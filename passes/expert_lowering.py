@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.experts import GroupedFFN
+from relay_compile.experts import GradSink, GroupedFFN
 from relay_compile.passes.expert_block import ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.fx_nodes import node_value, size_hint
@@ -162,10 +162,10 @@ class LoweredFFN:
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
+        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None, grad_into: GradSink | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"{self.__qualname__}: no fused backward"
-        return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype)
+        return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into)
 
     # --- ExpertFn (the probe, and callers without grouped entry points) ---
 

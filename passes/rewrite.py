@@ -45,7 +45,7 @@ from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import RefusedRegion
 from relay_compile.runtime.ops import RING_MOE
-from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.ring_options import HopRows, RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def rewrite_moe_region(
     routing: str = "auto",
     overlap: bool = True,
     remat: bool = True,
-    max_hop_rows: int | None = None,
+    max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
 ) -> fx.Node:
     """Replace ``region`` of ``gm`` by one ``relaymoe::ring_moe`` call; returns the new node.
@@ -216,7 +216,7 @@ def moe_ring_pass(
     routing: str = "auto",
     overlap: bool = True,
     remat: bool = True,
-    max_hop_rows: int | None = None,
+    max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
 ) -> tuple[list[fx.Node], list[RefusedRegion]]:
     """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""

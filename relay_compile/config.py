@@ -30,9 +30,11 @@ overlap: bool = Config(default=True, env_name_default="RELAYMOE_OVERLAP")
 remat: bool = Config(default=True, env_name_default="RELAYMOE_REMAT")
 
 # Rows of one expert call: hops with more (token, expert) pairs run in chunks, so the block's peak memory stops
-# growing with tokens. 0 leaves hops whole. (RELAYMOE_MAX_HOP_ROWS is read by ``options.resolve``: torch
-# config entries read from the environment must be bool or str.)
-max_hop_rows: int = 0
+# growing with tokens. "auto": a quarter of the rank's tokens, at least 16384 rows
+# (``runtime.ring_options.hop_row_bound``: chosen from H200 measurements); 0 leaves hops whole; a positive int
+# is the bound. (RELAYMOE_MAX_HOP_ROWS is read by ``options.resolve``: torch config entries read from the
+# environment must be bool or str.)
+max_hop_rows: int | str = "auto"
 
 # Sum what the ring accumulates across hops (weight gradients; token routing's travelling outputs and input
 # gradients) in fp32, as the all-to-all layer's fp32-accumulating GEMMs do. False sums in the summands' dtype:

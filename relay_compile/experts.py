@@ -40,6 +40,10 @@ ExpertFn = Callable[[Tensor, Tensor, list[int], Sequence[Tensor]], Tensor]
 ExpertVJP = Callable[
     [Tensor, Tensor, list[int], Sequence[Tensor], Tensor, Tensor], tuple[Tensor, Tensor, list[Tensor]]
 ]
+# Called once, right before the first weight-gradient GEMM of a chunk: the accumulators, one per (packed)
+# weight and shaped like the chunk's weights, that the GEMMs add into; None: return fresh gradients instead.
+# The call may block (the ring's travelling sum arrives during the hop), so it comes as late as possible.
+GradSink = Callable[[], Sequence[Tensor] | None]
 
 
 @runtime_checkable
@@ -50,7 +54,9 @@ class GroupedExperts(Protocol):
     ``vjp_rows`` is ``ExpertVJP`` on the rows ``x_TH[tok_S]``, ``dy_TH[tok_S]`` (it gathers them itself, so it
     can release each after its last use) and is called only when ``has_fused_backward``; otherwise the ring
     differentiates ``forward_rows`` with autograd. Its weight gradients come in ``grad_dtype`` where given
-    (the ring's fp32 sums: the GEMMs return their accumulators unrounded), else in the weights' dtype.
+    (the ring's fp32 sums: the GEMMs return their accumulators unrounded), else in the weights' dtype; or,
+    where ``grad_into`` gives accumulators (``GradSink``), the weight-gradient GEMMs add into those and the
+    returned list is empty.
 
     The entry points take the weights in the function's *packed* layout (``pack``: for example SwiGLU's
     ``w1`` and ``w3`` stacked, so one GEMM computes both): that is what circulates, what a chunk slices and
@@ -74,6 +80,7 @@ class GroupedExperts(Protocol):
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
         dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
+        grad_into: GradSink | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]: ...
 
 
@@ -115,14 +122,24 @@ def _grouped_linear(x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, count
 
 def _grouped_weight_grad(
     dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
-    grad_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None, into_EOI: Tensor | None = None,
 ) -> Tensor:
     """``dw[e] = dy_e.T @ x_e`` over the row groups ``(E, O, I)``: the weight gradient of ``_grouped_linear``.
 
     ``grad_dtype`` wider than the rows' (fp32 for bf16 rows): each GEMM returns its fp32 accumulator
     unrounded (``torch._grouped_mm`` has no output dtype: one GEMM per expert, on the host counts
     ``counts_E``), so a partial summed across hops is rounded to the rows' dtype once, at the end.
+    ``into_EOI``: add ``dw`` into it in place (in its dtype) and return it; a wider accumulator is written by
+    the GEMMs themselves (``addmm`` with an output dtype), so no partial of the chunk is ever allocated.
     """
+    if into_EOI is not None:
+        if into_EOI.dtype == dy_SO.dtype and offsets_E is not None:
+            return into_EOI.add_(torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E))
+        assert counts_E is not None, "a weight gradient added in place needs the host counts"
+        for e, (d, x) in enumerate(zip(torch.split(dy_SO, list(counts_E)), torch.split(x_SI, list(counts_E)))):
+            if d.shape[0]:
+                _addmm_widened(d.t(), x, into_EOI[e])
+        return into_EOI
     if grad_dtype is None or grad_dtype == dy_SO.dtype:
         if offsets_E is not None:
             return torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E)
@@ -143,6 +160,16 @@ def _mm_widened(a: Tensor, b: Tensor, out: Tensor) -> None:
         torch.mm(a, b, out_dtype=out.dtype, out=out)
     else:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def _addmm_widened(a: Tensor, b: Tensor, acc: Tensor) -> None:
+    """``acc += a @ b`` accumulated in ``acc``'s dtype (``_mm_widened``'s in-place sibling)."""
+    if a.is_cuda and acc.dtype != a.dtype:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif acc.dtype != a.dtype:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    else:
+        acc.addmm_(a, b)
 
 
 def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weights: Tensor):
@@ -184,7 +211,7 @@ def _split_w13(w13_LGH: Tensor, ffn: int) -> list[Tensor]:
 def _swiglu_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
-    rows_host: Sequence[int] | None = None,
+    rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``.
 
@@ -192,6 +219,8 @@ def _swiglu_vjp(
     here so that each is released after its last GEMM; the pointwise step runs in place
     (``kernels.swiglu_backward``). A chunk's transient peak is ``x + dy + h13 + g`` rows. ``grad_dtype``:
     the weight gradients' dtype (``_grouped_weight_grad``; needs the host row counts ``rows_host``).
+    ``grad_into`` (``GradSink``): asked right before the first weight-gradient GEMM; where it gives
+    accumulators ``[w13, w2]``, the GEMMs add into them and no gradients are returned.
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
     dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
@@ -200,13 +229,15 @@ def _swiglu_vjp(
     h13_SG = _grouped_linear(x_SH, w13_LGH, offsets_L, counts_host)
     d_score_S = swiglu_backward_(h13_SG, g_SF, score_S)
     act_scaled_SF, dh13_SG = g_SF, h13_SG
+    into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
+    into13, into2 = into if into is not None else (None, None)
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
-    dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype)
+    dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype, into2)
     del dy_SH, act_scaled_SF, g_SF
-    dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype)
+    dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
     del x_SH
     dx_SH = _grouped_linear(dh13_SG, w13_LGH.transpose(-2, -1), offsets_L, counts_host)
-    return dx_SH, d_score_S, [dw13, dw2]
+    return dx_SH, d_score_S, [] if into is not None else [dw13, dw2]
 
 
 def expert_ffn(
@@ -327,11 +358,11 @@ class GroupedFFN:
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
+        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None, grad_into: GradSink | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
-        return _swiglu_vjp(x_TH, *grouping, *weights, dy_TH, score_S, tok_S, grad_dtype, rows_G)
+        return _swiglu_vjp(x_TH, *grouping, *weights, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into)
 
 
 def ffn_expert_fn(activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> GroupedFFN:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_compile import config
-from relay_compile.runtime.ring_options import InvalidRingOption, RingOptions
+from relay_compile.runtime.ring_options import HopRows, InvalidRingOption, RingOptions
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
@@ -71,12 +71,14 @@ def _str(name: str, value: Any, parse: bool) -> str:
     raise ValueError(f"relaymoe: option {name}={value!r} must be a str{spelling}")
 
 
-def _hop_bound(value: Any, parse: bool) -> int | None:
-    """``max_hop_rows`` as the ring takes it: a positive int, or None for the config's 0 (no bound)."""
+def _hop_bound(value: Any, parse: bool) -> HopRows:
+    """``max_hop_rows`` as the ring takes it: a positive int, ``"auto"``, or None for the config's 0 (no bound)."""
+    if value == "auto":
+        return "auto"
     if parse and isinstance(value, str):
         if not re.fullmatch(r"[0-9]+", value.strip()):
-            raise ValueError(f"relaymoe: option max_hop_rows={value!r} (RELAYMOE_MAX_HOP_ROWS) must be a decimal "
-                             "row count (0: no bound)")
+            raise ValueError(f"relaymoe: option max_hop_rows={value!r} (RELAYMOE_MAX_HOP_ROWS) must be 'auto' or a "
+                             "decimal row count (0: no bound)")
         value = int(value)
     if value is None:
         return None
@@ -86,7 +88,7 @@ def _hop_bound(value: Any, parse: bool) -> int | None:
     except TypeError:
         number = None
     if number is None:
-        raise ValueError(f"relaymoe: option max_hop_rows={value!r} must be an int (0 or None: no bound)")
+        raise ValueError(f"relaymoe: option max_hop_rows={value!r} must be an int (0 or None: no bound) or 'auto'")
     if number < 0:
         raise ValueError(f"relaymoe: option max_hop_rows={number} must be >= 0 (0: no bound)")
     return number or None
@@ -132,11 +134,11 @@ def _given(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 def _config_hop_bound() -> Any:
-    """The config's max_hop_rows, or RELAYMOE_MAX_HOP_ROWS where the config leaves it at 0."""
+    """The config's max_hop_rows, or RELAYMOE_MAX_HOP_ROWS where the config leaves it at its default."""
     value = config.max_hop_rows
-    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+    if value == "auto":
         # Read here, not by the config module: torch config entries read from the environment are bool or str.
-        return os.environ.get("RELAYMOE_MAX_HOP_ROWS", "0")
+        return os.environ.get("RELAYMOE_MAX_HOP_ROWS", "auto")
     return value
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
+from relay_compile.runtime.ring_options import HopRows, hop_row_bound
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,14 +46,15 @@ class BlockShape:
     expert_bytes: int
 
 
-def predicted_peak_bytes(shape: BlockShape, max_hop_rows: int | None = None) -> dict[str, int]:
+def predicted_peak_bytes(shape: BlockShape, max_hop_rows: HopRows = None) -> dict[str, int]:
     """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring)."""
     s = shape
     pairs = s.tokens * s.top_k
     a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
     hop_rows = -(-pairs // s.group_size)
-    if max_hop_rows:
-        hop_rows = min(hop_rows, max_hop_rows)
+    bound = hop_row_bound(max_hop_rows, s.tokens)
+    if bound:
+        hop_rows = min(hop_rows, bound)
     resident = 3 * s.tokens * s.hidden * 4 + 4 * s.experts_per_rank * s.expert_bytes
     ring = resident + hop_rows * (4 * s.hidden + 4 * s.ffn) * s.elem_bytes
     return {"a2a": a2a, "ring": ring}
@@ -79,7 +81,7 @@ class RegionReport:
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
-                max_hop_rows: int | None, fp32_accumulation: bool = True) -> RegionReport:
+                max_hop_rows: HopRows, fp32_accumulation: bool = True) -> RegionReport:
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
         volume_args = dict(

@@ -24,7 +24,7 @@ from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_
 from relay_compile.runtime.agreement import BadArgument, fail_together
 from relay_compile.runtime.fn_identity import describe
 from relay_compile.runtime.ops import check_routing_args, ring_moe_op
-from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.ring_options import HopRows, RingOptions
 from relay_compile.runtime.specs import SCORES_APPLIED, RingSpec, ScoresApplied, register_spec
 from relay_compile.runtime.transport import RingGroup
 
@@ -120,7 +120,7 @@ def ring_moe_experts(
     routing: str = "auto",
     overlap: bool = True,
     remat: bool = True,
-    max_hop_rows: int | None = None,
+    max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
@@ -180,7 +180,7 @@ def ring_moe(
     activation: Activation = "swiglu",
     overlap: bool = True,
     remat: bool = True,
-    max_hop_rows: int | None = None,
+    max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
@@ -199,7 +199,8 @@ def ring_moe(
         remat: backward hops recompute their activations and release them (False: replay the whole block
             first and keep every hop's activations, as whole-block checkpointing would; for ablation).
         max_hop_rows: bound the rows of one expert call; hops with more pairs run in chunks, so peak memory
-            stops growing with tokens (None: one call per hop).
+            stops growing with tokens (None: one call per hop; ``"auto"``, the default: a quarter of this
+            rank's tokens, at least 16384 rows: ``runtime.ring_options.hop_row_bound``).
         fp32_accumulation: sum what the ring accumulates across hops (weight gradients; token routing's
             travelling outputs and input gradients) in fp32, like the all-to-all layer's fp32-accumulating
             GEMMs; False: in the summands' dtype (in bf16 half the bytes of those transfers, one rounding per hop).

@@ -116,10 +116,13 @@ class BackendOptions(unittest.TestCase):
             with self.subTest(RELAYMOE_MAX_HOP_ROWS=value), unittest.mock.patch.dict(
                 "os.environ", {"RELAYMOE_MAX_HOP_ROWS": value}
             ), self.assertRaisesRegex(ValueError, r"^relaymoe: option max_hop_rows=.* \(RELAYMOE_MAX_HOP_ROWS\) "
-                                                  r"must be a decimal row count"):
+                                                  r"must be 'auto' or a decimal row count"):
                 resolve()
         with unittest.mock.patch.dict("os.environ", {"RELAYMOE_MAX_HOP_ROWS": " 64 "}):
             self.assertEqual(resolve().ring.max_hop_rows, 64)
+        with unittest.mock.patch.dict("os.environ", {"RELAYMOE_MAX_HOP_ROWS": "0"}):
+            self.assertIsNone(resolve().ring.max_hop_rows)
+        self.assertEqual(resolve().ring.max_hop_rows, "auto")
 
     def test_the_environment_reaches_the_options_through_the_config_module(self) -> None:
         # The config module reads RELAYMOE_* once, at import: a fresh interpreter.
@@ -133,7 +136,7 @@ class BackendOptions(unittest.TestCase):
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.splitlines()
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
-        self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows=None, fp32_accumulation=True)", out[1])
+        self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows='auto', fp32_accumulation=True)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
 
     def test_activation_memory_budget_reaches_the_partitioner_for_this_graph_only(self) -> None:

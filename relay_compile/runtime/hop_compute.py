@@ -4,8 +4,9 @@ A ``RingStep`` binds one call of the ring (one forward or one backward of one Mo
 programs: the programs say *when* (hop order, transfers), the step says *what* (which pairs, which rows).
 
 - ``ExpertRoutingStep``: tokens stay; at hop ``h`` rank ``r`` holds the weights of owner ``(r - h) mod N`` and
-  computes its own pairs for that owner. Backward returns the owner's weight-gradient partial, which travels
-  one hop behind the weights (the program adds it to the incoming accumulator).
+  computes its own pairs for that owner. Backward sums the owner's weight gradients one hop behind the
+  weights: hop 0 starts the sum, every later hop's GEMMs add into the sum arriving from the previous rank
+  (``backward_hop_into``; the program pass ``sum_in_place``), so no hop holds a partial beside it.
 - ``TokenRoutingStep``: experts stay; at hop ``h`` rank ``r`` holds the tokens of source ``(r - h) mod N`` and
   computes their pairs for its own experts. The output (backward: ``dx``, ``d_scores``) accumulator travels
   one hop behind the tokens; weight gradients accumulate locally.
@@ -47,7 +48,7 @@ from relay_compile.experts import ExpertFn, GroupedExperts
 from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
-from relay_compile.runtime.transport import RingGroup, active_run
+from relay_compile.runtime.transport import RingGroup, RingTransfer, active_run
 from relay_compile.runtime.weight_grads import WeightGrads, pack_weights, unpack_grads
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -239,7 +240,7 @@ def segment_backward(
             chunk_weights = _chunk_weights(cfg, weights, chunk)
             dx_CH, ds_C, dws = grouped.vjp_rows(
                 x_TH, tok_C, chunk.offsets_G, chunk.rows, chunk_weights, dy_TH, rows.scores_S[c0:c1],
-                grad_dtype=cfg.sum_dtype(chunk_weights[0]),
+                grad_dtype=cfg.sum_dtype(chunk_weights[0]), grad_into=functools.partial(dw.sink, chunk),
             )
         else:
             dx_CH, ds_C, dws = fused(
@@ -248,7 +249,8 @@ def segment_backward(
             )
         ds_S[c0:c1] = ds_C
         scatter_add_rows_(dx_TH, tok_C, dx_CH)
-        dw.add(dws, chunk if grouped is not None else None)
+        if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
+            dw.add(dws, chunk if grouped is not None else None)
 
 
 def _zeros_like(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -299,6 +301,11 @@ def _weight_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, .
     computed partial of ``hop`` has (what travels must have the same bytes on every rank)."""
     weights = [t for t in args if isinstance(t, Tensor)]
     return tuple(_zeros_like(t, ExpertRoutingStep.partial_dtype(step.cfg, hop, t)) for t in weights)
+
+
+def _incoming_sums(step: RingStep, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
+    """The incoming weight-gradient sums, unchanged (expert routing backward, a hop summing in place)."""
+    return transfer.wait()[first:]
 
 
 def _token_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, ...]:
@@ -405,6 +412,16 @@ class ExpertRoutingStep:
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
         return self._weight_grads(hop, dw, weights)
+
+    @_drains(_incoming_sums)
+    def backward_hop_into(self, hop: int, transfer: RingTransfer, first: int, *weights: Tensor) -> tuple[Tensor, ...]:
+        """``backward_hop`` whose weight gradients add into the sums travelling in ``transfer`` (its received
+        tensors from position ``first``): waited for right before the hop's first weight-gradient GEMM, so
+        the hop keeps no partial of its own; returns those sums, now including this hop."""
+        dw = WeightGrads(weights, self.cfg.acc_dtype, into=lambda: transfer.wait()[first:])
+        assert self.grad_y_TH is not None
+        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
+        return dw.result()
 
     @_drains(_no_activations)
     def recompute_hop(self, hop: int, *weights: Tensor) -> HopActivations:

@@ -40,6 +40,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
+from relay_compile.runtime.ring_options import hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 from relay_compile.runtime.weight_grads import pack_weights
@@ -122,7 +123,7 @@ def _run(
     spec = state.spec
     cfg = RingStepConfig(
         expert_fn=spec.expert_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
-        max_hop_rows=spec.options.max_hop_rows, acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
+        max_hop_rows=hop_row_bound(spec.options.max_hop_rows, x.shape[0]), acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
         scores_before=spec.scores_applied == "before",
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)

@@ -193,8 +193,13 @@ class RingTransfer:
     ring: RingGroup | None = None
     run: RingRun | None = None
     status_in: Tensor | None = None
+    done: bool = False
 
     def wait(self) -> tuple[Tensor, ...]:
+        """Block until both sides complete; the receive buffers. Waiting again returns them at once (a hop
+        that sums into a transfer's arrivals waits on it before the program's own wait)."""
+        if self.done:
+            return tuple(self.received)
         run, self.run = self.run, None
         if run is not None:
             run.posted.remove(self)
@@ -203,7 +208,7 @@ class RingTransfer:
                 work.wait()
         except RuntimeError as e:
             raise RingTransportError(self._failed(e)) from e
-        self.sent = []
+        self.sent, self.done = [], True
         if run is not None and run.status is not None and self.status_in is not None:
             run.status = torch.maximum(run.status, self.status_in)
         return tuple(self.received)

@@ -73,19 +73,19 @@ finish forward hop=3""")
     def test_expert_backward_sends_gradients_one_hop_behind_weights_then_returns_them(self) -> None:
         # Paper Figure 5: hop 0 sends weights only; hop h sends weights + the gradient of hop h-1;
         # the last hop sends gradients only, and a final gradient-only transfer returns them to the owners.
+        # Hops >= 1 sum into the gradients their own transfer brings (sum_in_place): the hop reads the
+        # transfer and its wait comes after the hop, where the next hop reads the weights.
         gm = ring_program(schedule_for("backward", "expert", 3, 2), True, True)
         self.assertExpectedInline(schedule_text(gm), """\
 ring_start grad hop=0 xfer=0 sends=2
 hop_backward grad hop=0
 ring_wait grad hop=0
 ring_start grad hop=1 xfer=1 sends=4
-hop_backward grad hop=1
-ring_wait grad hop=1
-accumulate grad hop=1
+hop_backward_into grad hop=1
 ring_start grad hop=2 xfer=2 sends=2
-hop_backward grad hop=2
+ring_wait grad hop=1
+hop_backward_into grad hop=2
 ring_wait grad hop=2
-accumulate grad hop=2
 ring_start grad hop=3 xfer=3 sends=2
 ring_wait grad hop=3
 finish grad hop=3""")

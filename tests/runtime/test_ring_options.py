@@ -9,21 +9,21 @@ import torch
 from relay_compile import config
 from relay_compile.experts import ffn_expert_fn
 from relay_compile.options import resolve
-from relay_compile.runtime.ring_options import InvalidRingOption, RingOptions
+from relay_compile.runtime.ring_options import AUTO_MIN_HOP_ROWS, InvalidRingOption, RingOptions, hop_row_bound
 from relay_compile.runtime.specs import RingSpec, register_spec, spec_state
 
 
 class RingOptionsAreValidatedOnce(unittest.TestCase):
-    def test_defaults_are_the_overlapped_rematerialized_auto_ring_with_whole_hops(self) -> None:
-        self.assertEqual(RingOptions(), RingOptions(routing="auto", overlap=True, remat=True, max_hop_rows=None,
+    def test_defaults_are_the_overlapped_rematerialized_auto_ring_with_auto_bounded_hops(self) -> None:
+        self.assertEqual(RingOptions(), RingOptions(routing="auto", overlap=True, remat=True, max_hop_rows="auto",
                                                     fp32_accumulation=True))
 
     def test_bad_values_name_the_option_and_what_is_valid(self) -> None:
         cases = [
             (dict(routing="ring"), r"^routing='ring' is not one of \('auto', 'expert', 'token'\)$"),
-            (dict(max_hop_rows=0), r"^max_hop_rows must be a positive row count or None, got 0$"),
-            (dict(max_hop_rows=True), r"max_hop_rows must be a positive row count or None, got True"),
-            (dict(max_hop_rows=2.5), r"max_hop_rows must be a positive row count or None, got 2.5"),
+            (dict(max_hop_rows=0), r"^max_hop_rows must be a positive row count, 'auto' or None, got 0$"),
+            (dict(max_hop_rows=True), r"max_hop_rows must be a positive row count, 'auto' or None, got True"),
+            (dict(max_hop_rows=2.5), r"max_hop_rows must be a positive row count, 'auto' or None, got 2.5"),
             (dict(overlap=1), r"^overlap must be a bool, got 1$"),
             (dict(fp32_accumulation="yes"), r"^fp32_accumulation must be a bool, got 'yes'$"),
         ]
@@ -45,6 +45,13 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
         self.assertEqual(resolve({"max_hop_rows": 256}).ring.max_hop_rows, 256)
         with self.assertRaisesRegex(ValueError, r"option max_hop_rows=-1 must be >= 0"):
             resolve({"max_hop_rows": -1})
+
+    def test_auto_bounds_a_chunk_to_a_quarter_of_the_tokens_and_never_below_the_minimum(self) -> None:
+        self.assertEqual(hop_row_bound("auto", 65536), max(16384, AUTO_MIN_HOP_ROWS))
+        self.assertEqual(hop_row_bound("auto", 1 << 20), 1 << 18)
+        self.assertEqual(hop_row_bound("auto", 128), AUTO_MIN_HOP_ROWS)
+        self.assertIsNone(hop_row_bound(None, 1 << 20))
+        self.assertEqual(hop_row_bound(64, 1 << 20), 64)
 
     def test_the_key_spells_every_field(self) -> None:
         key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False).key()
@@ -68,7 +75,7 @@ class RingSpecsAreKeyedByTheirContents(unittest.TestCase):
     def test_a_different_spec_under_the_same_name_and_options_is_refused(self) -> None:
         key = register_spec(self.spec(routing="token"), "ffn_conflict")
         other = RingSpec(expert_fn=ffn_expert_fn("silu"), experts_per_rank=2, group_name="",
-                         options=RingOptions(routing="token"))
+                         options=RingOptions(routing="token", max_hop_rows=None))
         with self.assertRaisesRegex(ValueError, "already registered with other settings"):
             register_spec(other, "ffn_conflict")
         self.assertIs(spec_state(key).spec.expert_fn, SWIGLU)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.runtime.hop_compute import HopActivations, RingStep
+from relay_compile.runtime.hop_compute import ExpertRoutingStep, HopActivations, RingStep
 from relay_compile.runtime.transport import RingTransfer, start_transfer
 
 
@@ -38,6 +38,14 @@ def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor
     return step.backward_hop(hop, *circulating)
 
 
+def hop_backward_into(step: RingStep, hop: int, transfer: RingTransfer, first: int, *circulating: Tensor
+                      ) -> tuple[Tensor, ...]:
+    """Backward hop that adds its weight gradients into the sums arriving with ``transfer`` (its received
+    tensors from ``first`` on), waiting for them only when about to add; returns those sums."""
+    assert isinstance(step, ExpertRoutingStep), "hop_backward_into: weight-gradient sums trail expert routing only"
+    return step.backward_hop_into(hop, transfer, first, *circulating)
+
+
 def hop_recompute(step: RingStep, hop: int, *circulating: Tensor) -> HopActivations:
     """Recompute a whole hop's expert activations and keep them (the naive, checkpoint-style backward)."""
     return step.recompute_hop(hop, *circulating)
@@ -61,9 +69,11 @@ def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
     return step.finish(*trailing)
 
 
-INSTRUCTIONS = (ring_start, ring_wait, hop_forward, hop_backward, hop_recompute, hop_vjp, accumulate, finish)
+INSTRUCTIONS = (
+    ring_start, ring_wait, hop_forward, hop_backward, hop_backward_into, hop_recompute, hop_vjp, accumulate, finish,
+)
 # The hop instructions that compute (``overlap`` schedules transfers around them).
-COMPUTE = (hop_forward, hop_backward, hop_vjp)
+COMPUTE = (hop_forward, hop_backward, hop_backward_into, hop_vjp)
 
 for _fn in INSTRUCTIONS:
     fx.node.has_side_effect(_fn)

@@ -1,7 +1,7 @@
 """overlap: post each hop's transfer before the hop's compute and wait for it as late as possible.
 
 Contract:
-    Consumes a ring program (``build.build_program``, after ``remat`` for a backward) whose
+    Consumes a ring program (``build.build_program``, after ``remat`` and ``sum_in_place`` for a backward) whose
     ``ring_start``/``ring_wait`` nodes carry ``meta["ring"]``. Moves only those nodes (and the ``getitem``
     nodes of a wait), never compute, so every rank keeps posting the same transfers in the same order. Guarantees, per transfer: the start comes right
     after the last node it reads (the previous transfer's wait, or the accumulation it forwards), and the wait
@@ -33,15 +33,25 @@ def _position(graph: fx.Graph) -> dict[fx.Node, int]:
 
 
 def _sink_wait(graph: fx.Graph, wait: fx.Node) -> None:
+    """Move ``wait`` right before the first reader of what arrived, and after every hop that waits on the same
+    transfer itself (``sum_in_place``: it sums into the arrivals mid-hop)."""
     items = [u for u in wait.users if u.target is operator.getitem]
     readers = [r for item in items for r in item.users]
-    if not readers:
-        return
+    start = wait.args[0]
+    assert isinstance(start, fx.Node)
+    sharers = [u for u in start.users if u is not wait]
     pos = _position(graph)
-    first = min(readers, key=pos.__getitem__)
-    first.prepend(wait)
+    if readers:
+        anchor = min(readers, key=pos.__getitem__)
+    elif sharers:
+        anchor = max(sharers, key=pos.__getitem__).next
+    else:
+        return
+    if sharers and pos[anchor] <= max(pos[s] for s in sharers):
+        raise ValueError(f"overlap: {wait.name}'s arrivals are read before a hop that sums into them completes")
+    anchor.prepend(wait)
     for item in sorted(items, key=pos.__getitem__):
-        first.prepend(item)
+        anchor.prepend(item)
 
 
 def _hoist_start(graph: fx.Graph, start: fx.Node) -> None:

@@ -3,6 +3,7 @@
     schedule_for(direction, routing, N, circulating weights)   # schedule.py: sizes only
       -> build_program                                       # build.py: the naive program
       -> remat_pass (backward, option ``remat``)             # remat.py
+      -> sum_in_place_pass (expert routing backward, remat)  # sum_in_place.py
       -> overlap_pass (option ``overlap``)                   # overlap.py
 
 ``program_for`` is the one place that decides which program a spec runs: the custom ops call it at run time
@@ -20,6 +21,7 @@ from relay_compile.runtime.programs.build import build_program
 from relay_compile.runtime.programs.overlap import overlap_pass
 from relay_compile.runtime.programs.remat import remat_pass
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule, schedule_for
+from relay_compile.runtime.programs.sum_in_place import sum_in_place_pass
 from relay_compile.runtime.specs import RingSpec
 
 
@@ -32,6 +34,8 @@ def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphM
     gm = build_program(sched)
     if remat and sched.direction == "backward":
         gm = remat_pass(gm)
+        if sched.routing == "expert":
+            gm = sum_in_place_pass(gm)
     if overlap:
         gm = overlap_pass(gm)
     gm.meta["schedule"] = sched
