@@ -1,5 +1,5 @@
-"""Device run (issues 10/12): time and peak of the ring after the in-place gradient sums, whole and bounded
-hops, fp32 and bf16 sums, beside a2a eager and the backend; Qwen3 layer, simulated EP 8 / 64, one run.
+"""Device run (issues 10/12): time and peak of the ring at its defaults (in-place gradient sums, auto hop bound)
+beside whole and bounded hops, bf16 sums, a2a eager and the backend; Qwen3 layer, simulated EP 8 / 64, one run.
 
     python docs/bench/h200-memory/rows.py OUT_DIR [--ep 8 64] [--bounds 8192 16384 32768]
 """
@@ -15,7 +15,7 @@ from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a, compil
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
-ap.add_argument("--bounds", type=int, nargs="+", default=[8192, 16384, 32768])
+ap.add_argument("--bounds", type=int, nargs="*", default=[8192, 16384, 32768])
 ap.add_argument("--backend", action="store_true")
 args = ap.parse_args()
 opts = BenchOptions(repeats=10)
@@ -23,12 +23,13 @@ results = {}
 for ep in args.ep:
     rows = [
         RowSpec(name=A2A_EAGER, build=build_eager_a2a, kind="a2a"),
-        RowSpec(name="ring overlap fp32 whole", build=ring_builder(routing="expert"), kind="ring"),
+        RowSpec(name="ring overlap (defaults)", build=ring_builder(routing="expert"), kind="ring"),
+        RowSpec(name="ring overlap whole hops", build=ring_builder(routing="expert", max_hop_rows=None), kind="ring"),
         *[RowSpec(name=f"ring overlap fp32 max_hop_rows={b}", build=ring_builder(routing="expert", max_hop_rows=b),
                   kind="ring") for b in args.bounds],
-        RowSpec(name="ring sequential fp32 whole", build=ring_builder(routing="expert", overlap=False), kind="ring",
+        RowSpec(name="ring sequential (defaults)", build=ring_builder(routing="expert", overlap=False), kind="ring",
                 overlap=False),
-        RowSpec(name="ring overlap bf16 whole", build=ring_builder(routing="expert", fp32_accumulation=False),
+        RowSpec(name="ring overlap bf16 sums", build=ring_builder(routing="expert", fp32_accumulation=False),
                 kind="ring"),
     ]
     if args.backend:
