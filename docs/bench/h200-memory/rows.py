@@ -17,6 +17,8 @@ ap.add_argument("out")
 ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
 ap.add_argument("--bounds", type=int, nargs="*", default=[8192, 16384, 32768])
 ap.add_argument("--backend", action="store_true")
+ap.add_argument("--repeat-defaults", type=int, default=0,
+                help="only a2a eager and this many copies of the default ring row (run-to-run spread within a run)")
 args = ap.parse_args()
 opts = BenchOptions(repeats=10)
 results = {}
@@ -32,6 +34,9 @@ for ep in args.ep:
         RowSpec(name="ring overlap bf16 sums", build=ring_builder(routing="expert", fp32_accumulation=False),
                 kind="ring"),
     ]
+    if args.repeat_defaults:
+        rows = [rows[0]] + [RowSpec(name=f"ring overlap (defaults) #{i}", build=ring_builder(routing="expert"),
+                                    kind="ring") for i in range(args.repeat_defaults)]
     if args.backend:
         rows.append(RowSpec(name="relaymoe backend", build=compiled_a2a_builder("relaymoe"), kind="ring",
                             compiles=True))
