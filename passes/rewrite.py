@@ -138,7 +138,7 @@ def rewrite_moe_region(
         x_TH = ...; ids_TK = ...; scores_TK = ...
         y_TH = torch.ops.relaymoe.ring_moe.default(
             x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
-            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=None|fp32_accumulation=1")
+            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1")
 
     Args:
         routing, overlap, remat, max_hop_rows, fp32_accumulation: the ring's options (``relay_compile.ring_moe``).
