@@ -64,8 +64,8 @@ def _vjp(eager: RegionExpertFn, x_SH: Tensor, counts_NL: Tensor, splits_S: Tenso
 
     out_SH, pull = torch.func.vjp(f, x_SH, *weights)
     d_score_S = (dy_SH.to(ACC_DTYPE) * out_SH.to(ACC_DTYPE)).sum(-1)
-    dx_SH, *d_weights = pull(dy_SH * score_S[:, None].to(dy_SH.dtype))
-    return dx_SH, d_score_S, d_weights
+    grads = pull(dy_SH * score_S[:, None].to(dy_SH.dtype))
+    return grads[0], d_score_S, list(grads[1:])
 
 
 def _sizes(splits_S: Tensor) -> list[Any]:

@@ -55,6 +55,21 @@ def _not_compilable(t: Tensor) -> Tensor:
 
 torch.fx.wrap("_not_compilable")
 
+# A constant of F's own: ``symbolic_trace`` makes it a get_attr of F's graph module.
+_GAIN_H = torch.linspace(0.5, 1.5, H)
+
+
+def bf16_experts_with_a_constant(rows, counts, s0, s1, w1, w2):
+    """torchtitan's casts (bf16 compute from fp32 weights, fp32 out), a constant gain, softplus; per-source splits
+    read directly (``torch.split`` on the SymInts)."""
+    parts, outs = torch.split(rows, [s0, s1]), []
+    for s in range(N):
+        x = (parts[s] * _GAIN_H).to(torch.bfloat16)
+        h = nnf.softplus(x @ w1[s % L].to(torch.bfloat16).T)
+        outs.append((h @ w2[s % L].to(torch.bfloat16).T).float())
+    return torch.cat(outs)
+
+
 NORMED = ((L, H), (L, H), FFN_EFH[0], (L, FFN_EFH[0][1]), FFN_EFH[1])
 
 
@@ -128,6 +143,9 @@ class CompiledFEqualsF(unittest.TestCase):
 
     def test_module_list_experts_with_a_bias_on_per_source_expert_splits_compile_once_for_all_hops(self):
         self.check_hops(Idiom(with_bias, MODULES_WITH_BIAS, per_pair=True))
+
+    def test_bf16_compute_from_fp32_weights_with_a_constant_of_its_own_compiles_once_for_all_hops(self):
+        self.check_hops(Idiom(bf16_experts_with_a_constant, FFN_EFH, per_pair=False))
 
     def test_one_compilation_per_f_identity(self) -> None:
         idiom = Idiom(with_bias, MODULES_WITH_BIAS, per_pair=True)
