@@ -20,6 +20,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 from torch.testing._internal.common_utils import run_tests
 
+import relay_compile
 from relay_compile.backend import compiled_reports
 from relay_compile.passes import expert_compile
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
@@ -187,6 +188,11 @@ class CompiledExpertsTrainLikeEager(Idioms):
             fn = spec_state(region.ring_op).spec.expert_fn
             self.assertIsInstance(fn, CompiledExpertFn, what)
             self.assertIsNone(fn.failure, what)  # every hop ran the compiled graphs
+        # explain says it too.
+        x_TH = torch.randn(12, 16, generator=torch.Generator().manual_seed(self.rank))
+        (report,) = relay_compile.explain(NormedDataDependentMoE(16, 8, 8, 2, group, seed=3), x_TH,
+                                          inner_compiler="aot_eager")
+        self.assertIn("experts compiled (aot_eager): forward and vjp per hop", report.summary())
 
 
 if __name__ == "__main__":
