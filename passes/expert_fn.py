@@ -208,25 +208,33 @@ class RegionExpertFn:
     def __hash__(self) -> int:
         return hash(self._identity)
 
-    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
+    def split_values(self, counts_NL: Tensor, splits_N: list[int]) -> list[int]:
+        """The ints F's split placeholders get, in binding order (``binding.splits`` row by row, used ones)."""
+        b = self.binding
+        if b.split_kind == "source":
+            return [int(splits_N[s]) for s, (pos,) in enumerate(b.splits) if pos is not None]
+        counts_host = counts_NL.tolist()  # NOTE: device-to-host sync (F splits rows per (source, expert))
+        return [counts_host[s][e] for s, row in enumerate(b.splits) for e, pos in enumerate(row) if pos is not None]
+
+    def arguments(
+        self, x_SH: Tensor, counts_NL: Tensor, split_values: Sequence[object], weights: Sequence[Tensor]
+    ) -> list[object]:
+        """F's arguments, in placeholder order, from the ring's inputs and ``split_values`` (``split_values``
+        order; ints, or SymInts when a compiler traces this)."""
         b = self.binding
         args: list[object] = [None] * self.num_inputs
         args[b.rows] = x_SH
         if b.counts is not None:
             assert b.counts_shape is not None
             args[b.counts] = counts_NL.reshape(b.counts_shape)
-        if b.split_kind == "source":
-            for s, (pos,) in enumerate(b.splits):
-                if pos is not None:
-                    args[pos] = int(splits_N[s])
-        else:
-            counts_host = counts_NL.tolist()  # NOTE: device-to-host sync (F splits rows per (source, expert))
-            for s, row in enumerate(b.splits):
-                for e, pos in enumerate(row):
-                    if pos is not None:
-                        args[pos] = counts_host[s][e]
+        positions = [pos for row in b.splits for pos in row if pos is not None]
+        for pos, value in zip(positions, split_values, strict=True):
+            args[pos] = value
         if len(weights) != len(b.weights):
             raise ValueError(f"rewrite: {self.__qualname__} takes {len(b.weights)} weights, got {len(weights)}")
         for pos, w in zip(b.weights, weights):
             args[pos] = w
-        return self.fn(*args)
+        return args
+
+    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
+        return self.fn(*self.arguments(x_SH, counts_NL, self.split_values(counts_NL, splits_N), weights))

@@ -1,6 +1,6 @@
 """expert_lowering: run a recognized F on the engine's grouped experts, after proving it on probe inputs.
 
-    choose_expert_fn(region) -> (ExpertFn, ExpertsPath)
+    choose_expert_fn(region, inner_compiler) -> (ExpertFn, ExpertsPath)
 
 1. ``expert_block.recognize_expert_ffn`` reads F's per-row program (activation, projections, layouts).
 2. ``LoweredFFN`` is that program as a ``GroupedExperts`` (``relay_compile.experts``): the region's weights are
@@ -14,7 +14,9 @@
    that F's row moves (permute, split, unpermute) put each row back in place and group rows by the right
    expert. Every rank probes the same F with the same inputs, so every rank decides the same.
 
-When any step fails, F runs eagerly per hop (``RegionExpertFn``), and ``ExpertsPath.reason`` says why.
+When any step fails, F is compiled by the backend's inner compiler (``expert_compile``: its forward and vjp
+per hop), proven on the same probe inputs; when that fails too (or the inner compiler is ``"eager"``), F runs
+eagerly per hop (``RegionExpertFn``), and ``ExpertsPath.reason`` says why.
 
 Legend: S rows, H hidden, F expert FFN width, N ranks, E_l experts per rank, G = 2F.
 """
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from relay_compile.experts import GradSink, GroupedFFN
 from relay_compile.passes.expert_block import ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
+from relay_compile.passes.expert_compile import COMPILERS, CompiledExpertFn, compile_expert_fn
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.fx_nodes import node_value, size_hint
 
@@ -44,11 +47,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertsPath:
-    """How a region's experts run at each hop: ``"grouped"`` (recognized, on grouped GEMMs) or ``"eager"``."""
+    """How a region's experts run at each hop: ``"grouped"`` (recognized, on grouped GEMMs), ``"compiled
+    (<inner compiler>)"`` (F compiled, ``expert_compile``) or ``"eager"`` (F itself)."""
 
     kind: str
-    description: str  # what was recognized, or ""
-    reason: str = ""  # why not grouped
+    description: str  # what was recognized, or what was compiled (and why it was not lowered); "" for eager
+    reason: str = ""  # eager: why neither grouped nor compiled
 
     def summary(self) -> str:
         return f"{self.kind}: {self.description or self.reason}"
@@ -199,18 +203,19 @@ def _probe_weight(like: Tensor, gen: torch.Generator) -> Tensor:
     return w.to(device=like.device, dtype=like.dtype)
 
 
-def probe_error(
-    eager: RegionExpertFn, lowered: LoweredFFN, rows_like: Tensor, weights_like: Sequence[Tensor], group_size: int
-) -> float:
-    """Max relative difference of ``lowered`` and F (``eager``) on the probe inputs (see the module docstring).
+def probe_inputs(
+    rows_like: Tensor, weights_like: Sequence[Tensor], group_size: int, experts_per_rank: int
+) -> tuple[list[tuple[Tensor, Tensor, list[int]]], list[Tensor]]:
+    """``([(x_SH, counts_NL, splits_N), ...], weights)``: F's probe inputs (see the module docstring), from a
+    fixed seed: rows of source 0 and of source N-1, each with an empty expert among the counts.
 
     ``rows_like``/``weights_like``: (fake) tensors with the dtypes, devices and weight shapes of the region.
     """
     device, hidden = weights_like[0].device, _hint(rows_like.shape[-1])
     gen = torch.Generator().manual_seed(20261201)
-    e_l, n = lowered.experts_per_rank, group_size
+    e_l, n = experts_per_rank, group_size
     weights = [_probe_weight(w, gen) for w in weights_like]
-    worst = 0.0
+    probes = []
     for src in sorted({0, n - 1}):
         rows_L = [1 + (3 * e + 2 + src) % 5 for e in range(e_l)]
         if e_l > 1:
@@ -220,7 +225,17 @@ def probe_error(
         splits_N = [0] * n
         splits_N[src] = sum(rows_L)
         x_SH = torch.randn(sum(rows_L), hidden, generator=gen).to(device=device, dtype=rows_like.dtype)
-        counts_NL = counts_NL.to(device)
+        probes.append((x_SH, counts_NL.to(device), splits_N))
+    return probes, weights
+
+
+def probe_error(
+    eager: RegionExpertFn, lowered: LoweredFFN, rows_like: Tensor, weights_like: Sequence[Tensor], group_size: int
+) -> float:
+    """Max relative difference of ``lowered`` and F (``eager``) on the probe inputs (``probe_inputs``)."""
+    probes, weights = probe_inputs(rows_like, weights_like, group_size, lowered.experts_per_rank)
+    worst = 0.0
+    for x_SH, counts_NL, splits_N in probes:
         with torch.no_grad():
             want = eager(x_SH, counts_NL, splits_N, weights).float()
             got = lowered(x_SH, counts_NL, splits_N, weights).float()
@@ -258,13 +273,19 @@ def capacity_probe_error(
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
-def choose_expert_fn(region: MoERegion) -> tuple[RegionExpertFn | LoweredFFN, ExpertsPath]:
-    """The expert function a region's ring runs, and the path it takes (see the module docstring)."""
+def choose_expert_fn(
+    region: MoERegion, inner_compiler: str = "eager"
+) -> tuple[RegionExpertFn | LoweredFFN | CompiledExpertFn, ExpertsPath]:
+    """The expert function a region's ring runs, and the path it takes (see the module docstring).
+
+    ``inner_compiler``: the backend's; an F that is not lowered is compiled by it (``expert_compile``) unless
+    it is ``"eager"`` or compiling fails, and then runs eagerly.
+    """
     eager = RegionExpertFn(region.expert_fn, region.binding)
     try:
         plan = recognize_expert_ffn(region.expert_fn, region.binding, region.experts_per_rank)
     except NotAnFFN as e:
-        return eager, ExpertsPath(kind="eager", description="", reason=f"F is not recognized: {e}")
+        return _not_lowered(region, eager, inner_compiler, f"F is not recognized: {e}")
     lowered = LoweredFFN(plan, region.experts_per_rank, eager.digest())
     rows_like, weights_like = node_value(region.recv), [node_value(w) for w in region.weights]
     try:
@@ -273,8 +294,28 @@ def choose_expert_fn(region: MoERegion) -> tuple[RegionExpertFn | LoweredFFN, Ex
         log.debug("expert_lowering: probe of %s failed", region.describe(), exc_info=True)
         return eager, ExpertsPath(kind="eager", description="", reason=f"the probe could not run: {e!r}")
     if not error <= tolerance(rows_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
-        return eager, ExpertsPath(
-            kind="eager", description="",
-            reason=f"recognized as {plan.describe()}, but it differs from F on probe inputs by {error:.2e}",
+        return _not_lowered(
+            region, eager, inner_compiler,
+            f"recognized as {plan.describe()}, but it differs from F on probe inputs by {error:.2e}",
         )
     return lowered, ExpertsPath(kind="grouped", description=plan.describe())
+
+
+def _not_lowered(
+    region: MoERegion, eager: RegionExpertFn, inner_compiler: str, why: str
+) -> tuple[RegionExpertFn | CompiledExpertFn, ExpertsPath]:
+    """F compiled by the inner compiler (``expert_compile``), or else F itself; ``why``: why it is not lowered."""
+    if inner_compiler not in COMPILERS:
+        return eager, ExpertsPath(kind="eager", description="", reason=f"{why}; inner_compiler={inner_compiler!r}")
+    rows_like, weights_like = node_value(region.recv), [node_value(w) for w in region.weights]
+    try:
+        probes, weights = probe_inputs(rows_like, weights_like, region.group_size, region.experts_per_rank)
+        compiled = compile_expert_fn(eager, inner_compiler, probes, weights,
+                                     tolerance(rows_like.dtype, *(w.dtype for w in weights_like)))
+    except Exception as e:  # noqa: BLE001 -- any failure to compile F: F itself still runs
+        log.warning("expert_lowering: %s: F runs eagerly, compiling it with %s failed: %r", region.describe(),
+                    inner_compiler, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        return eager, ExpertsPath(kind="eager", description="",
+                                  reason=f"{why}; compiling it with {inner_compiler} failed: {e!r}")
+    return compiled, ExpertsPath(kind=f"compiled ({inner_compiler})",
+                                 description=f"forward and vjp per hop, rows dynamic ({why})")

@@ -9,7 +9,8 @@ Contract:
     only the region read (shared size arithmetic dies with the last region reading it); nothing else is
     touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
     whose expert function is F recognized and lowered onto grouped experts (``expert_lowering.LoweredFFN``),
-    or else a copy of the region's F run eagerly at every hop (``expert_fn.RegionExpertFn``); the ring node's
+    or else a copy of the region's F compiled by ``inner_compiler`` (``expert_compile.CompiledExpertFn``), or run
+    eagerly at every hop (``expert_fn.RegionExpertFn``) where it does not compile; the ring node's
     ``meta["relaymoe_experts"]`` says which (``ExpertsPath``);
     nothing data-dependent is baked into the graph, so new routings do not recompile. Raises ``ValueError``
     (naming the region and node) when the record no longer describes the graph or an option is invalid;
@@ -17,7 +18,7 @@ Contract:
 
 Pseudo-code:
     # Step 1: check options and that the record still describes gm.
-    # Step 2: the expert function: F lowered onto grouped experts if recognized, else F itself (RegionExpertFn);
+    # Step 2: the expert function: F lowered onto grouped experts if recognized, else F compiled, else F itself;
     #         register its RingSpec (key from the spec).
     # Step 3: insert ring_moe(x, topk_ids, topk_scores, [weights], key) before the output, with a fake value.
     # Step 4: route the output's uses to the ring; erase the region's nodes, last first, then the pure
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from relay_compile.passes.capacity_match import CapacityRegion
 from relay_compile.passes.capacity_pairs import insert_capacity_pairs
+from relay_compile.passes.expert_compile import CompiledExpertFn
 from relay_compile.passes.expert_fn import RegionExpertFn
 from relay_compile.passes.expert_lowering import ExpertsPath, LoweredFFN, choose_expert_fn
 from relay_compile.passes.fx_nodes import node_value
@@ -55,14 +57,18 @@ __all__ = ["moe_ring_pass", "region_experts", "region_fn_name", "rewrite_moe_reg
 Region = MoERegion | CapacityRegion
 
 
-def region_experts(region: Region) -> tuple[RegionExpertFn | LoweredFFN, ExpertsPath]:
-    """The expert function a region's ring runs, and how (capacity regions were lowered by their matcher)."""
+ExpertFns = RegionExpertFn | LoweredFFN | CompiledExpertFn
+
+
+def region_experts(region: Region, inner_compiler: str = "eager") -> tuple[ExpertFns, ExpertsPath]:
+    """The expert function a region's ring runs, and how (capacity regions were lowered by their matcher);
+    ``inner_compiler`` compiles an F that is not lowered (``expert_lowering.choose_expert_fn``)."""
     if isinstance(region, CapacityRegion):
         return region.lowered, region.experts_path
-    return choose_expert_fn(region)
+    return choose_expert_fn(region, inner_compiler)
 
 
-def region_fn_name(region: Region, fn: RegionExpertFn | LoweredFFN) -> str:
+def region_fn_name(region: Region, fn: ExpertFns) -> str:
     """The expert function's name in the ring's spec key: the same region gives the same name in every
     process (F's code and binding, the weights' shapes and dtypes)."""
     weights = [(tuple(v.shape), str(v.dtype)) for v in map(node_value, region.weights) if isinstance(v, Tensor)]
@@ -113,6 +119,7 @@ def rewrite_moe_region(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
+    inner_compiler: str = "eager",
 ) -> fx.Node:
     """Replace ``region`` of ``gm`` by one ``relaymoe::ring_moe`` call; returns the new node.
 
@@ -142,6 +149,8 @@ def rewrite_moe_region(
 
     Args:
         routing, overlap, remat, max_hop_rows, fp32_accumulation: the ring's options (``relay_compile.ring_moe``).
+        inner_compiler: what compiles an F that is not lowered onto grouped experts (``"inductor"``,
+            ``"aot_eager"``; ``"eager"``: F runs as it is).
 
     Raises:
         ValueError: an unknown option, or a record that no longer describes ``gm``.
@@ -154,7 +163,7 @@ def rewrite_moe_region(
     _check_record(gm, region)
 
     # Step 2: the expert function and its spec.
-    fn, path = region_experts(region)
+    fn, path = region_experts(region, inner_compiler)
     spec = RingSpec(
         expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options,
         scores_applied=region.scores_applied,
@@ -218,12 +227,13 @@ def moe_ring_pass(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
+    inner_compiler: str = "eager",
 ) -> tuple[list[fx.Node], list[RefusedRegion]]:
     """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""
     regions, refused = find_moe_regions(gm)
     rings = [
         rewrite_moe_region(gm, r, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-                           fp32_accumulation=fp32_accumulation)
+                           fp32_accumulation=fp32_accumulation, inner_compiler=inner_compiler)
         for r in regions
     ]
     return rings, refused

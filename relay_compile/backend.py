@@ -12,7 +12,8 @@ Per Dynamo graph:
     find_moe_regions      (passes.match)    regions + refusals, from static information only
     rewrite_moe_region    (passes.rewrite)  each region -> one relaymoe::ring_moe call whose experts run on
                                             grouped GEMMs when F is recognized (passes.expert_lowering), else
-                                            F eagerly; its ring programs (remat, overlap) are built on first use
+                                            F compiled by the inner compiler (passes.expert_compile), else F
+                                            eagerly; its ring programs (remat, overlap) are built on first use
     inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph, under the
                                             activation_memory_budget option (torch's partitioner budget)
     verify                (option)          the first call also runs the original graph and compares
@@ -145,13 +146,14 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation,
         )
         if rewrite:
-            node = rewrite_moe_region(gm, region, **dataclasses.asdict(opts.ring))
+            node = rewrite_moe_region(gm, region, **dataclasses.asdict(opts.ring),
+                                      inner_compiler=opts.inner_compiler)
             entry.status, entry.ring_op = "rewritten", str(node.args[-1])
             entry.experts = node.meta["relaymoe_experts"].summary()
             for name, code in _ring_programs_text(region, entry.ring_op).items():
                 dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
         else:
-            entry.experts = region_experts(region)[1].summary()
+            entry.experts = region_experts(region, opts.inner_compiler)[1].summary()
         report.regions.append(entry)
     report.pass_seconds["rewrite"] = time.perf_counter() - start
     if rewrite:

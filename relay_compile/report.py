@@ -3,8 +3,8 @@
 For every MoE region the matcher found: rewritten or refused (with the reason), the routing option and the
 routing predicted from this rank's shapes with the per-hop volumes behind it (the ring resolves ``"auto"``
 again at every call from the shapes all ranks exchange, ``runtime.agreement``), how the experts run at each
-hop (grouped, or F eagerly and why), and the predicted per-rank peak memory of the block, forward +
-backward, for the all-to-all original and for the ring.
+hop (grouped, F compiled by the inner compiler, or F eagerly, and why), and the predicted per-rank peak memory
+of the block, forward + backward, for the all-to-all original and for the ring.
 
 The memory model counts the big buffers only (element counts times bytes):
 
@@ -76,7 +76,8 @@ class RegionReport:
     predicted_peak_bytes: dict[str, int] = field(default_factory=dict)
     shape: dict[str, int] = field(default_factory=dict)
     ring_op: str = ""
-    # How the experts run at each hop: "grouped: <what F was recognized as>" or "eager: <why not>".
+    # How the experts run at each hop: "grouped: <what F was recognized as>", "compiled (<inner compiler>): <what
+    # was compiled, and why F is not grouped>" or "eager: <why neither>".
     experts: str = ""
 
     @staticmethod
