@@ -227,10 +227,11 @@ def _chunk_vjp(
             scatter_add_rows_(dx_TH, tok_C, g_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
         dw.add(dws, chunk if cfg.grouped is not None else None)
         return
-    ds_S[chunk.start : chunk.end] = (dy_CH.to(ACC_DTYPE) * out_CH.detach().to(ACC_DTYPE)).sum(-1)
-    score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
+    ds_S[chunk.start : chunk.end] = _row_dot(dy_CH, out_CH.detach())
+    # dy_CH is this chunk's own gather: scaled in place (as dy * s rounds it), not copied.
+    dy_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype))
     with _autograd_enabled():
-        grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True))
+        grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True))
     scatter_add_rows_(dx_TH, tok_C, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
