@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.models (th
 
 from relay_compile.backend import compiled_reports  # noqa: E402
 from relay_compile.comm_events import count_comm_events  # noqa: E402
-from relay_compile.memory import PeakMemory  # noqa: E402
+from relay_compile.memory import PeakMemory, install_counting_cpu_allocator  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
 from tests.models.autograd_a2a import AutogradAllToAllMoE  # noqa: E402
 from tests.models.data_dependent import DataDependentMoE  # noqa: E402
@@ -99,6 +99,9 @@ class Config:
     mem_capacity: Sizes
     skip_memory: bool
     max_hop_rows: int = 0  # backend option for the memory measurement (0: whole hops)
+    # How CPU peaks are read (relay_compile.memory): "profiler" (this thread's events; a free on a gloo thread
+    # goes unseen and inflates the level) or "allocator" (a counting allocator, exact; built once, ~1 min).
+    cpu_memory: str = "profiler"
 
 
 @dataclass(kw_only=True)
@@ -220,13 +223,14 @@ def rewritten_graph_leftovers(dump_dir: str) -> list[str]:
     return found
 
 
-def block_peak(fn: Callable[[Tensor], Tensor], module: nn.Module, x: Tensor, grad_y: Tensor) -> int:
+def block_peak(fn: Callable[[Tensor], Tensor], module: nn.Module, x: Tensor, grad_y: Tensor,
+               cpu_memory: str = "profiler") -> int:
     """Peak bytes above entry of forward + backward of the block, after one warm-up call."""
     for measured in (False, True):
         module.zero_grad(set_to_none=True)
         leaf = x.detach().clone().requires_grad_()
         dist.barrier()
-        with PeakMemory("cpu") as mem:
+        with PeakMemory("cpu", cpu_method=cpu_memory) as mem:
             fn(leaf).backward(grad_y)
         del leaf
     module.zero_grad(set_to_none=True)
@@ -264,14 +268,17 @@ def measure_style(style: str, cfg: Config, rank: int) -> StyleResult:
         module = build(style, m, cfg.world, seed=12)
         x = batch(style, m, rank, 0)
         grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
-        res.peak_eager = block_peak(module, module, x, grad_y)
-        res.peak_ring = block_peak(compile_relaymoe(module, max_hop_rows=cfg.max_hop_rows), module, x, grad_y)
+        res.peak_eager = block_peak(module, module, x, grad_y, cfg.cpu_memory)
+        res.peak_ring = block_peak(compile_relaymoe(module, max_hop_rows=cfg.max_hop_rows), module, x, grad_y,
+                                   cfg.cpu_memory)
     return res
 
 
 def _worker(rank: int, cfg: Config, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if cfg.cpu_memory == "allocator" and not cfg.skip_memory:
+        install_counting_cpu_allocator()  # before any tensor: blocks allocated earlier are freed unseen
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world)
     results: dict[str, StyleResult] = {}
     for style in cfg.styles:
@@ -379,6 +386,8 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--max-hop-rows", type=int, default=0,
                    help="relaymoe option for the memory measurement: bounded hops (0: whole hops)")
+    p.add_argument("--cpu-memory", choices=("profiler", "allocator"), default="profiler",
+                   help="how CPU peaks are read: profiler events, or a counting allocator (exact)")
     p.add_argument("--mem-tokens", type=int, default=4096)
     p.add_argument("--mem-hidden", type=int, default=256)
     p.add_argument("--mem-ffn", type=int, default=128)
@@ -411,7 +420,8 @@ def parse(argv: list[str] | None = None) -> Config:
                         experts=a.mem_experts, top_k=2,
                         capacity_factor=a.mem_capacity_factor)
     cfg = Config(world=a.world, styles=styles, steps=a.steps, lr=a.lr, train=train_sizes, mem=mem,
-                 mem_torchtitan=mem_tt, mem_capacity=mem_cap, skip_memory=a.skip_memory, max_hop_rows=a.max_hop_rows)
+                 mem_torchtitan=mem_tt, mem_capacity=mem_cap, skip_memory=a.skip_memory, max_hop_rows=a.max_hop_rows,
+                 cpu_memory=a.cpu_memory)
     for s in (cfg.train, cfg.mem):
         if s.experts % cfg.world:
             p.error(f"experts {s.experts} must be a multiple of --world {cfg.world}")

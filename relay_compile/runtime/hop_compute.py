@@ -13,8 +13,9 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
 Per chunk, forward: ``y[t] += score * F(x[t])`` (scores applied after the experts), or ``y[t] += F(score * x[t])``
 (``scores_before``: DeepSpeed, Megatron's ``moe_apply_probs_on_input``); backward recomputes ``F`` on the chunk,
 takes its vector-Jacobian product and releases everything before the next chunk (hop-scoped rematerialization).
-Scores before ``F``: with ``g = vjp_F(s x)[dy]``, ``dx += s g`` and ``d_score = <g, x>`` (autograd over the
-scaling, always: the fused backward entry points assume scores after).
+Scores before ``F``: with ``g = vjp_F(s x)[dy]``, ``dx += s g`` and ``d_score = <g, x>``: the backward takes
+``g`` at the scaled rows (gathered and scaled in place) through the fused entry points at unit scores where ``F``
+has them, else autograd, and forms ``dx`` and ``d_score`` itself.
 Chunks are planned once per step (``routing.plan_chunks``); an expert function with grouped entry points
 (``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
 packs them once, they circulate packed, and the gradients are unpacked at ``finish`` (``weight_grads``).
