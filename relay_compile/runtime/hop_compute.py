@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from relay_compile.experts import ExpertFn, GroupedExperts
+from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts
 from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
@@ -255,7 +255,7 @@ def segment_backward(
             _chunk_vjp(cfg, rows, [_recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx_TH, ds_S, dw)
             continue
         if cfg.scores_before:
-            _scores_before_fused_vjp(cfg, rows, chunk, x_TH, weights, dy_TH, dx_TH, ds_S, dw)
+            _scores_before_fused_vjp(cfg, rows, chunk, x_TH, weights, dy_TH, dx_TH, ds_S, dw, fused)
             continue
         c0, c1 = chunk.start, chunk.end
         tok_C = rows.routing.tokens_P[c0:c1]
@@ -277,9 +277,10 @@ def segment_backward(
 
 def _scores_before_fused_vjp(
     cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
-    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
+    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads, vjp: ExpertVJP | None,
 ) -> None:
-    """One chunk's backward of ``y[t] += F(s x[t])`` through the fused backward of ``s' F(u)`` at ``s' = 1``.
+    """One chunk's backward of ``y[t] += F(s x[t])`` through the fused backward of ``s' F(u)`` at ``s' = 1``
+    (``cfg.grouped``'s ``vjp_rows``, else the expert function's ``vjp``).
 
     The fused entry points differentiate ``score * F(rows)``: on the scaled rows ``u = s x`` with unit scores
     they return ``g = vjp_F(u)[dy]`` and ``F``'s weight gradients at ``u``; then ``dx += s g`` (scaled while
@@ -300,7 +301,8 @@ def _scores_before_fused_vjp(
             dy_TH[tok_C], unit_C, grad_dtype=cfg.sum_dtype(chunk_weights[0]),
         )
     else:
-        g_CH, _, dws = cfg.expert_fn.vjp(
+        assert vjp is not None, "hop_compute: no fused backward for scores before the experts"
+        g_CH, _, dws = vjp(
             _gathered_scaled_rows(x_TH, tok_C, score_C1), _counts_NL(cfg, chunk, rows.src),
             _splits_N(cfg, chunk, rows.src), weights, dy_TH[tok_C], unit_C,
         )
