@@ -54,9 +54,10 @@ class Idioms(DistributedTestCase):
             return super().init_pg(backend)
 
     def check_rewritten_and_equal_to_eager(self, build: Callable[[], nn.Module], what: str, x_grad: bool = True,
-                                           function_applies: int = 0, regions: int = 1) -> None:
+                                           function_applies: int = 0, regions: int = 1, experts: str = "") -> None:
         """One graph, its ``regions`` regions rewritten (no all-to-all left; ``function_applies``
-        autograd.Function calls before the rewrite, none after), and three SGD steps equal to eager."""
+        autograd.Function calls before the rewrite, none after; the report's experts start with ``experts``),
+        and three SGD steps equal to eager."""
         eager, compiled = build(), build()
         want = sgd_steps(eager, eager, self.rank, x_grad)
         torch._dynamo.reset()
@@ -70,6 +71,8 @@ class Idioms(DistributedTestCase):
         reports = compiled_reports()[seen:]
         self.assertEqual([[r.status for r in g.regions] for g in reports], [["rewritten"] * regions],
                          f"{what}: {[r.reason for g in reports for r in g.regions]}")
+        for region in (r for g in reports for r in g.regions):
+            self.assertTrue(region.experts.startswith(experts), f"{what}: experts {region.experts}")
         x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(7 + self.rank)).requires_grad_(x_grad)
         self.check_step_events(compiled_fn, eager, x_TH, what, regions)
         # At least the layer's own autograd.Function calls (torch 2.11 also traces each functional all-to-all's
@@ -101,8 +104,9 @@ class Idioms(DistributedTestCase):
         group = dist.group.WORLD
         self.check_rewritten_and_equal_to_eager(lambda: DataDependentMoE(H, F, E, K, group, seed=3),
                                                 "repeat_interleave / boolean mask / nonzero dispatcher")
+        # Its experts loop over every (source, expert) chunk: recognized, so the fused scores-before backward runs.
         self.check_rewritten_and_equal_to_eager(lambda: ScoresFirstMoE(H, F, E, K, group, seed=4),
-                                                "scores before the experts")
+                                                "scores before the experts", experts="grouped: swiglu")
         # Tokens that need a gradient: both token all-to-alls are autograd_function_apply ops; tokens that do
         # not: Dynamo runs the dispatch's forward inline (an in-place all-to-all into a fresh buffer).
         for x_grad in (True, False) if inline_dispatch else (True,):
