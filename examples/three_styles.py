@@ -11,7 +11,8 @@ on request (``--styles``), three capacity-based layers: DeepSpeed-style top-2 wi
 (``tests.models.deepspeed_style``; ``fairseq_style``: the same with fairseq's mm dispatch and combine) and
 GShard/Tutel-style top-k with batched experts (``tests.models.gshard_style``),
 whose ``(S, E, C)`` gate tensors grow with the square of the tokens: they are measured at their own sizes
-(``--mem-capacity-*``).
+(``--mem-capacity-*``); and issue 11's idiom layers (``tests.models``: ``data_dependent``, ``scores_first``,
+``autograd_a2a``), at the reference layer's sizes.
 Spawns ``--world`` gloo processes; on each rank, for each style:
 
 1. Training parity: two copies of the layer from the same seed, one eager (its all-to-alls), one
@@ -52,23 +53,28 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.models (the client styles)
 
 from relay_compile.backend import compiled_reports  # noqa: E402
-from relay_compile.memory import PeakMemory  # noqa: E402
+from relay_compile.comm_events import count_comm_events  # noqa: E402
+from relay_compile.memory import PeakMemory, install_counting_cpu_allocator  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
+from tests.models.autograd_a2a import AutogradAllToAllMoE  # noqa: E402
+from tests.models.data_dependent import DataDependentMoE  # noqa: E402
 from tests.models.deepspeed_style import DeepSpeedStyleMoE  # noqa: E402
 from tests.models.fairseq_style import FairseqStyleMoE  # noqa: E402
 from tests.models.gshard_style import GShardStyleMoE  # noqa: E402
 from tests.models.megatron_style import MegatronStyleMoE  # noqa: E402
+from tests.models.scores_first import ScoresFirstMoE  # noqa: E402
 from tests.models.torchtitan_moe import build_torchtitan_moe, torchtitan_available  # noqa: E402
 
 STYLES = ("reference", "megatron", "torchtitan")
 CAPACITY_STYLES = ("deepspeed", "fairseq", "gshard")  # only with --styles
+IDIOM_STYLES = ("data_dependent", "scores_first", "autograd_a2a")  # only with --styles (tests/models, issue 11)
+ALL_STYLES = STYLES + CAPACITY_STYLES + IDIOM_STYLES
 # Loss tolerance (relative, per step). fp32 styles run the same per-pair math as a2a; only summation orders
 # differ (~1e-7), which the optimizer's updates carry over the steps. torchtitan's GroupedExperts casts to
 # bf16 for its grouped GEMMs: the ring runs those GEMMs on other row counts (per hop) and sums each owner's
 # weight gradient from per-source bf16 partials, so losses agree to bf16 rounding, not fp32.
-LOSS_RTOL = {"reference": 1e-5, "megatron": 1e-5, "torchtitan": 1e-3, **dict.fromkeys(CAPACITY_STYLES, 1e-5)}
-A2A_KEYS = ("all_to_all", "alltoall")
-P2P_KEYS = ("send", "recv", "batch_isend_irecv")
+LOSS_RTOL = {"reference": 1e-5, "megatron": 1e-5, "torchtitan": 1e-3,
+             **dict.fromkeys(CAPACITY_STYLES + IDIOM_STYLES, 1e-5)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +99,9 @@ class Config:
     mem_capacity: Sizes
     skip_memory: bool
     max_hop_rows: int = 0  # backend option for the memory measurement (0: whole hops)
+    # How CPU peaks are read (relay_compile.memory): "profiler" (this thread's events; a free on a gloo thread
+    # goes unseen and inflates the level) or "allocator" (a counting allocator, exact; built once, ~1 min).
+    cpu_memory: str = "profiler"
 
 
 @dataclass(kw_only=True)
@@ -145,7 +154,10 @@ def build(style: str, s: Sizes, world: int, seed: int) -> nn.Module:
     if style == "gshard":
         return GShardStyleMoE(s.hidden, s.ffn, s.experts, s.top_k, group, capacity_factor=s.capacity_factor,
                               seed=seed)
-    raise ValueError(f"three_styles: style {style!r} is not one of {STYLES + CAPACITY_STYLES}")
+    idiom = {"data_dependent": DataDependentMoE, "scores_first": ScoresFirstMoE, "autograd_a2a": AutogradAllToAllMoE}
+    if style in idiom:
+        return idiom[style](s.hidden, s.ffn, s.experts, s.top_k, group, seed=seed)
+    raise ValueError(f"three_styles: style {style!r} is not one of {ALL_STYLES}")
 
 
 class _Output0(nn.Module):
@@ -191,17 +203,10 @@ def train(fn: Callable[[Tensor], Tensor], module: nn.Module, style: str, s: Size
     return losses
 
 
-def count_comm_events(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[int, int, list[str]]:
+def count_step_events(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[int, int, list[str]]:
     """All-to-all and P2P profiler events of one forward + backward of ``fn(x)``; the communication names."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn(x).pow(2).mean().backward()
-    names = [e.name for e in prof.events()]
-    a2a = sum(any(k in n.lower() for k in A2A_KEYS) for n in names)
-    p2p = sum(any(k in n.lower() for k in P2P_KEYS) for n in names)
-    comm = sorted({n for n in names if any(k in n.lower() for k in (*A2A_KEYS, *P2P_KEYS, "gloo", "c10d"))})
-    return a2a, p2p, comm
+    events = count_comm_events(lambda: fn(x).pow(2).mean().backward())
+    return events.all_to_all, events.p2p, events.names
 
 
 def rewritten_graph_leftovers(dump_dir: str) -> list[str]:
@@ -218,13 +223,14 @@ def rewritten_graph_leftovers(dump_dir: str) -> list[str]:
     return found
 
 
-def block_peak(fn: Callable[[Tensor], Tensor], module: nn.Module, x: Tensor, grad_y: Tensor) -> int:
+def block_peak(fn: Callable[[Tensor], Tensor], module: nn.Module, x: Tensor, grad_y: Tensor,
+               cpu_memory: str = "profiler") -> int:
     """Peak bytes above entry of forward + backward of the block, after one warm-up call."""
     for measured in (False, True):
         module.zero_grad(set_to_none=True)
         leaf = x.detach().clone().requires_grad_()
         dist.barrier()
-        with PeakMemory("cpu") as mem:
+        with PeakMemory("cpu", cpu_method=cpu_memory) as mem:
             fn(leaf).backward(grad_y)
         del leaf
     module.zero_grad(set_to_none=True)
@@ -252,8 +258,8 @@ def measure_style(style: str, cfg: Config, rank: int) -> StyleResult:
                 res.regions_refused.append(f"{region.anchor}: {region.status} {region.reason}")
     res.leftovers = rewritten_graph_leftovers(dump_dir)
     x = batch(style, s, rank, cfg.steps)
-    res.a2a_eager, res.p2p_eager, res.comm_names_eager = count_comm_events(eager, x)
-    res.a2a_ring, res.p2p_ring, res.comm_names_ring = count_comm_events(ring, x)
+    res.a2a_eager, res.p2p_eager, res.comm_names_eager = count_step_events(eager, x)
+    res.a2a_ring, res.p2p_ring, res.comm_names_ring = count_step_events(ring, x)
     del eager, ring_module, ring
     # Step 3: peak memory of the block at large sizes.
     if not cfg.skip_memory:
@@ -262,14 +268,17 @@ def measure_style(style: str, cfg: Config, rank: int) -> StyleResult:
         module = build(style, m, cfg.world, seed=12)
         x = batch(style, m, rank, 0)
         grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
-        res.peak_eager = block_peak(module, module, x, grad_y)
-        res.peak_ring = block_peak(compile_relaymoe(module, max_hop_rows=cfg.max_hop_rows), module, x, grad_y)
+        res.peak_eager = block_peak(module, module, x, grad_y, cfg.cpu_memory)
+        res.peak_ring = block_peak(compile_relaymoe(module, max_hop_rows=cfg.max_hop_rows), module, x, grad_y,
+                                   cfg.cpu_memory)
     return res
 
 
 def _worker(rank: int, cfg: Config, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if cfg.cpu_memory == "allocator" and not cfg.skip_memory:
+        install_counting_cpu_allocator()  # before any tensor: blocks allocated earlier are freed unseen
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world)
     results: dict[str, StyleResult] = {}
     for style in cfg.styles:
@@ -370,13 +379,15 @@ def parse(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--styles", default=",".join(STYLES),
-                   help=f"comma-separated subset of {STYLES + CAPACITY_STYLES}")
+                   help=f"comma-separated subset of {ALL_STYLES}")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--tiny", action="store_true", help="tiny sizes everywhere (tests)")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--max-hop-rows", type=int, default=0,
                    help="relaymoe option for the memory measurement: bounded hops (0: whole hops)")
+    p.add_argument("--cpu-memory", choices=("profiler", "allocator"), default="profiler",
+                   help="how CPU peaks are read: profiler events, or a counting allocator (exact)")
     p.add_argument("--mem-tokens", type=int, default=4096)
     p.add_argument("--mem-hidden", type=int, default=256)
     p.add_argument("--mem-ffn", type=int, default=128)
@@ -392,8 +403,8 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--mem-capacity-factor", type=float, default=4.0)
     a = p.parse_args(argv)
     styles = tuple(s for s in a.styles.split(",") if s)
-    if unknown := [s for s in styles if s not in STYLES + CAPACITY_STYLES]:
-        p.error(f"--styles {unknown} not among {STYLES + CAPACITY_STYLES}")
+    if unknown := [s for s in styles if s not in ALL_STYLES]:
+        p.error(f"--styles {unknown} not among {ALL_STYLES}")
     if "torchtitan" in styles and not torchtitan_available():
         print("torchtitan 0.3.0 (+ triton, spmd_types) is not installed: skipping that style", flush=True)
         styles = tuple(s for s in styles if s != "torchtitan")
@@ -409,7 +420,8 @@ def parse(argv: list[str] | None = None) -> Config:
                         experts=a.mem_experts, top_k=2,
                         capacity_factor=a.mem_capacity_factor)
     cfg = Config(world=a.world, styles=styles, steps=a.steps, lr=a.lr, train=train_sizes, mem=mem,
-                 mem_torchtitan=mem_tt, mem_capacity=mem_cap, skip_memory=a.skip_memory, max_hop_rows=a.max_hop_rows)
+                 mem_torchtitan=mem_tt, mem_capacity=mem_cap, skip_memory=a.skip_memory, max_hop_rows=a.max_hop_rows,
+                 cpu_memory=a.cpu_memory)
     for s in (cfg.train, cfg.mem):
         if s.experts % cfg.world:
             p.error(f"experts {s.experts} must be a multiple of --world {cfg.world}")

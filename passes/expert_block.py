@@ -186,6 +186,8 @@ class _Interpreter:
         self.fn, self.binding, self.experts_per_rank = fn, binding, experts_per_rank
         self.env: dict[fx.Node, _Value] = {}
         self.expert_of_split: dict[fx.Node, int] = {}
+        self.counts: fx.Node | None = None  # the received counts' placeholder, (N * E_l,) source-major
+        self.counts_numel = 0
 
     def run(self) -> _Rows:
         placeholders = self.fn.graph.find_nodes(op="placeholder")
@@ -194,6 +196,9 @@ class _Interpreter:
             for e, pos in enumerate(row):
                 if pos is not None and self.binding.split_kind == "source_expert":
                     self.expert_of_split[placeholders[pos]] = e
+        if self.binding.counts is not None:
+            self.counts = placeholders[self.binding.counts]
+            self.counts_numel = len(self.binding.splits) * self.experts_per_rank
         for pos, ph in enumerate(placeholders):
             if pos == self.binding.rows:
                 self.env[ph] = _Rows(("x",), None)
@@ -342,7 +347,9 @@ class _Interpreter:
 
     def _expert_of_size(self, size: object) -> int | None:
         """The local expert whose rows a split piece holds, when its size says so: a (source, expert) split
-        SymInt of F's binding, or ``counts_L[e].item()`` of a per-expert count vector."""
+        SymInt of F's binding, ``counts_L[e].item()`` of a per-expert count vector, or element ``s * E_l + e``
+        of the received counts themselves (source-major ``(N * E_l,)``: a loop over every (source, expert)
+        chunk, ``e = i % E_l``, as the scores-first layer of tests/models writes it)."""
         if not isinstance(size, fx.Node):
             return None
         if size in self.expert_of_split:
@@ -350,6 +357,8 @@ class _Interpreter:
         flat = flat_index_of_item(size) if is_item(size) else None
         if flat is not None and shape_of(flat[0]) == (self.experts_per_rank,):
             return flat[1]
+        if flat is not None and flat[0] is self.counts and shape_of(flat[0]) == (self.counts_numel,):
+            return flat[1] % self.experts_per_rank
         return None
 
     def cat(self, n: fx.Node) -> _Rows:

@@ -165,8 +165,9 @@ class LoweredFFN:
         return self.inner.forward_rows(self._compute(x_SH), offsets_G, rows_G, weights).to(x_SH.dtype)
 
     def vjp_rows(
-        self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None, grad_into: GradSink | None = None,
+        self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
+        weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
+        grad_into: GradSink | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"{self.__qualname__}: no fused backward"
         return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into)

@@ -265,11 +265,21 @@ def _body(n: fx.Node, index: int) -> fx.GraphModule | None:
     return body if isinstance(body, fx.GraphModule) else None
 
 
+def checkpoint_body(n: object) -> fx.GraphModule | None:
+    """The body ``n`` runs when it is ``tag_activation_checkpoint(body, *operands)``, Dynamo's
+    ``torch.utils.checkpoint`` call; else None."""
+    if not is_call(n, torch.ops.higher_order.tag_activation_checkpoint):
+        return None
+    return _body(n, 0)
+
+
 def subgraph_all_to_alls(n: fx.Node) -> str | None:
-    """Why ``n``, a higher-order op other than ``autograd_function_apply`` (``tag_activation_checkpoint`` of
-    ``torch.utils.checkpoint``, ``wrap``, control flow), hides all-to-alls from the matcher: they sit in its
-    subgraphs, which the matcher does not read; None if it holds none."""
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator) or is_function_apply(n):
+    """Why ``n``, a higher-order op other than ``autograd_function_apply`` and ``tag_activation_checkpoint``
+    (whose bodies are matched in their own scope, ``passes.scopes``): ``wrap``, control flow, ..., hides
+    all-to-alls from the matcher: they sit in its subgraphs, which the matcher does not read; None if it holds
+    none."""
+    if (n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator)
+            or is_function_apply(n) or checkpoint_body(n) is not None):
         return None
     found = []
     for index in range(len(n.args)):
@@ -279,10 +289,8 @@ def subgraph_all_to_alls(n: fx.Node) -> str | None:
     if not found:
         return None
     op = getattr(n.target, "__name__", str(n.target))
-    hint = (" (torch.utils.checkpoint around the MoE block: checkpoint the layers around it instead; the ring "
-            "recomputes its hops in backward itself)" if op == "tag_activation_checkpoint" else "")
     return (f"all-to-alls {found} are inside the subgraph of the higher-order op {n.name} ({op}), which the matcher "
-            f"does not read: that MoE block runs unchanged{hint}")
+            "does not read: that MoE block runs unchanged")
 
 
 def is_fresh(n: object) -> TypeGuard[fx.Node]:

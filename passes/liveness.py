@@ -16,11 +16,20 @@ from relay_compile.passes.fx_nodes import is_assert, is_mutator
 from relay_compile.passes.roles import is_symbolic_arith
 
 
+def _unread(n: fx.Node, weak: set[fx.Node]) -> bool:
+    """A pure value that nothing live reads: dead code, which Dynamo leaves in higher-order op bodies (an unused
+    ``recv.size()`` of a checkpointed block) though it removes it from the top graph."""
+    return (n.op in ("call_function", "call_method") and all(u in weak for u in n.users) and not n.is_impure()
+            and not is_mutator(n) and not is_assert(n))
+
+
 def assert_cones(graph: fx.Graph) -> set[fx.Node]:
-    """Asserts with no users, and the pure SymInt arithmetic only they read (Dynamo's runtime checks)."""
+    """Asserts with no users, and the pure SymInt arithmetic only they read (Dynamo's runtime checks); pure
+    values nothing else reads (dead code) too: they die with any input, as an assert cone does."""
     weak: set[fx.Node] = set()
     for n in reversed(graph.nodes):
-        if is_assert(n) and not n.users or n.users and all(u in weak for u in n.users) and is_symbolic_arith(n):
+        if (is_assert(n) and not n.users or n.users and all(u in weak for u in n.users) and is_symbolic_arith(n)
+                or _unread(n, weak)):
             weak.add(n)
     return weak
 

@@ -42,6 +42,7 @@ from relay_compile.dynamo_settings import dynamo_settings, keep_backend_ctx_thro
 from relay_compile.options import Options, resolve
 from relay_compile.passes import CapacityRegion, MoERegion, find_moe_regions, rewrite_moe_region
 from relay_compile.passes.rewrite import region_experts
+from relay_compile.passes.scopes import find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime.programs.pipeline import program_for
 from relay_compile.runtime.specs import spec_state
@@ -132,22 +133,26 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     report = GraphReport(graph=graph, rank=_rank(), options=opts.as_dict())
     dump = GraphDump(opts.dump_dir, graph, report.rank)
     dump.write("0_dynamo_graph.py", gm.print_readable(False), header="Dynamo graph, before relaymoe")
-    # Step 1: match.
+    # Step 1: match, in the graph and in the bodies of its activation checkpoints (passes.scopes).
     start = time.perf_counter()
-    regions, refused = find_moe_regions(gm)
+    found = [(scope, find_moe_regions(scope.module)) for scope in find_scopes(gm)]
     report.pass_seconds["match"] = time.perf_counter() - start
-    for i, r in enumerate(refused):
-        report.regions.append(RegionReport(index=i, status="refused", anchor=r.node.name, reason=r.reason))
+    refused = [(scope, r) for scope, (_, refusals) in found for r in refusals]
+    regions = [(scope, r) for scope, (matched, _) in found for r in matched]
+    for i, (scope, r) in enumerate(refused):
+        report.regions.append(RegionReport(index=i, status="refused", anchor=scope.anchor(r.node), reason=r.reason))
     # Step 2: rewrite, one region at a time (records hold nodes of the graph being rewritten).
     start = time.perf_counter()
-    for i, region in enumerate(regions, start=len(refused)):
+    for i, (scope, region) in enumerate(regions, start=len(refused)):
         entry = RegionReport.matched(
-            i, region.dispatch.name, region.group_name, region.block_shape(), opts.ring.routing,
+            i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation,
         )
         if rewrite:
-            node = rewrite_moe_region(gm, region, **dataclasses.asdict(opts.ring),
+            node = rewrite_moe_region(scope.module, region, **dataclasses.asdict(opts.ring),
                                       inner_compiler=opts.inner_compiler)
+            if scope.checkpoint is not None:
+                keep_rings_saved(scope)
             entry.status, entry.ring_op = "rewritten", str(node.args[-1])
             entry.experts = node.meta["relaymoe_experts"].summary()
             for name, code in _ring_programs_text(region, entry.ring_op).items():

@@ -52,7 +52,8 @@ class GroupedExperts(Protocol):
 
     ``offsets_G``: int32 prefix sums of ``rows_G`` on the device; ``rows_G``: rows per expert (host ints).
     ``vjp_rows`` is ``ExpertVJP`` on the rows ``x_TH[tok_S]``, ``dy_TH[tok_S]`` (it gathers them itself, so it
-    can release each after its last use) and is called only when ``has_fused_backward``; otherwise the ring
+    can release each after its last use; ``tok_S=None``: ``x_TH`` and ``dy_TH`` are the rows themselves, as the
+    ring passes rows it scaled) and is called only when ``has_fused_backward``; otherwise the ring
     differentiates ``forward_rows`` with autograd. Its weight gradients come in ``grad_dtype`` where given
     (the ring's fp32 sums: the GEMMs return their accumulators unrounded), else in the weights' dtype; or,
     where ``grad_into`` gives accumulators (``GradSink``), the weight-gradient GEMMs add into those and the
@@ -78,8 +79,8 @@ class GroupedExperts(Protocol):
     ) -> Tensor: ...
 
     def vjp_rows(
-        self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
+        self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
+        weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]: ...
 
@@ -357,8 +358,9 @@ class GroupedFFN:
         return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation)
 
     def vjp_rows(
-        self, x_TH: Tensor, tok_S: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None, grad_into: GradSink | None = None,
+        self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
+        weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
+        grad_into: GradSink | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)

@@ -87,6 +87,17 @@ class FusedSwiGLUBackward(unittest.TestCase):
                 step = got32.abs() * 2**-7 + 1e-30  # one bf16 step at that magnitude
                 self.assertTrue(bool(((got32 - got16.float()).abs() <= step).all()), device)
 
+    def test_the_eager_pointwise_backward_in_blocks_of_rows_equals_the_reference(self) -> None:
+        # CPU runs the eager form a block of rows at a time (bounded temporaries): the rows of a partial last
+        # block and of a chunk of exactly one block come out as the whole-chunk reference computes them.
+        for rows in (1100, 512, 0):
+            x, counts, w1, w2, w3, dy, score = _case("cpu", torch.float32, [rows], 48, 24)
+            h13, g = x.contiguous(), dy[:, :24].contiguous()
+            act_scaled, dh1, dh3, d_score = swiglu_backward_reference(h13, g, score)
+            d_score_blocks = swiglu_backward_(h13, g, score)
+            for got, want in ((g, act_scaled), (h13[:, :24], dh1), (h13[:, 24:], dh3), (d_score_blocks, d_score)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
     def test_triton_pointwise_and_fused_backward_on_cuda_bf16(self) -> None:
         x, counts, w1, w2, w3, dy, score = _case("cuda", torch.bfloat16, [500, 0, 1000, 548], 256, 128)

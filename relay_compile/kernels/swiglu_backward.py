@@ -10,7 +10,7 @@ From ``h13 = [x @ w1, x @ w3]`` ``(S, 2F)`` and ``g = dy @ w2`` ``(S, F)`` (unsc
 In place because these are the largest buffers of a backward hop: writing the results over the inputs keeps
 a hop's transient memory at ``h13 + g`` where separate outputs would double it. On CUDA one Triton program
 per row streams the row through registers (``_kernel``); elsewhere (CPU tests, CI) ``reference`` computes the
-same in eager ops and copies back. Legend: S rows, F expert FFN width, G = 2F.
+same in eager ops, a block of rows at a time, and copies back. Legend: S rows, F expert FFN width, G = 2F.
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
     assert h13_SG.shape[-1] == 2 * g_SF.shape[-1] and h13_SG.shape[0] == g_SF.shape[0] == score_S.shape[0]
     kernel = _triton_kernel() if _eager_cuda(h13_SG, g_SF, score_S) else None
     if kernel is None:
-        act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SG, g_SF, score_S)
-        ffn = g_SF.shape[-1]
-        g_SF.copy_(act_scaled_SF)
-        h13_SG[:, :ffn].copy_(dh1_SF)
-        h13_SG[:, ffn:].copy_(dh3_SF)
+        if torch.compiler.is_compiling() or not isinstance(h13_SG.shape[0], int):
+            return _reference_in_place(h13_SG, g_SF, score_S)  # a traced graph: one block of any size
+        # Blocks of rows (each row is independent): the eager form's fp32 temporaries, about ten (rows, F)
+        # buffers, would otherwise outweigh the in-place buffers themselves.
+        d_score_S = torch.empty(h13_SG.shape[0], dtype=torch.float32, device=h13_SG.device)
+        for lo in range(0, h13_SG.shape[0], _EAGER_BLOCK_ROWS):
+            hi = lo + _EAGER_BLOCK_ROWS
+            d_score_S[lo:hi] = _reference_in_place(h13_SG[lo:hi], g_SF[lo:hi], score_S[lo:hi])
         return d_score_S
     rows, ffn = g_SF.shape
     d_score_S = torch.empty(rows, dtype=torch.float32, device=g_SF.device)
@@ -60,6 +63,19 @@ def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
                         BLOCK_F=_BLOCK_F, num_warps=4)
     return d_score_S
 
+
+def _reference_in_place(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
+    """``reference`` written back over its inputs; returns ``d_score``."""
+    act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SG, g_SF, score_S)
+    ffn = g_SF.shape[-1]
+    g_SF.copy_(act_scaled_SF)
+    h13_SG[:, :ffn].copy_(dh1_SF)
+    h13_SG[:, ffn:].copy_(dh3_SF)
+    return d_score_S
+
+
+# Rows per block of the eager form (CPU): 512 rows of F=768 in fp32 are 1.5 MiB per temporary.
+_EAGER_BLOCK_ROWS = 512
 
 # Columns per step of a row's loop: F=768 (Qwen3) is three steps; 256 bf16 = 512 bytes per load.
 _BLOCK_F = 256

@@ -14,8 +14,9 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
 Per chunk, forward: ``y[t] += score * F(x[t])`` (scores applied after the experts), or ``y[t] += F(score * x[t])``
 (``scores_before``: DeepSpeed, Megatron's ``moe_apply_probs_on_input``); backward recomputes ``F`` on the chunk,
 takes its vector-Jacobian product and releases everything before the next chunk (hop-scoped rematerialization).
-Scores before ``F``: with ``g = vjp_F(s x)[dy]``, ``dx += s g`` and ``d_score = <g, x>`` (autograd over the
-scaling, always: the fused backward entry points assume scores after).
+Scores before ``F``: with ``g = vjp_F(s x)[dy]``, ``dx += s g`` and ``d_score = <g, x>``: the backward takes
+``g`` at the scaled rows (gathered and scaled in place) through the fused entry points at unit scores where ``F``
+has them, else autograd, and forms ``dx`` and ``d_score`` itself.
 Chunks are planned once per step (``routing.plan_chunks``); an expert function with grouped entry points
 (``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
 packs them once, they circulate packed, and the gradients are unpacked at ``finish`` (``weight_grads``).
@@ -44,7 +45,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from relay_compile.experts import ExpertFn, GroupedExperts
+from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts
 from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
@@ -141,6 +142,17 @@ def _scaled_rows(x_CH: Tensor, score_C1: Tensor) -> Tensor:
     return (x_CH.to(ACC_DTYPE) * score_C1.to(ACC_DTYPE)).to(x_CH.dtype)
 
 
+def _gathered_scaled_rows(x_TH: Tensor, tok_C: Tensor, score_C1: Tensor) -> Tensor:
+    """``_scaled_rows(x[tok], s)`` without a second ``(C, H)`` buffer: the gather is scaled in place (the product
+    is computed in fp32 and rounded once into the rows' dtype, as ``_scaled_rows`` rounds it)."""
+    return x_TH[tok_C].mul_(score_C1.to(ACC_DTYPE))
+
+
+def _row_dot(a_CH: Tensor, b_CH: Tensor) -> Tensor:
+    """``<a[c], b[c]>`` per row in fp32, ``(C,)``, without an elementwise ``(C, H)`` product."""
+    return torch.bmm(a_CH.to(ACC_DTYPE).unsqueeze(1), b_CH.to(ACC_DTYPE).unsqueeze(2)).view(-1)
+
+
 def segment_forward(
     cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], y_TH: Tensor
 ) -> None:
@@ -149,7 +161,7 @@ def segment_forward(
     for chunk in rows.chunks:
         tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
         score_C1 = rows.scores_S[chunk.start : chunk.end, None]
-        x_CH = _scaled_rows(x_TH[tok_C], score_C1) if cfg.scores_before else x_TH[tok_C]
+        x_CH = _gathered_scaled_rows(x_TH, tok_C, score_C1) if cfg.scores_before else x_TH[tok_C]
         out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, _chunk_weights(cfg, weights, chunk))
         if cfg.scores_before:
             scatter_add_rows_(y_TH, tok_C, out_CH)
@@ -179,40 +191,49 @@ def _autograd_enabled() -> Iterator[None]:
 def _recompute_chunk(
     cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor]
 ) -> tuple[Chunk, Tensor, list[Tensor], Tensor]:
-    """Rerun ``F`` on one chunk with autograd: ``(chunk, x_CH leaf, leaves, out_CH)``.
+    """Rerun ``F`` on one chunk with autograd: ``(chunk, rows leaf, weight leaves, out_CH)``.
 
-    Leaves: the weights, the chunk's expert slices (grouped ``F``) or whole partitions; with scores before
-    ``F``, then the chunk's scores ``(C, 1)`` in fp32 (their gradient is ``<g, x>``).
+    The rows leaf is ``x[tok]``, or with scores before ``F`` the scaled rows ``u = s x[tok]`` (scaled in place,
+    outside autograd: ``_chunk_vjp`` turns ``vjp_F(u)`` into ``dx`` and ``d_score`` itself). Weight leaves: the
+    chunk's expert slices (grouped ``F``) or whole partitions.
     """
     tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
-    x_CH = x_TH[tok_C].detach().requires_grad_()
+    if cfg.scores_before:
+        x_CH = _gathered_scaled_rows(x_TH, tok_C, rows.scores_S[chunk.start : chunk.end, None]).requires_grad_()
+    else:
+        x_CH = x_TH[tok_C].detach().requires_grad_()
     w_leaves = [w.detach().requires_grad_() for w in _chunk_weights(cfg, weights, chunk)]
     with _autograd_enabled():
-        if cfg.scores_before:
-            score_C1 = rows.scores_S[chunk.start : chunk.end, None].detach().to(ACC_DTYPE).requires_grad_()
-            out_CH = _expert_forward(cfg, chunk, rows.src, _scaled_rows(x_CH, score_C1), w_leaves)
-            return chunk, x_CH, [*w_leaves, score_C1], out_CH
         out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, w_leaves)
     return chunk, x_CH, w_leaves, out_CH
 
 
 def _chunk_vjp(
-    cfg: RingStepConfig, rows: HopRows, recomputed: tuple[Chunk, Tensor, list[Tensor], Tensor],
-    dy_TH: Tensor, dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
+    cfg: RingStepConfig, rows: HopRows, pending: list[tuple[Chunk, Tensor, list[Tensor], Tensor]],
+    x_TH: Tensor, dy_TH: Tensor, dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
 ) -> None:
-    """Consume one recomputed chunk: add its ``dx``, ``d_scores`` and weight-gradient contributions."""
-    chunk, x_CH, w_leaves, out_CH = recomputed
+    """Consume the first recomputed chunk of ``pending``: add its ``dx``, ``d_scores`` and weight-gradient
+    contributions. It is popped, so its rows and output are released here as soon as they are used."""
+    chunk, x_CH, w_leaves, out_CH = pending.pop(0)
     tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
     dy_CH = dy_TH[tok_C]
-    if cfg.scores_before:  # the last leaf is the scores: autograd gives dx = s g and d_score = <g, x>
+    if cfg.scores_before:  # x_CH is u = s x: with g = vjp_F(u)[dy], dx = s g and d_score = <g, x>
         with _autograd_enabled():
-            *grads, ds_C1 = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True)
-        ds_S[chunk.start : chunk.end] = 0 if ds_C1 is None else ds_C1.view(-1)
-    else:
-        ds_S[chunk.start : chunk.end] = (dy_CH.to(ACC_DTYPE) * out_CH.detach().to(ACC_DTYPE)).sum(-1)
-        score_C1 = rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype)
-        with _autograd_enabled():
-            grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH * score_C1, allow_unused=True))
+            g_CH, *dws = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True)
+        del out_CH, dy_CH, x_CH
+        if g_CH is None:  # F ignores its rows
+            ds_S[chunk.start : chunk.end] = 0
+        else:
+            ds_S[chunk.start : chunk.end] = _row_dot(g_CH, x_TH[tok_C])
+            # autograd's fresh gradient rows (or our own dy gather): scaled in place, rounded once as autograd's
+            scatter_add_rows_(dx_TH, tok_C, g_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
+        dw.add(dws, chunk if cfg.grouped is not None else None)
+        return
+    ds_S[chunk.start : chunk.end] = _row_dot(dy_CH, out_CH.detach())
+    # dy_CH is this chunk's own gather: scaled in place (as dy * s rounds it), not copied.
+    dy_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype))
+    with _autograd_enabled():
+        grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True))
     scatter_add_rows_(dx_TH, tok_C, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
@@ -224,15 +245,18 @@ def segment_backward(
     """Per chunk: recompute, vector-Jacobian product, accumulate, release.
 
     Uses the expert function's fused backward where it has one (``vjp_rows``, else ``vjp``), else autograd
-    over a recomputed forward (always with scores before ``F``: the fused entry points scale ``F``'s output).
+    over a recomputed forward. With scores before ``F`` the fused backward runs on the scaled rows
+    (``_scores_before_fused_vjp``).
     """
     grouped = cfg.grouped
     fused = getattr(cfg.expert_fn, "vjp", None)
-    no_fused = cfg.scores_before or (grouped is None and fused is None) or (
-        grouped is not None and not grouped.has_fused_backward)
+    no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
     for chunk in rows.chunks:
         if no_fused:
-            _chunk_vjp(cfg, rows, _recompute_chunk(cfg, rows, chunk, x_TH, weights), dy_TH, dx_TH, ds_S, dw)
+            _chunk_vjp(cfg, rows, [_recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx_TH, ds_S, dw)
+            continue
+        if cfg.scores_before:
+            _scores_before_fused_vjp(cfg, rows, chunk, x_TH, weights, dy_TH, dx_TH, ds_S, dw, fused)
             continue
         c0, c1 = chunk.start, chunk.end
         tok_C = rows.routing.tokens_P[c0:c1]
@@ -251,6 +275,47 @@ def segment_backward(
         scatter_add_rows_(dx_TH, tok_C, dx_CH)
         if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
             dw.add(dws, chunk if grouped is not None else None)
+
+
+def _scores_before_fused_vjp(
+    cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
+    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads, vjp: ExpertVJP | None,
+) -> None:
+    """One chunk's backward of ``y[t] += F(s x[t])`` through the fused backward of ``s' F(u)`` at ``s' = 1``
+    (``cfg.grouped``'s ``vjp_rows``, else the expert function's ``vjp``).
+
+    The fused entry points differentiate ``score * F(rows)``: on the scaled rows ``u = s x`` with unit scores
+    they return ``g = vjp_F(u)[dy]`` and ``F``'s weight gradients at ``u``; then ``dx += s g`` (scaled while
+    scattered) and ``d_s = <g, x>`` (a row dot in fp32). The gradient rows of the scaled rows are the
+    only extra ``(C, H)`` buffer beside what the scores-after path holds; autograd over a recomputed forward
+    held the leaf, the product, every intermediate of ``F`` and their gradients at once.
+    """
+    c0, c1 = chunk.start, chunk.end
+    tok_C = rows.routing.tokens_P[c0:c1]
+    score_C1 = rows.scores_S[c0:c1, None]
+    unit_C = score_C1.new_ones(c1 - c0, dtype=ACC_DTYPE)
+    grouped = cfg.grouped
+    if grouped is not None:
+        chunk_weights = _chunk_weights(cfg, weights, chunk)
+        # tok_S=None: the rows are given (gathered and scaled here); the entry point drops them after use.
+        g_CH, _, dws = grouped.vjp_rows(
+            _gathered_scaled_rows(x_TH, tok_C, score_C1), None, chunk.offsets_G, chunk.rows, chunk_weights,
+            dy_TH[tok_C], unit_C, grad_dtype=cfg.sum_dtype(chunk_weights[0]),
+            grad_into=functools.partial(dw.sink, chunk),
+        )
+    else:
+        assert vjp is not None, "hop_compute: no fused backward for scores before the experts"
+        g_CH, _, dws = vjp(
+            _gathered_scaled_rows(x_TH, tok_C, score_C1), _counts_NL(cfg, chunk, rows.src),
+            _splits_N(cfg, chunk, rows.src), weights, dy_TH[tok_C], unit_C,
+        )
+    ds_S[c0:c1] = _row_dot(g_CH, x_TH[tok_C])
+    if grouped is not None:  # our own entry point's fresh rows: scale them in place (rounded once, as autograd's)
+        scatter_add_rows_(dx_TH, tok_C, g_CH.mul_(score_C1.to(ACC_DTYPE)))
+    else:
+        scatter_add_rows_(dx_TH, tok_C, g_CH, score_C1.to(g_CH.dtype))
+    if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
+        dw.add(dws, chunk if grouped is not None else None)
 
 
 def _zeros_like(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -433,8 +498,8 @@ class ExpertRoutingStep:
         dw = WeightGrads(weights, self.cfg.acc_dtype)
         assert self.grad_y_TH is not None
         rows = self._rows(hop)
-        for recomputed in acts.chunks:
-            _chunk_vjp(self.cfg, rows, recomputed, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
+        while acts.chunks:
+            _chunk_vjp(self.cfg, rows, acts.chunks, self.x_TH, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
         acts.chunks.clear()
         return self._weight_grads(hop, dw, weights)
 
@@ -546,8 +611,8 @@ class TokenRoutingStep:
         rows = self._rows(hop, ids_TK, scores_TK)
         dx_TH = self._token_sum(x_TH)
         ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
-        for recomputed in acts.chunks:
-            _chunk_vjp(self.cfg, rows, recomputed, dy_TH, dx_TH, ds_S, self.dw)
+        while acts.chunks:
+            _chunk_vjp(self.cfg, rows, acts.chunks, x_TH, dy_TH, dx_TH, ds_S, self.dw)
         acts.chunks.clear()
         return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
 

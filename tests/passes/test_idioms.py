@@ -20,6 +20,7 @@ from torch.testing._internal.common_utils import run_tests
 
 import tests.distributed
 from relay_compile.backend import compiled_reports
+from relay_compile.comm_events import count_comm_events
 from tests.distributed import DistributedTestCase
 from tests.models.autograd_a2a import AutogradAllToAllMoE
 from tests.models.data_dependent import DataDependentMoE
@@ -53,21 +54,27 @@ class Idioms(DistributedTestCase):
             return super().init_pg(backend)
 
     def check_rewritten_and_equal_to_eager(self, build: Callable[[], nn.Module], what: str, x_grad: bool = True,
-                                           function_applies: int = 0, regions: int = 1) -> None:
+                                           function_applies: int = 0, regions: int = 1, experts: str = "") -> None:
         """One graph, its ``regions`` regions rewritten (no all-to-all left; ``function_applies``
-        autograd.Function calls before the rewrite, none after), and three SGD steps equal to eager."""
+        autograd.Function calls before the rewrite, none after; the report's experts start with ``experts``),
+        and three SGD steps equal to eager."""
         eager, compiled = build(), build()
         want = sgd_steps(eager, eager, self.rank, x_grad)
         torch._dynamo.reset()
         seen = len(compiled_reports())
         with tempfile.TemporaryDirectory() as dump_dir:
             options = {"inner_compiler": "aot_eager", "dump_dir": dump_dir}
-            got = sgd_steps(compiled, torch.compile(compiled, backend="relaymoe", options=options), self.rank, x_grad)
+            compiled_fn = torch.compile(compiled, backend="relaymoe", options=options)
+            got = sgd_steps(compiled, compiled_fn, self.rank, x_grad)
             (graph_dir,) = Path(dump_dir).glob(f"graph*_rank{self.rank}")
             before, after = ((graph_dir / name).read_text() for name in ("0_dynamo_graph.py", "1_rewritten_graph.py"))
         reports = compiled_reports()[seen:]
         self.assertEqual([[r.status for r in g.regions] for g in reports], [["rewritten"] * regions],
                          f"{what}: {[r.reason for g in reports for r in g.regions]}")
+        for region in (r for g in reports for r in g.regions):
+            self.assertTrue(region.experts.startswith(experts), f"{what}: experts {region.experts}")
+        x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(7 + self.rank)).requires_grad_(x_grad)
+        self.check_step_events(compiled_fn, eager, x_TH, what, regions)
         # At least the layer's own autograd.Function calls (torch 2.11 also traces each functional all-to-all's
         # autograd wrapper as one).
         self.assertGreaterEqual(before.count("autograd_function_apply("), function_applies, what)
@@ -80,12 +87,26 @@ class Idioms(DistributedTestCase):
                 torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-5 * scale,
                                            msg=lambda m, name=name, step=step: f"{what} step {step} {name}: {m}")
 
+    def check_step_events(self, compiled: Callable[[Tensor], Tensor], eager: Callable[[Tensor], Tensor],
+                          x_TH: Tensor, what: str, regions: int) -> None:
+        """The profile of one compiled step (forward + backward): no all-to-all event (the eager layer's
+        ``gloo:all_to_all`` events are gone), P2P events (``gloo:send``/``recv``) instead, and each region's
+        ring once forward and once backward (a checkpoint recomputing the forward ring would show twice)."""
+        eager_events = count_comm_events(lambda: eager(x_TH).sum().backward())
+        events = count_comm_events(lambda: compiled(x_TH).sum().backward())
+        self.assertGreater(eager_events.all_to_all, 0, f"{what}: eager {eager_events.names}")  # the probe sees them
+        self.assertEqual(events.all_to_all, 0, f"{what}: {events.names}")
+        self.assertGreater(events.p2p, 0, f"{what}: {events.names}")
+        self.assertEqual(events.ring_calls, {"relaymoe::ring_moe": regions, "relaymoe::ring_moe_backward": regions},
+                         what)
+
     def check_idioms(self, *, inline_dispatch: bool = True) -> None:
         group = dist.group.WORLD
         self.check_rewritten_and_equal_to_eager(lambda: DataDependentMoE(H, F, E, K, group, seed=3),
                                                 "repeat_interleave / boolean mask / nonzero dispatcher")
+        # Its experts loop over every (source, expert) chunk: recognized, so the fused scores-before backward runs.
         self.check_rewritten_and_equal_to_eager(lambda: ScoresFirstMoE(H, F, E, K, group, seed=4),
-                                                "scores before the experts")
+                                                "scores before the experts", experts="grouped: swiglu")
         # Tokens that need a gradient: both token all-to-alls are autograd_function_apply ops; tokens that do
         # not: Dynamo runs the dispatch's forward inline (an in-place all-to-all into a fresh buffer).
         for x_grad in (True, False) if inline_dispatch else (True,):

@@ -276,16 +276,23 @@ class ScoresBeforeTheExpertsAtWorldOne(HopComputeCase):
         self.check(make_inputs(tokens=10, num_experts=4, top_k=2, seed=22, activation="gelu"), scores_before=True,
                    label="before gelu")
 
-    def test_an_expert_function_with_a_fused_vjp_falls_back_to_autograd(self) -> None:
+    def test_the_fused_backward_runs_on_the_scaled_rows_with_unit_scores(self) -> None:
+        # y += F(s x): the fused vjp of s' F(u) at u = s x, s' = 1 gives vjp_F(u)[dy]; the step scales it into dx
+        # and takes d_s = <g, x> itself. An expert function's own vjp and the grouped entry point both.
+        unit_scores = []
+
         class FusedPlain:
             def __call__(self, x_SH, counts_NL, splits_N, weights):
                 return expert_ffn(x_SH, counts_NL.sum(0), *weights, use_grouped_mm=False)
 
-            def vjp(self, *args):  # scales F's output: wrong for scores before F
-                raise AssertionError("the fused vjp was called with scores before the experts")
+            def vjp(self, x_SH, counts_NL, splits_N, weights, dy_SH, score_S):
+                unit_scores.append(bool((score_S == 1).all()))
+                return expert_ffn_swiglu_vjp(x_SH, counts_NL.sum(0), *weights, dy_SH, score_S, use_grouped_mm=False)
 
         self.check(make_inputs(tokens=9, num_experts=4, top_k=2, seed=23), lambda d, g: FusedPlain(), 4,
                    scores_before=True, label="before fused plain")
+        self.assertTrue(unit_scores)
+        self.assertTrue(all(unit_scores))
 
     def test_adversarial_routings_all_tokens_on_one_expert_empty_experts_and_no_tokens(self) -> None:
         one = make_inputs(tokens=10, num_experts=4, top_k=1, seed=24, ids=torch.full((10, 1), 2))
