@@ -49,6 +49,16 @@ def grouped_swiglu_efh(rows, counts, s0, s1, w1, w2, w3):
     return unpermuted
 
 
+def grouped_swiglu_efh_cast_in_place(rows, counts, s0, s1, w1, w2, w3):
+    """torchtitan's ``GroupedExperts`` on weights already in its compute dtype: ``.float()`` here (``.bfloat16()``
+    on bf16 parameters there) casts nothing, rows or weights."""
+    x, perm, offs = _expert_major(rows, counts)
+    h = nnf.silu(torch._grouped_mm(x.float(), w1.float().transpose(-2, -1), offs=offs))
+    h = h * torch._grouped_mm(x.float(), w3.float().transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(h, w2.float().transpose(-2, -1), offs=offs).type_as(rows)
+    return out[torch.argsort(perm)]
+
+
 def grouped_geglu_ehf(rows, counts, s0, s1, w1, w2, w3):
     """Weights stored (in, out): w1, w3 (L, H, F), w2 (L, F, H); exact-GELU gate."""
     x, perm, offs = _expert_major(rows, counts)
@@ -231,6 +241,16 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
     def test_grouped_mm_swiglu_on_efh_weights_with_a_setitem_unpermute(self) -> None:
         lowered = self.check(
             Idiom(grouped_swiglu_efh, SWIGLU_EFH, per_pair=False), "swiglu",
+            "swiglu experts, gate weights[0] stacked (out_in), up weights[2] stacked (out_in), "
+            "down weights[1] stacked (out_in)",
+        )
+        self.assertTrue(lowered.has_fused_backward)
+
+    def test_casts_to_the_dtype_weights_and_rows_already_have_are_no_casts(self) -> None:
+        # torchtitan's experts on bf16 parameters: recognized as computing in the weights' own dtype (no
+        # "computed in"), so the lowered program keeps the fused backward.
+        lowered = self.check(
+            Idiom(grouped_swiglu_efh_cast_in_place, SWIGLU_EFH, per_pair=False), "swiglu",
             "swiglu experts, gate weights[0] stacked (out_in), up weights[2] stacked (out_in), "
             "down weights[1] stacked (out_in)",
         )
