@@ -18,7 +18,9 @@ layer clears them before each step (``clear_grads``), as the other rows' leaves 
 
 Two settings torchtitan needs outside its trainer (as in tests/models/torchtitan_moe.py): the SPMD backend
 ``partial_dtensor`` (the default ``spmd_types`` needs its own runtime), and on the CPU ``ParallelDims``'s module
-level ``device_type`` (``"cuda"`` wherever CUDA is available) pointed at the configuration's device.
+level ``device_type`` (``"cuda"`` wherever CUDA is available) pointed at the configuration's device. On torch
+2.11 (the device machine's) one more: ``torch.compiler._is_non_strict_tracing``, which torchtitan 0.3.0 calls and
+2.11 lacks, answers False.
 
 Legend: T tokens per rank, H hidden, F expert FFN width, E experts, K top-k, N EP size, E_l = E / N.
 """
@@ -82,6 +84,10 @@ def build_titan_experts(cfg: LayerConfig) -> TitanRoutedExperts:
             f"torchtitan rows need the stand-in world of {cfg.ep} ranks its mesh code builds on: call "
             f"relay_compile.bench.standin_world({cfg.ep}) before measure_layer"
         )
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        # torchtitan 0.3.0's dispatcher asks it (torch 2.13) whether make_fx traces, to pick functional
+        # collectives; torch 2.11 (the device machine's) has neither the function nor that tracing: False.
+        torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
     import spmd_types as spmd
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torchtitan.distributed import utils as dist_utils
