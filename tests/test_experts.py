@@ -87,6 +87,16 @@ class FusedSwiGLUBackward(unittest.TestCase):
                 step = got32.abs() * 2**-7 + 1e-30  # one bf16 step at that magnitude
                 self.assertTrue(bool(((got32 - got16.float()).abs() <= step).all()), device)
 
+    def test_the_cpu_path_in_blocks_of_rows_writes_what_the_reference_returns(self) -> None:
+        # 1100 rows: two whole blocks of 512 and a partial one; bf16 (the fp32 temporaries are the point).
+        gen = torch.Generator().manual_seed(1)
+        h13 = torch.randn(1100, 64, generator=gen).bfloat16()
+        g, score = torch.randn(1100, 32, generator=gen).bfloat16(), torch.rand(1100, generator=gen).bfloat16()
+        act_scaled, dh1, dh3, d_score = swiglu_backward_reference(h13, g, score)
+        got_d_score = swiglu_backward_(h13, g, score)
+        for got, want in ((g, act_scaled), (h13[:, :32], dh1), (h13[:, 32:], dh3), (got_d_score, d_score)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
     def test_triton_pointwise_and_fused_backward_on_cuda_bf16(self) -> None:
         x, counts, w1, w2, w3, dy, score = _case("cuda", torch.bfloat16, [500, 0, 1000, 548], 256, 128)

@@ -47,12 +47,7 @@ def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
     assert h13_SG.shape[-1] == 2 * g_SF.shape[-1] and h13_SG.shape[0] == g_SF.shape[0] == score_S.shape[0]
     kernel = _triton_kernel() if _eager_cuda(h13_SG, g_SF, score_S) else None
     if kernel is None:
-        act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SG, g_SF, score_S)
-        ffn = g_SF.shape[-1]
-        g_SF.copy_(act_scaled_SF)
-        h13_SG[:, :ffn].copy_(dh1_SF)
-        h13_SG[:, ffn:].copy_(dh3_SF)
-        return d_score_S
+        return _reference_in_place(h13_SG, g_SF, score_S)
     rows, ffn = g_SF.shape
     d_score_S = torch.empty(rows, dtype=torch.float32, device=g_SF.device)
     if rows:
@@ -60,6 +55,26 @@ def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
                         BLOCK_F=_BLOCK_F, num_warps=4)
     return d_score_S
 
+
+def _reference_in_place(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
+    """``reference`` written over its inputs, by blocks of rows: its fp32 temporaries (about ten ``(rows, F)``
+    tensors) are a block's, not the chunk's, so the CPU path's peak stays near the kernel's (which has none).
+    One block under tracing, or when the row count is symbolic."""
+    rows, ffn = g_SF.shape
+    block = rows if torch.compiler.is_compiling() or not isinstance(rows, int) else _REFERENCE_BLOCK_ROWS
+    d_score_S = torch.empty(rows, dtype=torch.float32, device=g_SF.device)
+    for r0 in range(0, rows, max(1, block)):
+        r1 = min(rows, r0 + block)
+        act_scaled_BF, dh1_BF, dh3_BF, d_score_B = reference(h13_SG[r0:r1], g_SF[r0:r1], score_S[r0:r1])
+        g_SF[r0:r1].copy_(act_scaled_BF)
+        h13_SG[r0:r1, :ffn].copy_(dh1_BF)
+        h13_SG[r0:r1, ffn:].copy_(dh3_BF)
+        d_score_S[r0:r1] = d_score_B
+    return d_score_S
+
+
+# Rows per block of the eager path (CPU): 512 rows of F=128 make ~2.5 MiB of fp32 temporaries.
+_REFERENCE_BLOCK_ROWS = 512
 
 # Columns per step of a row's loop: F=768 (Qwen3) is three steps; 256 bf16 = 512 bytes per load.
 _BLOCK_F = 256
