@@ -22,10 +22,10 @@ from torch._inductor import config as inductor_config
 
 from relay_compile.bench.configs import LayerConfig
 from relay_compile.bench.inputs import LayerInputs, make_inputs
-from relay_compile.bench.measure import _error_summary, clear_grads, forward_backward, free_cached
+from relay_compile.bench.measure import after_row, clear_grads, forward_backward, row_failure
 from relay_compile.bench.progress import Progress
-from relay_compile.bench.rows import LayerFn, RowSkipped, RowSpec
-from relay_compile.bench.standin_group import drop_pending_messages, standin_group
+from relay_compile.bench.rows import LayerFn, RowSpec
+from relay_compile.bench.standin_group import standin_group
 
 
 @dataclass(kw_only=True)
@@ -71,16 +71,10 @@ def measure_compile_time(
             res.compile_s = res.first_call_s - res.step_s
             progress.line(f"{cfg.name} EP={cfg.ep} T={cfg.tokens} | compile time {spec.name:<30} | first call "
                           f"{res.first_call_s:.1f} s - step {res.step_s * 1e3:.1f} ms = {res.compile_s:.1f} s")
-        except RowSkipped as e:
-            res.skipped = str(e)
         except Exception as e:  # one failing row must not lose the others
-            res.skipped = _error_summary(e)
-            drop_pending_messages()
+            res.skipped = row_failure(spec, e)
         finally:
-            if fn is not None:
-                clear_grads(fn, inp)
-            inp.clear_grads()
-            free_cached(cfg.device)
+            after_row(fn, inp, cfg.device)
         if res.skipped:
             progress.line(f"{cfg.name} EP={cfg.ep} T={cfg.tokens} | compile time {spec.name:<30} | skipped: "
                           f"{res.skipped}")

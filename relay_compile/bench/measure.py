@@ -104,6 +104,24 @@ def _error_summary(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def row_failure(spec: RowSpec, e: Exception) -> str:
+    """What a row that raised says in its table cell (``RowSkipped``: its message; else the error, after which
+    messages a failed ring left posted are dropped)."""
+    if isinstance(e, RowSkipped):
+        return str(e)
+    log.debug("row %s failed", spec.name, exc_info=True)
+    drop_pending_messages()
+    return _error_summary(e)
+
+
+def after_row(fn: LayerFn | None, inp: LayerInputs, device: str) -> None:
+    """After a row, failed or not: no gradient left in the inputs or the row's parameters, cached blocks freed."""
+    if fn is not None:
+        clear_grads(fn, inp)
+    inp.clear_grads()
+    free_cached(device)
+
+
 def is_oom(e: BaseException) -> bool:
     """Whether ``e`` is an out-of-memory error (the allocator's, or one whose message says so)."""
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
@@ -208,17 +226,10 @@ def measure_layer(
             lm = link_model(cfg, spec, row.fwd_ms, row.bwd_ms, opts.link_gbps)
             row.link = dataclasses.asdict(lm)
             fns[spec.name] = fn
-        except RowSkipped as e:
-            row.skipped = str(e)
         except Exception as e:  # one failing row must not lose the others
-            row.skipped = _error_summary(e)
-            log.debug("row %s failed", spec.name, exc_info=True)
-            drop_pending_messages()
+            row.skipped = row_failure(spec, e)
         finally:
-            if fn is not None:
-                clear_grads(fn, inp)
-            inp.clear_grads()
-            free_cached(cfg.device)
+            after_row(fn, inp, cfg.device)
         _report_row(progress, cfg, row)
     check = _check_ring(cfg, fns, inp)
     if check:

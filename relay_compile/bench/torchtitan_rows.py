@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import unittest.mock
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +71,51 @@ class TitanRoutedExperts(nn.Module):
         return y_BLD.view(T, H)
 
 
+def titan_ep_moe(
+    world: int, device_type: str, *, dim: int, hidden: int, num_experts: int, top_k: int,
+    init: Callable[[Tensor], None],
+) -> tuple[Any, Any]:
+    """torchtitan's EP setup over the running world of ``world`` ranks, as its trainer makes it: the
+    ``ParallelDims`` (mesh built) and a ``MoE`` config with a softmax router, ``AllToAllTokenDispatcher`` and the
+    experts sharded over "ep" (``init`` initializes every parameter). Build, then ``parallelize(pdims)``.
+    """
+    import spmd_types as spmd  # type: ignore[import-untyped]
+    import torchtitan.distributed.parallel_dims as parallel_dims  # type: ignore[import-untyped]
+    from torchtitan.distributed import utils as dist_utils  # type: ignore[import-untyped]
+    from torchtitan.models.common.config_utils import (  # type: ignore[import-untyped]
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config  # type: ignore[import-untyped]
+
+    # torchtitan reads its SPMD backend from this module global (default "spmd_types", which needs its own
+    # runtime): "partial_dtensor" keeps plain DTensor parameters. Process-wide, as its trainer sets it.
+    dist_utils.set_spmd_backend("partial_dtensor")
+    pdims = parallel_dims.ParallelDims(
+        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=world, world_size=world, spmd_backend="partial_dtensor"
+    )
+    # ParallelDims.build_mesh calls init_device_mesh with this module-level name ("cuda" wherever CUDA exists).
+    with unittest.mock.patch.object(parallel_dims, "device_type", device_type):
+        pdims.build_mesh()
+    moe_cfg = make_moe_config(
+        num_experts=num_experts,
+        router=make_router_config(dim=dim, num_experts=num_experts, top_k=top_k, score_func="softmax",
+                                  gate_param_init={"weight": init}),
+        routed_experts=make_routed_experts_config(
+            dim=dim, hidden_dim=hidden, num_experts=num_experts, top_k=top_k,
+            param_init={"w1_EFD": init, "w2_EDF": init, "w3_EFD": init},
+            comm_backend="standard",  # -> AllToAllTokenDispatcher
+        ),
+        load_balance_coeff=None,  # no expert_bias_E buffer
+    )
+    set_moe_sharding_config(
+        moe_cfg, enable_ep=True, enable_sp=False,
+        expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)},
+    )
+    return pdims, moe_cfg
+
+
 def build_titan_experts(cfg: LayerConfig) -> TitanRoutedExperts:
     """torchtitan's MoE for ``cfg`` on the running stand-in world of ``cfg.ep`` ranks, parallelized by its own code.
 
@@ -88,45 +134,13 @@ def build_titan_experts(cfg: LayerConfig) -> TitanRoutedExperts:
         # torchtitan 0.3.0's dispatcher asks it (torch 2.13) whether make_fx traces, to pick functional
         # collectives; torch 2.11 (the device machine's) has neither the function nor that tracing: False.
         torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
-    import spmd_types as spmd
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common.config_utils import (
-        make_moe_config,
-        make_routed_experts_config,
-        make_router_config,
-    )
-    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
-
-    # torchtitan reads its SPMD backend from this module global (default "spmd_types", which needs its own
-    # runtime): "partial_dtensor" keeps plain DTensor parameters. Process-wide, as its trainer sets it.
-    dist_utils.set_spmd_backend("partial_dtensor")
-    pdims = parallel_dims.ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=cfg.ep, world_size=cfg.ep, spmd_backend="partial_dtensor"
-    )
     device = torch.device(cfg.device)
-    # ParallelDims.build_mesh calls init_device_mesh with this module-level name ("cuda" wherever CUDA exists).
-    with unittest.mock.patch.object(parallel_dims, "device_type", device.type):
-        pdims.build_mesh()
 
     def no_init(p: Tensor) -> None:  # the bench's experts are copied in at the first call
         pass
 
-    moe_cfg = make_moe_config(
-        num_experts=cfg.experts,
-        router=make_router_config(dim=cfg.hidden, num_experts=cfg.experts, top_k=cfg.top_k, score_func="softmax",
-                                  gate_param_init={"weight": no_init}),
-        routed_experts=make_routed_experts_config(
-            dim=cfg.hidden, hidden_dim=cfg.ffn, num_experts=cfg.experts, top_k=cfg.top_k,
-            param_init={"w1_EFD": no_init, "w2_EDF": no_init, "w3_EFD": no_init},
-            comm_backend="standard",  # -> AllToAllTokenDispatcher
-        ),
-        load_balance_coeff=None,  # no expert_bias_E buffer
-    )
-    set_moe_sharding_config(
-        moe_cfg, enable_ep=True, enable_sp=False,
-        expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)},
-    )
+    pdims, moe_cfg = titan_ep_moe(cfg.ep, device.type, dim=cfg.hidden, hidden=cfg.ffn, num_experts=cfg.experts,
+                                  top_k=cfg.top_k, init=no_init)
     with torch.device("meta"):  # the full (E, F, H) experts exist only while parallelize shards them
         moe = moe_cfg.build()
     moe.to_empty(device=device)
@@ -135,9 +149,9 @@ def build_titan_experts(cfg: LayerConfig) -> TitanRoutedExperts:
     return TitanRoutedExperts(moe.routed_experts, cfg.experts)
 
 
-def expert_params(layer: TitanRoutedExperts) -> list[nn.Parameter]:
+def expert_params(layer: TitanRoutedExperts) -> list[Tensor]:
     """``w1_EFD, w2_EDF, w3_EFD``: the layouts of the bench's ``w1 (E_l, F, H), w2 (E_l, H, F), w3``."""
-    inner = layer.routed.inner_experts
+    inner: Any = layer.routed.inner_experts
     return [inner.w1_EFD, inner.w2_EDF, inner.w3_EFD]
 
 

@@ -49,23 +49,20 @@ def grouped_swiglu_efh(rows, counts, s0, s1, w1, w2, w3):
     return unpermuted
 
 
-def grouped_swiglu_efh_cast_in_place(rows, counts, s0, s1, w1, w2, w3):
-    """torchtitan's ``GroupedExperts`` on weights already in its compute dtype: ``.float()`` here (``.bfloat16()``
-    on bf16 parameters there) casts nothing, rows or weights."""
-    x, perm, offs = _expert_major(rows, counts)
-    h = nnf.silu(torch._grouped_mm(x.float(), w1.float().transpose(-2, -1), offs=offs))
-    h = h * torch._grouped_mm(x.float(), w3.float().transpose(-2, -1), offs=offs)
-    out = torch._grouped_mm(h, w2.float().transpose(-2, -1), offs=offs).type_as(rows)
-    return out[torch.argsort(perm)]
+def grouped_swiglu_efh_cast(cast: str) -> Callable[..., Tensor]:
+    """torchtitan's ``GroupedExperts``: rows and weights cast by the tensor method ``cast`` before grouped GEMMs,
+    the output cast back (``type_as``). ``"bfloat16"`` on fp32 parameters computes in bf16; ``"float"`` on fp32
+    ones is torchtitan's ``.bfloat16()`` on bf16 parameters: no cast at all."""
 
+    def fn(rows, counts, s0, s1, w1, w2, w3):
+        x, perm, offs = _expert_major(rows, counts)
+        x_c = getattr(x, cast)()
+        h = nnf.silu(torch._grouped_mm(x_c, getattr(w1, cast)().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x_c, getattr(w3, cast)().transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(h, getattr(w2, cast)().transpose(-2, -1), offs=offs).type_as(rows)
+        return out[torch.argsort(perm)]
 
-def grouped_swiglu_efh_in_bf16(rows, counts, s0, s1, w1, w2, w3):
-    """torchtitan's ``GroupedExperts`` as it is: bf16 GEMMs on rows and weights cast from fp32, output cast back."""
-    x, perm, offs = _expert_major(rows, counts)
-    h = nnf.silu(torch._grouped_mm(x.bfloat16(), w1.bfloat16().transpose(-2, -1), offs=offs))
-    h = h * torch._grouped_mm(x.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offs)
-    out = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offs).type_as(rows)
-    return out[torch.argsort(perm)]
+    return fn
 
 
 def grouped_geglu_ehf(rows, counts, s0, s1, w1, w2, w3):
@@ -259,7 +256,7 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
         # torchtitan's experts on bf16 parameters: recognized as computing in the weights' own dtype (no
         # "computed in"), so the lowered program keeps the fused backward.
         lowered = self.check(
-            Idiom(grouped_swiglu_efh_cast_in_place, SWIGLU_EFH, per_pair=False), "swiglu",
+            Idiom(grouped_swiglu_efh_cast("float"), SWIGLU_EFH, per_pair=False), "swiglu",
             "swiglu experts, gate weights[0] stacked (out_in), up weights[2] stacked (out_in), "
             "down weights[1] stacked (out_in)",
         )
@@ -303,7 +300,7 @@ class ExpertsComputedInAnotherDtype(RecognizedIdiomsEqualF):
         # runs on them with the chunk's rows cast, and its gradients match autograd through F's casts to bf16
         # rounding; unpack_grads returns them in fp32.
         f16 = 2 * F  # bf16 rows of F columns must be 16-byte multiples for torch._grouped_mm
-        idiom = Idiom(grouped_swiglu_efh_in_bf16, ((L, f16, H), (L, H, f16), (L, f16, H)), per_pair=False)
+        idiom = Idiom(grouped_swiglu_efh_cast("bfloat16"), ((L, f16, H), (L, H, f16), (L, f16, H)), per_pair=False)
         plan = recognize_expert_ffn(idiom.gm, idiom.binding, L)
         self.assertEqual(plan.compute_dtype, torch.bfloat16)
         eager = RegionExpertFn(idiom.gm, idiom.binding)
