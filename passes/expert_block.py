@@ -254,10 +254,13 @@ class _Interpreter:
         transpose_2d = is_method_call(n, "t", "transpose") or is_call(n, getattr) and n.args[1] in ("T", "mT")
         if transpose_2d and not w.stacked:
             return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
-        if is_method_call(n, *_CAST_METHODS) and not n.args[1:]:
-            return _Weight(w.position, w.stacked, w.transposed, w.index, _CAST_METHODS[str(n.target)])
         dtype = n.args[1] if is_method_call(n, "to") and len(n.args) > 1 else None
+        if is_method_call(n, *_CAST_METHODS) and not n.args[1:]:
+            dtype = _CAST_METHODS[str(n.target)]
         if isinstance(dtype, torch.dtype):
+            before = node_value(n.args[0])
+            if before is not None and before.dtype == dtype:
+                return w  # a cast to the dtype the weight has is no cast (as for rows: torchtitan's bf16 weights)
             return _Weight(w.position, w.stacked, w.transposed, w.index, dtype)
         if is_method_call(n, *_MOVE_METHODS):
             return w

@@ -113,8 +113,8 @@ class LoweredFFN:
     def __init__(self, plan: ExpertFFN, experts_per_rank: int, identity: str) -> None:
         self.plan, self.experts_per_rank, self._identity = plan, experts_per_rank, identity
         self.inner = GroupedFFN(plan.activation)
-        # The fused backward computes in the weights' dtype on rows it gathers itself: only without casts.
-        self.has_fused_backward = self.inner.has_fused_backward and plan.compute_dtype is None
+        # With casts too (F computes in compute_dtype): the packed weights are in it, the rows are cast per chunk.
+        self.has_fused_backward = self.inner.has_fused_backward
         self.__qualname__ = f"LoweredFFN[{plan.activation},{self.digest()}]"
 
     def digest(self) -> str:
@@ -169,8 +169,22 @@ class LoweredFFN:
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """The fused backward; where F computes in another dtype than the rows' (torchtitan: bf16 GEMMs on fp32
+        parameters and rows), on this chunk's rows cast to it and the packed weights (cast once per step, by
+        ``pack``), as autograd through F's casts would: ``dy`` rounded to the GEMMs' dtype, ``dx`` cast back to
+        the rows' dtype. Weight gradients stay in the GEMMs' dtype (or ``grad_dtype``) while they sum over chunks
+        and hops, and ``unpack_grads`` casts them to the parameters' dtype once per step.
+        """
         assert self.has_fused_backward, f"{self.__qualname__}: no fused backward"
-        return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into)
+        dtype = self.plan.compute_dtype
+        if dtype is None or dtype == x_TH.dtype == dy_TH.dtype:
+            return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into)
+        # Gathered, then cast: the chunk's rows only, never a cast copy of all T rows per chunk.
+        x_SH = (x_TH if tok_S is None else x_TH[tok_S]).to(dtype)
+        dy_SH = (dy_TH if tok_S is None else dy_TH[tok_S]).to(dtype)
+        dx_SH, d_score_S, dws = self.inner.vjp_rows(x_SH, None, offsets_G, rows_G, weights, dy_SH, score_S,
+                                                    grad_dtype, grad_into)
+        return dx_SH.to(x_TH.dtype), d_score_S, dws
 
     # --- ExpertFn (the probe, and callers without grouped entry points) ---
 

@@ -217,11 +217,19 @@ def router_num_experts(topk_ids: fx.Node) -> int | torch.SymInt | None:
     return None
 
 
+def is_to_local(n: fx.Node) -> bool:
+    """``DTensor.to_local()``: a ``call_method`` (torch 2.13), or through torch 2.11 a call of the function Dynamo
+    makes on the fly for it, named ``prim_to_local`` (docs/ARCHITECTURE.md section 5)."""
+    if n.op == "call_function" and getattr(n.target, "__name__", None) == "prim_to_local":
+        return True
+    return is_method_call(n, "to_local")
+
+
 def is_weight_source(n: fx.Node) -> bool:
     """A tensor F may take from outside as expert weight: a placeholder / get_attr, or ``p.to_local()`` of one."""
     if n.op in ("placeholder", "get_attr"):
         return isinstance(node_value(n), torch.Tensor) or n.op == "get_attr"
-    return is_method_call(n, "to_local") and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+    return is_to_local(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
 
 
 def is_symbolic_arith(n: fx.Node) -> bool:

@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 COMPILE_RESERVE_S = 120.0
 
 
+def clear_grads(fn: LayerFn, inp: LayerInputs) -> None:
+    """Before a step: no gradient left from the last one, in the inputs or in parameters the layer owns (a layer
+    that owns some, a module's, exposes ``clear_grads()``: torchtitan's rows)."""
+    inp.clear_grads()
+    owned = getattr(fn, "clear_grads", None)
+    if owned is not None:
+        owned()
+
+
 def forward_backward(fn: LayerFn, inp: LayerInputs) -> Tensor:
     """One forward+backward; gradients land in the leaves' ``.grad``."""
     y = fn(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights)
@@ -45,7 +54,7 @@ def forward_backward(fn: LayerFn, inp: LayerInputs) -> Tensor:
 
 def time_step(fn: LayerFn, inp: LayerInputs, device: str) -> tuple[float, float]:
     """(forward ms, backward ms) of one step: CUDA events on a GPU, ``perf_counter`` on the CPU."""
-    inp.clear_grads()
+    clear_grads(fn, inp)
     if device.startswith("cuda"):
         start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
@@ -69,7 +78,7 @@ def peak_step(fn: LayerFn, inp: LayerInputs, device: str) -> int:
     Everything allocated inside the step counts: the ring's transfer buffers (allocated inside its op), weight
     gradients, ``dx``, ``d_scores``.
     """
-    inp.clear_grads()
+    clear_grads(fn, inp)
     with PeakMemory(device) as mem:
         y = forward_backward(fn, inp)
         del y
@@ -93,6 +102,24 @@ def _error_summary(e: BaseException, limit: int = 300) -> str:
         parts.append(f"caused by {type(cause).__name__}: {' '.join(str(cause).split())}")
     text = "; ".join(parts).replace("|", "/")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def row_failure(spec: RowSpec, e: Exception) -> str:
+    """What a row that raised says in its table cell (``RowSkipped``: its message; else the error, after which
+    messages a failed ring left posted are dropped)."""
+    if isinstance(e, RowSkipped):
+        return str(e)
+    log.debug("row %s failed", spec.name, exc_info=True)
+    drop_pending_messages()
+    return _error_summary(e)
+
+
+def after_row(fn: LayerFn | None, inp: LayerInputs, device: str) -> None:
+    """After a row, failed or not: no gradient left in the inputs or the row's parameters, cached blocks freed."""
+    if fn is not None:
+        clear_grads(fn, inp)
+    inp.clear_grads()
+    free_cached(device)
 
 
 def is_oom(e: BaseException) -> bool:
@@ -185,6 +212,7 @@ def measure_layer(
                            else f"less than {COMPILE_RESERVE_S:g} s of the time budget left to compile")
             _report_row(progress, cfg, row)
             continue
+        fn: LayerFn | None = None
         try:
             fn = spec.build(cfg, group)
             for _ in range(opts.warmup):
@@ -198,15 +226,10 @@ def measure_layer(
             lm = link_model(cfg, spec, row.fwd_ms, row.bwd_ms, opts.link_gbps)
             row.link = dataclasses.asdict(lm)
             fns[spec.name] = fn
-        except RowSkipped as e:
-            row.skipped = str(e)
         except Exception as e:  # one failing row must not lose the others
-            row.skipped = _error_summary(e)
-            log.debug("row %s failed", spec.name, exc_info=True)
-            drop_pending_messages()
+            row.skipped = row_failure(spec, e)
         finally:
-            inp.clear_grads()
-            free_cached(cfg.device)
+            after_row(fn, inp, cfg.device)
         _report_row(progress, cfg, row)
     check = _check_ring(cfg, fns, inp)
     if check:

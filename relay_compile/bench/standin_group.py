@@ -57,7 +57,8 @@ from torch.futures import Future
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BACKEND", "StandinGroup", "StandinError", "standin_group", "drop_pending_messages", "destroy_standin_groups",
+    "BACKEND", "StandinGroup", "StandinError", "standin_group", "standin_world", "drop_pending_messages",
+    "destroy_standin_groups",
 ]
 
 # The name the stand-in backend is registered under (torch upper-cases it in its plugin table).
@@ -389,8 +390,8 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> StandinGroup:
     return pg
 
 
-def _ensure_world() -> None:
-    """Register the backend and start the stand-in world (rank 0) once per process."""
+def _ensure_world(size: int = _WORLD_SIZE) -> None:
+    """Register the backend and start the stand-in world (rank 0 of ``size``) once per process."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
     if dist.is_initialized():
@@ -401,7 +402,7 @@ def _ensure_world() -> None:
                 "needs a process of its own (call it before init_process_group, or destroy that group first)"
             )
         return
-    dist.init_process_group(BACKEND, rank=0, world_size=_WORLD_SIZE, store=dist.HashStore())
+    dist.init_process_group(BACKEND, rank=0, world_size=size, store=dist.HashStore())
     # torch names groups by a counter that restarts with the world; caches keyed by group name (ring specs)
     # must never meet a reused name with another size, so a restarted stand-in world continues the count.
     world_state = dist.distributed_c10d._world
@@ -425,6 +426,27 @@ def standin_group(size: int) -> dist.ProcessGroup:
         _GROUPS[size] = group
         log.debug("stand-in group of %d ranks: %r", size, group)
     return group
+
+
+def standin_world(size: int) -> dist.ProcessGroup:
+    """Make the default process group a stand-in world of ``size`` ranks, this process rank 0; returns it.
+
+    For code that builds its device mesh from the world (torchtitan's ``ParallelDims.build_mesh`` calls
+    ``init_device_mesh``, which needs ``world_size`` ranks): it then runs unmodified, its subgroups created on
+    the stand-in backend. A running stand-in world of another size is torn down first (``destroy_standin_groups``:
+    groups handed out before are invalid after that). ``standin_group(n)`` for ``n <= size`` keeps working.
+
+    Raises:
+        ValueError: ``size`` outside ``[1, 4096]``.
+        StandinError: torch.distributed already runs another backend in this process.
+    """
+    if not 1 <= size <= _WORLD_SIZE:
+        raise ValueError(f"standin_world: size must be in [1, {_WORLD_SIZE}], got {size}")
+    if dist.is_initialized() and isinstance(dist.group.WORLD, StandinGroup) and dist.get_world_size() != size:
+        destroy_standin_groups()
+    _ensure_world(size)
+    assert dist.get_world_size() == size, f"standin_world: the world has {dist.get_world_size()} ranks, not {size}"
+    return dist.group.WORLD
 
 
 def drop_pending_messages() -> int:

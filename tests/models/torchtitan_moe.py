@@ -7,7 +7,6 @@ traces to is in notes/torchtitan_graph.md. Its ``GroupedExperts`` computes in bf
 from __future__ import annotations
 
 import importlib.util
-import unittest.mock
 
 import torch
 from torch import nn
@@ -26,47 +25,13 @@ def build_torchtitan_moe(
 
     Every rank builds the full weights from ``seed`` before sharding, so ranks agree.
     """
-    import spmd_types as spmd
-    import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models.common.config_utils import (
-        make_moe_config,
-        make_routed_experts_config,
-        make_router_config,
-    )
-    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
-
-    # torchtitan reads its SPMD backend from this module global (default "spmd_types", which needs its own
-    # runtime): "partial_dtensor" keeps plain DTensor parameters. Set for the whole process (a test child).
-    dist_utils.set_spmd_backend("partial_dtensor")
-    pdims = ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=world, world_size=world, spmd_backend="partial_dtensor"
-    )
-    # ParallelDims.build_mesh calls init_device_mesh with this module-level name (default "cuda").
-    with unittest.mock.patch.object(pd, "device_type", "cpu"):
-        pdims.build_mesh()
+    from relay_compile.bench.torchtitan_rows import titan_ep_moe
 
     def init_normal(p: torch.Tensor) -> None:
         torch.nn.init.normal_(p, std=0.2)
 
-    cfg = make_moe_config(
-        num_experts=num_experts,
-        router=make_router_config(
-            dim=dim, num_experts=num_experts, top_k=top_k, score_func="softmax",
-            gate_param_init={"weight": init_normal},
-        ),
-        routed_experts=make_routed_experts_config(
-            dim=dim, hidden_dim=hidden, num_experts=num_experts, top_k=top_k,
-            param_init={"w1_EFD": init_normal, "w2_EDF": init_normal, "w3_EFD": init_normal},
-            comm_backend="standard",  # -> AllToAllTokenDispatcher
-        ),
-        load_balance_coeff=None,  # no expert_bias_E buffer
-    )
-    set_moe_sharding_config(
-        cfg, enable_ep=True, enable_sp=False,
-        expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)},
-    )
+    pdims, cfg = titan_ep_moe(world, "cpu", dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k,
+                              init=init_normal)
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)  # the same full weights on every rank (distribute_tensor also broadcasts)
     moe = cfg.build()

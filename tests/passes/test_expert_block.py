@@ -49,6 +49,22 @@ def grouped_swiglu_efh(rows, counts, s0, s1, w1, w2, w3):
     return unpermuted
 
 
+def grouped_swiglu_efh_cast(cast: str) -> Callable[..., Tensor]:
+    """torchtitan's ``GroupedExperts``: rows and weights cast by the tensor method ``cast`` before grouped GEMMs,
+    the output cast back (``type_as``). ``"bfloat16"`` on fp32 parameters computes in bf16; ``"float"`` on fp32
+    ones is torchtitan's ``.bfloat16()`` on bf16 parameters: no cast at all."""
+
+    def fn(rows, counts, s0, s1, w1, w2, w3):
+        x, perm, offs = _expert_major(rows, counts)
+        x_c = getattr(x, cast)()
+        h = nnf.silu(torch._grouped_mm(x_c, getattr(w1, cast)().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x_c, getattr(w3, cast)().transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(h, getattr(w2, cast)().transpose(-2, -1), offs=offs).type_as(rows)
+        return out[torch.argsort(perm)]
+
+    return fn
+
+
 def grouped_geglu_ehf(rows, counts, s0, s1, w1, w2, w3):
     """Weights stored (in, out): w1, w3 (L, H, F), w2 (L, F, H); exact-GELU gate."""
     x, perm, offs = _expert_major(rows, counts)
@@ -236,6 +252,16 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
         )
         self.assertTrue(lowered.has_fused_backward)
 
+    def test_casts_to_the_dtype_weights_and_rows_already_have_are_no_casts(self) -> None:
+        # torchtitan's experts on bf16 parameters: recognized as computing in the weights' own dtype (no
+        # "computed in"), so the lowered program keeps the fused backward.
+        lowered = self.check(
+            Idiom(grouped_swiglu_efh_cast("float"), SWIGLU_EFH, per_pair=False), "swiglu",
+            "swiglu experts, gate weights[0] stacked (out_in), up weights[2] stacked (out_in), "
+            "down weights[1] stacked (out_in)",
+        )
+        self.assertTrue(lowered.has_fused_backward)
+
     def test_grouped_mm_geglu_on_weights_stored_in_by_out(self) -> None:
         self.check(
             Idiom(grouped_geglu_ehf, GEGLU_EHF, per_pair=False), "geglu",
@@ -266,6 +292,43 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
                     Idiom(_non_gated(act), FFN_EFH, per_pair=False), name,
                     f"{name} experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)",
                 )
+
+
+class ExpertsComputedInAnotherDtype(RecognizedIdiomsEqualF):
+    def test_bf16_experts_on_fp32_rows_and_weights_run_the_fused_backward_on_the_cast_weights(self) -> None:
+        # torchtitan on fp32 parameters: the packed weights are bf16 (cast once per step), the fused backward
+        # runs on them with the chunk's rows cast, and its gradients match autograd through F's casts to bf16
+        # rounding; unpack_grads returns them in fp32.
+        f16 = 2 * F  # bf16 rows of F columns must be 16-byte multiples for torch._grouped_mm
+        idiom = Idiom(grouped_swiglu_efh_cast("bfloat16"), ((L, f16, H), (L, H, f16), (L, f16, H)), per_pair=False)
+        plan = recognize_expert_ffn(idiom.gm, idiom.binding, L)
+        self.assertEqual(plan.compute_dtype, torch.bfloat16)
+        eager = RegionExpertFn(idiom.gm, idiom.binding)
+        lowered = LoweredFFN(plan, L, eager.digest())
+        self.assertTrue(lowered.has_fused_backward)
+        for src in range(N):
+            args, (x_SH, counts_NL, splits_N) = idiom.inputs(seed=20 + src, src=src)
+            weights = [w.requires_grad_() for w in idiom.weights_of(args)]
+            g = torch.Generator().manual_seed(src)
+            score_S, dy_SH = torch.rand(x_SH.shape[0], generator=g), torch.randn(x_SH.shape, generator=g)
+            x_SH.requires_grad_()
+            want = eager(x_SH, counts_NL, splits_N, weights) * score_S[:, None]
+            want_dx, *want_dws = torch.autograd.grad(want, [x_SH, *weights], dy_SH)
+            want_ds = (dy_SH * want / score_S[:, None]).sum(-1)
+            packed = lowered.pack([w.detach() for w in weights])
+            self.assertEqual({p.dtype for p in packed}, {torch.bfloat16})
+            counts_L = counts_NL.sum(0)
+            dx_SH, ds_S, dws = lowered.vjp_rows(
+                x_SH.detach(), torch.arange(x_SH.shape[0]), torch.cumsum(counts_L, 0, dtype=torch.int32),
+                counts_L.tolist(), packed, dy_SH, score_S)
+            self.assertEqual(dx_SH.dtype, torch.float32)
+            got_dws = lowered.unpack_grads(dws, weights)
+            self.assertEqual([d.dtype for d in got_dws], [torch.float32] * 3)
+            for got, ref in ((dx_SH, want_dx), (ds_S, want_ds), *zip(got_dws, want_dws, strict=True)):
+                self.assertEqual(got.shape, ref.shape)
+                if ref.numel():
+                    err = ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                    self.assertLessEqual(err, 2e-2)
 
 
 class UnrecognizedIdiomsSayWhy(unittest.TestCase):
