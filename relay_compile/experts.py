@@ -241,6 +241,53 @@ def _swiglu_vjp(
     return dx_SH, d_score_S, [] if into is not None else [dw13, dw2]
 
 
+def _activation_backward(activation: str, grad_SF: Tensor, h_SF: Tensor) -> Tensor:
+    """``grad * act'(h)`` for a non-gated activation, by aten's own backward kernels (what autograd runs)."""
+    aten = torch.ops.aten
+    if activation == "silu":
+        return aten.silu_backward(grad_SF, h_SF)
+    if activation in ("gelu", "gelu_tanh"):
+        return aten.gelu_backward(grad_SF, h_SF, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if activation == "relu":
+        return aten.threshold_backward(grad_SF, h_SF, 0)
+    if activation == "relu2":
+        return grad_SF * nnf.relu(h_SF).mul_(2)
+    raise ValueError(f"expert_ffn: no fused backward for activation {activation!r}")
+
+
+def _ffn_vjp(
+    x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
+    dy_TH: Tensor, score_S: Tensor, activation: str, tok_S: Tensor | None = None,
+    grad_dtype: torch.dtype | None = None, rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The fused backward of ``score * w2 @ act(w1 @ x)`` for a non-gated activation: ``dx``, ``d_score``,
+    ``[dw1, dw2]`` (``_swiglu_vjp``'s contract: rows gathered here, ``grad_into`` asked before the first weight
+    GEMM).
+
+    ``d_score = <dy @ w2, act(h)>``, so the output GEMM is not recomputed: one recomputed GEMM (``h``) and four
+    gradient GEMMs, where autograd over a recomputed forward runs six and keeps every intermediate.
+    """
+    wgrad_rows = counts_host if counts_host is not None else rows_host
+    dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
+    g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
+    x_SH = x_TH if tok_S is None else x_TH[tok_S]
+    h_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
+    act_SF = activation_fn(activation)(h_SF)
+    d_score_S = (g_SF.float() * act_SF.float()).sum(-1)
+    score_S1 = score_S[:, None].to(g_SF.dtype)
+    dh_SF = _activation_backward(activation, g_SF.mul_(score_S1), h_SF)
+    del g_SF, h_SF
+    act_SF.mul_(score_S1)  # dw2[e] = (score * dy)^T act = dy^T (score * act)
+    into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
+    into1, into2 = into if into is not None else (None, None)
+    dw2 = _grouped_weight_grad(dy_SH, act_SF, offsets_L, wgrad_rows, grad_dtype, into2)
+    del dy_SH, act_SF
+    dw1 = _grouped_weight_grad(dh_SF, x_SH, offsets_L, wgrad_rows, grad_dtype, into1)
+    del x_SH
+    dx_SH = _grouped_linear(dh_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
+    return dx_SH, d_score_S, [] if into is not None else [dw1, dw2]
+
+
 def expert_ffn(
     x_SH: Tensor,
     counts_L: Tensor,
@@ -308,8 +355,9 @@ class GroupedFFN:
             raise ValueError(f"ring_moe: activation={activation!r} is not one of {ACTIVATIONS}")
         self.activation, self.use_grouped_mm = activation, use_grouped_mm
         self.__qualname__ = f"expert_ffn[{activation}]"
-        self.has_fused_backward = activation == "swiglu"
-        if self.has_fused_backward:
+        # Fused backward entry points: SwiGLU's (packed w13, Triton pointwise step) and the non-gated ones'.
+        self.has_fused_backward = activation == "swiglu" or activation not in GATED
+        if activation == "swiglu":
             self.vjp: ExpertVJP = self._vjp  # the ExpertFn contract's optional fused backward
 
     def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
@@ -364,6 +412,10 @@ class GroupedFFN:
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
+        if self.activation != "swiglu":
+            w1, w2 = weights
+            return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
+                            grad_into)
         return _swiglu_vjp(x_TH, *grouping, *weights, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into)
 
 

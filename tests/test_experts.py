@@ -1,4 +1,5 @@
-"""The expert function's fused SwiGLU backward against autograd, and its in-place pointwise kernel.
+"""The expert function's fused backwards (SwiGLU, non-gated activations) against autograd, and SwiGLU's in-place
+pointwise kernel.
 
 On the CPU (CI) the pointwise step runs its eager reference (in place, like the kernel); the CUDA test runs
 the Triton kernel on the device machine (``python -m pytest tests/test_experts.py``) and is skipped elsewhere.
@@ -34,6 +35,32 @@ def _autograd_reference(x, counts, w1, w2, w3, dy, score) -> list[Tensor]:
 
 def _rel(a: Tensor, b: Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+class FusedNonGatedBackward(unittest.TestCase):
+    def test_every_non_gated_activation_has_a_fused_backward_equal_to_autograd(self) -> None:
+        # Gathered rows (tokens in reverse order), an empty expert, both grouping paths; and the same chunk
+        # adding its weight gradients into given accumulators (the ring's travelling sums) instead.
+        for activation in ("silu", "gelu", "gelu_tanh", "relu", "relu2"):
+            for grouped in (True, False):
+                fn = ffn_expert_fn(activation, use_grouped_mm=grouped)
+                self.assertTrue(fn.has_fused_backward)
+                x, counts, w1, w2, _, dy, score = _case("cpu", torch.float32, [5, 0, 9, 2])
+                tok = torch.arange(x.shape[0] - 1, -1, -1)
+                offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+                dx, d_score, (dw1, dw2) = fn.vjp_rows(x.flip(0), tok, offsets, counts.tolist(), [w1, w2], dy.flip(0),
+                                                      score)
+                leaves = [t.clone().requires_grad_() for t in (x, w1, w2, score)]
+                out = expert_ffn(leaves[0], counts, leaves[1], leaves[2], activation=activation)
+                want = torch.autograd.grad(((out * leaves[3][:, None]) * dy).sum(), leaves)
+                for name, got, ref in zip(("dx", "dw1", "dw2", "d_score"), (dx, dw1, dw2, d_score), want):
+                    self.assertLess(_rel(got, ref), 1e-5, f"{name} {activation} grouped={grouped}")
+                accs = [torch.ones_like(w1), torch.ones_like(w2)]
+                _, _, none = fn.vjp_rows(x.flip(0), tok, offsets, counts.tolist(), [w1, w2], dy.flip(0), score,
+                                         grad_into=lambda accs=accs: accs)
+                self.assertEqual(none, [])
+                for acc, ref in zip(accs, want[1:3], strict=False):
+                    self.assertLess(_rel(acc - 1.0, ref), 1e-5, f"into {activation} grouped={grouped}")
 
 
 class FusedSwiGLUBackward(unittest.TestCase):
