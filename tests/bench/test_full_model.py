@@ -58,10 +58,16 @@ class TinyFullModelTest(StandinTestCase):
             step = data["config"]["seq_len"]
             self.assertTrue(row["limited_by_search"] or any(
                 p["tokens"] == row["max_tokens"] + step and not p["fits"] for p in row["probes"]), name)
-        for name in ("relaymoe", "relaymoe + budget"):
+        for name in ("relaymoe", "relaymoe + budget", "relaymoe + full AC", "relaymoe + MoE AC"):
             self.assertGreaterEqual(rows[name]["regions_rewritten"], 1, name)
             self.assertEqual(rows[name]["regions_refused"], 0, name)
         self.assertGreater(rows["relaymoe"]["max_tokens"], rows[A2A_EAGER]["max_tokens"])
+        # The checkpointing ring row compiles its own function (the ring inside the checkpoint): at the longest
+        # length both rows trained, it keeps less.
+        peaks = {name: {p["tokens"]: p["peak_bytes"] for p in rows[name]["probes"] if p["fits"]}
+                 for name in ("relaymoe", "relaymoe + full AC")}
+        longest = max(set(peaks["relaymoe"]) & set(peaks["relaymoe + full AC"]))
+        self.assertLess(peaks["relaymoe + full AC"][longest], peaks["relaymoe"][longest])
         # Spending the budget: beyond the plain ring's largest length, the budget row recomputes more and fits.
         budget = rows["relaymoe + budget"]
         self.assertGreater(budget["max_tokens"], rows["relaymoe"]["max_tokens"])

@@ -6,6 +6,8 @@ GPU; ``backend="relaymoe"``) under a recompute policy:
     none        save everything autograd (or the compiled graph's partitioner, at its default) saves
     full        ``torch.utils.checkpoint`` of every decoder layer: keep each layer's input, replay it in backward
     moe         ``torch.utils.checkpoint`` of the MoE block of every layer (attention keeps its activations)
+                (under relaymoe the ring is rewritten inside the checkpoint and its output is saved, so the
+                checkpoint replays the rest of the layer, not the ring)
     budget      the partitioner's activation memory budget (``torch._functorch.config.activation_memory_budget``,
                 the backend's ``activation_memory_budget`` option), chosen per step from the memory budget
                 (``budget.BudgetChooser``): save what fits, recompute the rest
@@ -56,8 +58,9 @@ class Policy:
 
     @property
     def moe_forwards(self) -> int:
-        """Forward passes of each MoE block per step: 2 where backward replays it (full, moe), else 1."""
-        return 2 if self.recompute in ("full", "moe") else 1
+        """Forward passes of each MoE block per step: 2 where backward replays it (a2a under full or moe
+        checkpointing), else 1 (a checkpointed ring's output is saved: the backend's ``keep_rings_saved``)."""
+        return 2 if self.recompute in ("full", "moe") and self.backend != "relaymoe" else 1
 
 
 A2A_EAGER = "a2a eager"
@@ -70,6 +73,10 @@ POLICIES: tuple[Policy, ...] = (
     Policy(name="relaymoe", backend="relaymoe", recompute="none", note="ring, default partitioner"),
     Policy(name="relaymoe + budget", backend="relaymoe", recompute="budget",
            note="ring, partitioner budget chosen from the memory budget"),
+    Policy(name="relaymoe + full AC", backend="relaymoe", recompute="full",
+           note="ring, checkpoint every layer (the ring's output saved, the rest replayed)"),
+    Policy(name="relaymoe + MoE AC", backend="relaymoe", recompute="moe",
+           note="ring, checkpoint every MoE block (the ring's output saved)"),
     Policy(name="a2a compiled", backend="compiled", recompute="none",
            note="torch.compile with the inner compiler (inductor on GPU), default partitioner"),
 )
@@ -91,9 +98,16 @@ def _layer_forward(layer: DecoderLayer, x_TH: Tensor) -> Tensor:
     return layer(x_TH)
 
 
-def _compiled(backend: Callable | str) -> LayerRunner:
-    """``_layer_forward`` under ``torch.compile``, the token dimension dynamic from the first call."""
-    compiled = torch.compile(_layer_forward, backend=backend, fullgraph=False)
+# What a compiled row compiles, per recompute policy (the checkpoint rows compile the checkpointed forward:
+# the backend rewrites the MoE block inside the checkpoint's body).
+_COMPILED_BODIES: dict[str, LayerRunner] = {
+    "none": _layer_forward, "budget": _layer_forward, "full": _full_checkpoint, "moe": _moe_checkpoint,
+}
+
+
+def _compiled(backend: Callable | str, body: LayerRunner = _layer_forward) -> LayerRunner:
+    """``body`` under ``torch.compile``, the token dimension dynamic from the first call."""
+    compiled = torch.compile(body, backend=backend, fullgraph=False)
 
     def run(layer: DecoderLayer, x_TH: Tensor) -> Tensor:
         torch._dynamo.mark_dynamic(x_TH, 0)
@@ -113,4 +127,4 @@ def layer_runner(policy: Policy, *, inner_compiler: str, memory_budget: float | 
     if policy.backend == "compiled":
         return _compiled(inner_compiler)
     options = {"inner_compiler": inner_compiler, "activation_memory_budget": memory_budget}
-    return _compiled(functools.partial(relaymoe_backend, options=options))
+    return _compiled(functools.partial(relaymoe_backend, options=options), _COMPILED_BODIES[policy.recompute])

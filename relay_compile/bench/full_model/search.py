@@ -89,8 +89,11 @@ class RowRuns:
 
     @staticmethod
     def _key(policy: Policy, fraction: float | None) -> tuple[str, float | None]:
-        # Budget 1.0 is torch's default partitioner: the same compilation as the plain row's.
-        return (policy.backend if policy.compiles else policy.name, None if fraction == 1.0 else fraction)
+        # Budget 1.0 is torch's default partitioner: the same compilation as the plain row's; a checkpointing
+        # row compiles another function.
+        body = policy.recompute if policy.recompute in ("full", "moe") else "none"
+        runner = f"{policy.backend}/{body}" if policy.compiles else policy.name
+        return (runner, None if fraction == 1.0 else fraction)
 
     def _probe(self, policy: Policy, fraction: float | None, tokens: int) -> Probe:
         key = self._key(policy, fraction)
