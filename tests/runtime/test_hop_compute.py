@@ -153,9 +153,9 @@ class ExpertFunctionsAtWorldOne(HopComputeCase):
         self.assertTrue(torch.equal(w13[:, :F], weights[0]) and torch.equal(w13[:, F:], weights[2]))
         self.assertTrue(torch.equal(w2, weights[1]))
 
-    def test_silu_and_gelu_with_two_weights_take_the_autograd_backward(self) -> None:
+    def test_silu_and_gelu_with_two_weights_take_the_fused_backward(self) -> None:
         for activation in ("silu", "gelu"):
-            self.assertFalse(ffn_expert_fn(activation).has_fused_backward)
+            self.assertTrue(ffn_expert_fn(activation).has_fused_backward)
             self.check(make_inputs(tokens=10, num_experts=4, top_k=2, seed=3, activation=activation),
                        label=activation)
 
