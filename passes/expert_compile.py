@@ -62,7 +62,8 @@ def _vjp(eager: RegionExpertFn, x_SH: Tensor, counts_NL: Tensor, splits_S: Tenso
     def f(x: Tensor, *w: Tensor) -> Tensor:
         return eager.fn(*eager.arguments(x, counts_NL, sizes, w))
 
-    out_SH, pull = torch.func.vjp(f, x_SH, *weights)
+    result = torch.func.vjp(f, x_SH, *weights)  # (out, pull-back): typed as the has_aux triple
+    out_SH, pull = result[0], result[1]
     d_score_S = (dy_SH.to(ACC_DTYPE) * out_SH.to(ACC_DTYPE)).sum(-1)
     grads = pull(dy_SH * score_S[:, None].to(dy_SH.dtype))
     return grads[0], d_score_S, list(grads[1:])
