@@ -1,0 +1,301 @@
+"""What a hop computes on the (token, expert) pairs that meet there: a segment of sorted pairs, in chunks.
+
+``segment_forward`` and ``segment_backward`` run one hop's chunks for a ``RingStep`` (``runtime.hop_compute``,
+which says whose pairs and weights meet at which hop); ``RingStepConfig`` is what they need besides tensors.
+
+Per chunk, forward: ``y[t] += score * F(x[t])`` (scores applied after the experts), or ``y[t] += F(score * x[t])``
+(``scores_before``: DeepSpeed, Megatron's ``moe_apply_probs_on_input``); backward recomputes ``F`` on the chunk,
+takes its vector-Jacobian product and releases everything before the next chunk (hop-scoped rematerialization).
+Scores before ``F``: with ``g = vjp_F(s x)[dy]``, ``dx += s g`` and ``d_score = <g, x>``: the backward takes
+``g`` at the scaled rows (gathered and scaled in place) through the fused entry points at unit scores where ``F``
+has them, else autograd, and forms ``dx`` and ``d_score`` itself.
+Chunks are planned once per step (``routing.plan_chunks``); an expert function with grouped entry points
+(``experts.GroupedExperts``) is called on a chunk's own experts, with weights in its packed layout: the step
+packs them once, they circulate packed, and the gradients are unpacked at ``finish`` (``weight_grads``).
+Sums across hops (``RingStepConfig.acc_dtype``, the ``fp32_accumulation`` option): the weight-gradient
+partials that follow their weights (expert routing), the weight gradients a rank sums over hops (token
+routing), and the ``y``/``dx`` accumulators (travelling in token routing, local in expert routing) are summed
+in fp32, so a sum over hops is rounded to bf16 once, as an fp32-accumulating GEMM (or the CPU's index_add)
+of the all-to-all layer rounds it, not once per hop. The per-pair score gradients are reduced in fp32.
+
+Legend: T tokens, H hidden, K top-k, C rows of a chunk, N ranks, E experts, E_l = E / N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts
+from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
+from relay_compile.routing import Chunk, PairRouting
+from relay_compile.runtime.transport import RingGroup
+from relay_compile.runtime.weight_grads import WeightGrads
+
+# Dtype of the per-pair score-gradient reductions (a dot product over H per pair).
+ACC_DTYPE = torch.float32
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingStepConfig:
+    """What a step needs besides tensors: the expert function, the ring, and the static sizes."""
+
+    expert_fn: ExpertFn
+    ring: RingGroup
+    num_experts: int
+    max_hop_rows: int | None
+    # Dtype of the sums across hops (module docstring); None: the dtype of the summands.
+    acc_dtype: torch.dtype | None = None
+    # Scores scale F's input rows (``F(s x)``) instead of its output (``s F(x)``).
+    scores_before: bool = False
+    # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
+    grouped: GroupedExperts | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grouped", self.expert_fn if isinstance(self.expert_fn, GroupedExperts) else None)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ring.size
+
+    def sum_dtype(self, t: Tensor) -> torch.dtype:
+        """The dtype in which sums of tensors like ``t`` run across hops (never narrower than ``t``'s)."""
+        return t.dtype if self.acc_dtype is None else torch.promote_types(self.acc_dtype, t.dtype)
+
+
+@dataclass(kw_only=True)
+class HopActivations:
+    """A hop's recomputed chunks with their autograd graphs alive (only when remat is off)."""
+
+    chunks: list[tuple[Chunk, Tensor, list[Tensor], Tensor]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HopRows:
+    """The rows one hop computes: a partition's sorted pairs and the chunks of them that meet here.
+
+    ``scores_S`` and the score gradients ``ds_S`` are in sorted-pair order, so a chunk reads and writes
+    plain slices ``[start, end)``; tokens come from ``routing.tokens_P``.
+    """
+
+    routing: PairRouting
+    chunks: list[Chunk]
+    src: int
+    scores_S: Tensor
+
+
+def _chunk_weights(cfg: RingStepConfig, weights: Sequence[Tensor], chunk: Chunk) -> list[Tensor]:
+    """What ``F`` gets for a chunk: a grouped ``F`` the chunk's expert slices, any other the partition."""
+    if cfg.grouped is None or chunk.whole:
+        return list(weights)
+    return [w[chunk.lo : chunk.hi] for w in weights]
+
+
+def _expert_forward(
+    cfg: RingStepConfig, chunk: Chunk, src: int, x_CH: Tensor, chunk_weights: Sequence[Tensor]
+) -> Tensor:
+    """``F`` on one chunk: the grouped entry point, or the ``ExpertFn`` contract."""
+    grouped = cfg.grouped
+    if grouped is not None:
+        return grouped.forward_rows(x_CH, chunk.offsets_G, chunk.rows, chunk_weights)
+    return cfg.expert_fn(x_CH, _counts_NL(cfg, chunk, src), _splits_N(cfg, chunk, src), chunk_weights)
+
+
+def _counts_NL(cfg: RingStepConfig, chunk: Chunk, src: int) -> Tensor:
+    """The ``ExpertFn`` contract's counts: row ``src`` is the chunk's rows per local expert."""
+    counts_NL = chunk.counts_L.new_zeros(cfg.ring.size, cfg.experts_per_rank)
+    counts_NL[src] = chunk.counts_L
+    return counts_NL
+
+
+def _splits_N(cfg: RingStepConfig, chunk: Chunk, src: int) -> list[int]:
+    splits_N = [0] * cfg.ring.size
+    splits_N[src] = chunk.end - chunk.start
+    return splits_N
+
+
+def _scaled_rows(x_CH: Tensor, score_C1: Tensor) -> Tensor:
+    """``s * x`` per row, as F sees it when scores come first: in fp32, cast back (torchtitan's
+    ``score_before_experts``; exact for fp32)."""
+    return (x_CH.to(ACC_DTYPE) * score_C1.to(ACC_DTYPE)).to(x_CH.dtype)
+
+
+def _gathered_scaled_rows(x_TH: Tensor, tok_C: Tensor, score_C1: Tensor) -> Tensor:
+    """``_scaled_rows(x[tok], s)`` without a second ``(C, H)`` buffer: the gather is scaled in place (the product
+    is computed in fp32 and rounded once into the rows' dtype, as ``_scaled_rows`` rounds it)."""
+    return x_TH[tok_C].mul_(score_C1.to(ACC_DTYPE))
+
+
+def _row_dot(a_CH: Tensor, b_CH: Tensor) -> Tensor:
+    """``<a[c], b[c]>`` per row in fp32, ``(C,)``, without an elementwise ``(C, H)`` product."""
+    return torch.bmm(a_CH.to(ACC_DTYPE).unsqueeze(1), b_CH.to(ACC_DTYPE).unsqueeze(2)).view(-1)
+
+
+def segment_forward(
+    cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], y_TH: Tensor
+) -> None:
+    """``y[t] += scores[p] * F_owner(x[t])`` (or ``F_owner(scores[p] * x[t])``) for the pairs ``p = (t, k)`` of
+    the hop's chunks."""
+    for chunk in rows.chunks:
+        tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
+        score_C1 = rows.scores_S[chunk.start : chunk.end, None]
+        x_CH = _gathered_scaled_rows(x_TH, tok_C, score_C1) if cfg.scores_before else x_TH[tok_C]
+        out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, _chunk_weights(cfg, weights, chunk))
+        if cfg.scores_before:
+            scatter_add_rows_(y_TH, tok_C, out_CH)
+        elif cfg.grouped is not None and out_CH.dtype == y_TH.dtype:
+            out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
+            y_TH.index_add_(0, tok_C, out_CH)
+        else:
+            scatter_add_rows_(y_TH, tok_C, out_CH, score_C1)
+
+
+@contextlib.contextmanager
+def _autograd_enabled() -> Iterator[None]:
+    """Record autograd graphs inside a custom op's kernel.
+
+    A custom op whose inputs need no grad runs below the Autograd dispatch keys (custom_op's
+    ``_AutoDispatchBelowAutograd``), where ``enable_grad`` alone records nothing; the backward hop needs a
+    graph of ``F`` to take its vector-Jacobian product.
+    """
+    c = torch._C
+    exclude = c._dispatch_tls_local_exclude_set()
+    for key in (c.DispatchKey.AutogradFunctionality, c.DispatchKey.AutogradOther, c.DispatchKey.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with c._ForceDispatchKeyGuard(c._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+def recompute_chunk(
+    cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor]
+) -> tuple[Chunk, Tensor, list[Tensor], Tensor]:
+    """Rerun ``F`` on one chunk with autograd: ``(chunk, rows leaf, weight leaves, out_CH)``.
+
+    The rows leaf is ``x[tok]``, or with scores before ``F`` the scaled rows ``u = s x[tok]`` (scaled in place,
+    outside autograd: ``chunk_vjp`` turns ``vjp_F(u)`` into ``dx`` and ``d_score`` itself). Weight leaves: the
+    chunk's expert slices (grouped ``F``) or whole partitions.
+    """
+    tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
+    if cfg.scores_before:
+        x_CH = _gathered_scaled_rows(x_TH, tok_C, rows.scores_S[chunk.start : chunk.end, None]).requires_grad_()
+    else:
+        x_CH = x_TH[tok_C].detach().requires_grad_()
+    w_leaves = [w.detach().requires_grad_() for w in _chunk_weights(cfg, weights, chunk)]
+    with _autograd_enabled():
+        out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, w_leaves)
+    return chunk, x_CH, w_leaves, out_CH
+
+
+def chunk_vjp(
+    cfg: RingStepConfig, rows: HopRows, pending: list[tuple[Chunk, Tensor, list[Tensor], Tensor]],
+    x_TH: Tensor, dy_TH: Tensor, dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
+) -> None:
+    """Consume the first recomputed chunk of ``pending``: add its ``dx``, ``d_scores`` and weight-gradient
+    contributions. It is popped, so its rows and output are released here as soon as they are used."""
+    chunk, x_CH, w_leaves, out_CH = pending.pop(0)
+    tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
+    dy_CH = dy_TH[tok_C]
+    if cfg.scores_before:  # x_CH is u = s x: with g = vjp_F(u)[dy], dx = s g and d_score = <g, x>
+        with _autograd_enabled():
+            g_CH, *dws = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True)
+        del out_CH, dy_CH, x_CH
+        if g_CH is None:  # F ignores its rows
+            ds_S[chunk.start : chunk.end] = 0
+        else:
+            ds_S[chunk.start : chunk.end] = _row_dot(g_CH, x_TH[tok_C])
+            # autograd's fresh gradient rows (or our own dy gather): scaled in place, rounded once as autograd's
+            scatter_add_rows_(dx_TH, tok_C, g_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
+        dw.add(dws, chunk if cfg.grouped is not None else None)
+        return
+    ds_S[chunk.start : chunk.end] = _row_dot(dy_CH, out_CH.detach())
+    # dy_CH is this chunk's own gather: scaled in place (as dy * s rounds it), not copied.
+    dy_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype))
+    with _autograd_enabled():
+        grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True))
+    scatter_add_rows_(dx_TH, tok_C, grads[0])
+    dw.add(grads[1:], chunk if cfg.grouped is not None else None)
+
+
+def segment_backward(
+    cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
+    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
+) -> None:
+    """Per chunk: recompute, vector-Jacobian product, accumulate, release.
+
+    Uses the expert function's fused backward where it has one (``vjp_rows``, else ``vjp``), else autograd
+    over a recomputed forward. With scores before ``F`` the fused backward runs on the scaled rows
+    (``_scores_before_fused_vjp``).
+    """
+    grouped = cfg.grouped
+    fused = getattr(cfg.expert_fn, "vjp", None)
+    no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
+    for chunk in rows.chunks:
+        if no_fused:
+            chunk_vjp(cfg, rows, [recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx_TH, ds_S, dw)
+            continue
+        if cfg.scores_before:
+            _scores_before_fused_vjp(cfg, rows, chunk, x_TH, weights, dy_TH, dx_TH, ds_S, dw, fused)
+            continue
+        c0, c1 = chunk.start, chunk.end
+        tok_C = rows.routing.tokens_P[c0:c1]
+        if grouped is not None:
+            chunk_weights = _chunk_weights(cfg, weights, chunk)
+            dx_CH, ds_C, dws = grouped.vjp_rows(
+                x_TH, tok_C, chunk.offsets_G, chunk.rows, chunk_weights, dy_TH, rows.scores_S[c0:c1],
+                grad_dtype=cfg.sum_dtype(chunk_weights[0]), grad_into=functools.partial(dw.sink, chunk),
+            )
+        else:
+            dx_CH, ds_C, dws = fused(
+                x_TH[tok_C], _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src), weights,
+                dy_TH[tok_C], rows.scores_S[c0:c1],
+            )
+        ds_S[c0:c1] = ds_C
+        scatter_add_rows_(dx_TH, tok_C, dx_CH)
+        if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
+            dw.add(dws, chunk if grouped is not None else None)
+
+
+def _scores_before_fused_vjp(
+    cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
+    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads, vjp: ExpertVJP | None,
+) -> None:
+    """One chunk's backward of ``y[t] += F(s x[t])`` through the fused backward of ``s' F(u)`` at ``s' = 1``
+    (``cfg.grouped``'s ``vjp_rows``, else the expert function's ``vjp``).
+
+    The fused entry points differentiate ``score * F(rows)``: on the scaled rows ``u = s x`` with unit scores
+    they return ``g = vjp_F(u)[dy]`` and ``F``'s weight gradients at ``u``; then ``dx += s g`` (scaled while
+    scattered) and ``d_s = <g, x>`` (a row dot in fp32). The gradient rows of the scaled rows are the
+    only extra ``(C, H)`` buffer beside what the scores-after path holds; autograd over a recomputed forward
+    held the leaf, the product, every intermediate of ``F`` and their gradients at once.
+    """
+    c0, c1 = chunk.start, chunk.end
+    tok_C = rows.routing.tokens_P[c0:c1]
+    score_C1 = rows.scores_S[c0:c1, None]
+    unit_C = score_C1.new_ones(c1 - c0, dtype=ACC_DTYPE)
+    grouped = cfg.grouped
+    if grouped is not None:
+        chunk_weights = _chunk_weights(cfg, weights, chunk)
+        # tok_S=None: the rows are given (gathered and scaled here); the entry point drops them after use.
+        g_CH, _, dws = grouped.vjp_rows(
+            _gathered_scaled_rows(x_TH, tok_C, score_C1), None, chunk.offsets_G, chunk.rows, chunk_weights,
+            dy_TH[tok_C], unit_C, grad_dtype=cfg.sum_dtype(chunk_weights[0]),
+            grad_into=functools.partial(dw.sink, chunk),
+        )
+    else:
+        assert vjp is not None, "hop_compute: no fused backward for scores before the experts"
+        g_CH, _, dws = vjp(
+            _gathered_scaled_rows(x_TH, tok_C, score_C1), _counts_NL(cfg, chunk, rows.src),
+            _splits_N(cfg, chunk, rows.src), weights, dy_TH[tok_C], unit_C,
+        )
+    ds_S[c0:c1] = _row_dot(g_CH, x_TH[tok_C])
+    if grouped is not None:  # our own entry point's fresh rows: scale them in place (rounded once, as autograd's)
+        scatter_add_rows_(dx_TH, tok_C, g_CH.mul_(score_C1.to(ACC_DTYPE)))
+    else:
+        scatter_add_rows_(dx_TH, tok_C, g_CH, score_C1.to(g_CH.dtype))
+    if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
+        dw.add(dws, chunk if grouped is not None else None)
