@@ -1,9 +1,14 @@
-"""Where the host time of one ring forward+backward goes (H200, simulated EP, Qwen3 layer): the top Python
-and aten entries by self CPU time, and wall vs GPU time.
+"""Where the host time of one ring forward+backward goes (H200, simulated EP, Qwen3 layer).
 
-    python docs/bench/h200-memory/profile_hops.py OUT_DIR [--ep 64]
+    python docs/bench/h200-memory/profile_hops.py OUT_DIR [--ep 64]             # torch.profiler (raw-sweep/profile64.txt)
+    python docs/bench/h200-memory/profile_hops.py OUT_DIR [--ep 64] --cprofile  # Python functions (raw-sweep/pyprofile64.txt)
+
+torch.profiler: the top aten and op entries by self CPU time, wall vs GPU time, a Chrome trace. ``--cprofile``:
+host time per step (and to the next synchronize), then cProfile of ``--steps`` steps by tottime and cumulative.
 """
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -17,6 +22,8 @@ from relay_compile.bench.standin_group import standin_group
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--ep", type=int, default=64)
+ap.add_argument("--cprofile", action="store_true")
+ap.add_argument("--steps", type=int, default=3, help="cProfile: steps profiled")
 args = ap.parse_args()
 cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=65536)
 group = standin_group(args.ep)
@@ -32,16 +39,25 @@ def step():
 for _ in range(3):
     step()
 torch.cuda.synchronize()
-t0 = time.perf_counter()
-for _ in range(5):
+for _ in range(3):
+    t0 = time.perf_counter()
     step()
-torch.cuda.synchronize()
-print(f"EP={args.ep}: {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms per step (wall)")
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-    step()
+    t1 = time.perf_counter()
     torch.cuda.synchronize()
-ka = prof.key_averages()
-print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
-print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=15,
-                                                   max_name_column_width=60, max_src_column_width=90))
-prof.export_chrome_trace(f"{args.out}/trace_ep{args.ep}.json")
+    print(f"EP={args.ep}: host {1e3 * (t1 - t0):.1f} ms, to sync {1e3 * (time.perf_counter() - t0):.1f} ms")
+if args.cprofile:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).sort_stats("tottime")
+    stats.print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+else:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as tprof:
+        step()
+        torch.cuda.synchronize()
+    print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    tprof.export_chrome_trace(f"{args.out}/trace_ep{args.ep}.json")
