@@ -21,7 +21,7 @@ from relay_compile.routing import ROUTINGS
 HopRows = int | None | Literal["auto"]
 # ``max_hop_rows="auto"``: a chunk holds at most this fraction of the rank's tokens (its gathered rows, their
 # gradients and the expert activations then stay below the token-sized sums the step holds anyway), and never
-# fewer than AUTO_MIN_HOP_ROWS rows: each chunk costs a fixed host time (~0.6 ms per chunk and pass on the
+# fewer than AUTO_MIN_HOP_ROWS rows: each chunk costs a fixed host time (~0.5 ms per chunk and pass on the
 # H200), which below that size outweighs what it saves. Measured on the H200, Qwen3 layer, EP=8, 65536 tokens
 # (docs/BENCHMARKS.md, "Bounded hops by default"): whole hops 6.2x lower peak than a2a at 0.78x its time,
 # 16384-row chunks 8.2x at 0.86x, 8192-row chunks 8.6x at 1.38x.
