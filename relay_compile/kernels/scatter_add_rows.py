@@ -1,5 +1,8 @@
 """``sum[tok[c]] += scale[c] * rows[c]`` into a wider sum (fp32 from bf16 rows): the ring's y/dx accumulation.
 
+The sum may be stored as two row blocks (``tail``: rows ``split`` on, another allocation), as
+``runtime.row_sum.RowSum`` keeps it so that its finished bf16 result reuses the first block's memory.
+
 The ring sums a token's pairs across the hops they meet on in fp32 (``fp32_accumulation``). ``index_add_``
 needs one dtype, so eager code widens the rows first: a copy of the rows in fp32, then an fp32 scatter. On
 CUDA one Triton program per (row, column block) loads the row in its own dtype, scales it in registers and
@@ -20,29 +23,55 @@ from torch import Tensor
 WIDENED_ROWS = 8192
 
 
-def reference(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
+def _index_add_split_(sum_TH: Tensor, tail_TH: Tensor | None, tok_C: Tensor, rows_CH: Tensor) -> None:
+    """``index_add_`` into a sum whose rows from ``len(sum_TH)`` on live in ``tail_TH``.
+
+    Each block gets the rows of the other block as zeros (filled, not multiplied: an inf row stays out of the
+    other block); no boolean indexing, so no device-to-host sync on CUDA.
+    """
+    if tail_TH is None:
+        sum_TH.index_add_(0, tok_C, rows_CH)
+        return
+    split = sum_TH.shape[0]
+    in_tail = (tok_C >= split)[:, None]
+    sum_TH.index_add_(0, tok_C.clamp(max=split - 1), rows_CH.masked_fill(in_tail, 0))
+    tail_TH.index_add_(0, (tok_C - split).clamp(min=0), rows_CH.masked_fill(~in_tail, 0))
+
+
+def reference(
+    sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None, *, tail_TH: Tensor | None = None
+) -> None:
     """Eager, a block of rows at a time; the definition the kernel is tested against."""
     for a in range(0, rows_CH.shape[0], WIDENED_ROWS):
         block = rows_CH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
         if scale_C1 is not None:
             block.mul_(scale_C1[a : a + WIDENED_ROWS])
-        sum_TH.index_add_(0, tok_C[a : a + WIDENED_ROWS], block)
+        _index_add_split_(sum_TH, tail_TH, tok_C[a : a + WIDENED_ROWS], block)
 
 
-def scatter_add_rows_(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
-    """``sum[tok[c]] += scale[c] * rows[c]`` in place, in ``sum``'s dtype (``scale`` None: 1)."""
+def scatter_add_rows_(
+    sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None, *, tail_TH: Tensor | None = None
+) -> None:
+    """``sum[tok[c]] += scale[c] * rows[c]`` in place, in ``sum``'s dtype (``scale`` None: 1).
+
+    ``tail_TH``: the sum's rows from ``len(sum_TH)`` on, where it is stored in two blocks (same dtype and width).
+    """
     if rows_CH.dtype == sum_TH.dtype:
-        sum_TH.index_add_(0, tok_C, rows_CH if scale_C1 is None else rows_CH * scale_C1)
+        _index_add_split_(sum_TH, tail_TH, tok_C, rows_CH if scale_C1 is None else rows_CH * scale_C1)
         return
-    kernel = _triton_kernel() if _kernel_applies(sum_TH, tok_C, rows_CH, scale_C1) else None
+    kernel = _triton_kernel() if _kernel_applies(sum_TH, tail_TH, tok_C, rows_CH, scale_C1) else None
     if kernel is None:
-        reference(sum_TH, tok_C, rows_CH, scale_C1)
+        reference(sum_TH, tok_C, rows_CH, scale_C1, tail_TH=tail_TH)
         return
     rows, hidden = rows_CH.shape
     if rows:
         scale = scale_C1 if scale_C1 is not None else rows_CH  # any pointer: HAS_SCALE=False never reads it
+        split = sum_TH.shape[0]
+        # The tail addressed from the sum's pointer (an element offset between the two allocations, which are
+        # both aligned to the element size): one pointer argument, no pointer select in the kernel.
+        tail_offset = 0 if tail_TH is None else (tail_TH.data_ptr() - sum_TH.data_ptr()) // sum_TH.element_size()
         grid = (rows, -(-hidden // _BLOCK_H))
-        kernel[grid](sum_TH, tok_C, rows_CH, scale, hidden, sum_TH.stride(0), rows_CH.stride(0),
+        kernel[grid](sum_TH, tok_C, rows_CH, scale, hidden, sum_TH.stride(0), rows_CH.stride(0), split, tail_offset,
                      HAS_SCALE=scale_C1 is not None, BLOCK_H=_BLOCK_H, num_warps=4)
 
 
@@ -50,11 +79,15 @@ def scatter_add_rows_(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: 
 _BLOCK_H = 1024
 
 
-def _kernel_applies(sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None) -> bool:
-    """CUDA, an fp32 sum, unit column strides, outside of tracing (a traced graph takes the eager form)."""
-    tensors = [sum_TH, tok_C, rows_CH] + ([] if scale_C1 is None else [scale_C1])
+def _kernel_applies(
+    sum_TH: Tensor, tail_TH: Tensor | None, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None
+) -> bool:
+    """CUDA, an fp32 sum (and tail) of one row stride, unit column strides, outside of tracing (a traced graph
+    takes the eager form)."""
+    tensors = [t for t in (sum_TH, tok_C, rows_CH, scale_C1, tail_TH) if t is not None]
     return (
         sum_TH.dtype == torch.float32 and all(t.is_cuda for t in tensors) and sum_TH.stride(-1) == 1
+        and (tail_TH is None or (tail_TH.dtype == sum_TH.dtype and tail_TH.stride() == sum_TH.stride()))
         and rows_CH.stride(-1) == 1 and tok_C.is_contiguous()
         and (scale_C1 is None or scale_C1.numel() == rows_CH.shape[0])
         and not torch.compiler.is_compiling()
@@ -71,8 +104,8 @@ def _triton_kernel() -> Callable | None:
         return None
 
     @triton.jit
-    def _kernel(sum_ptr, tok_ptr, rows_ptr, scale_ptr, hidden, stride_sum, stride_rows, HAS_SCALE: tl.constexpr,
-                BLOCK_H: tl.constexpr):
+    def _kernel(sum_ptr, tok_ptr, rows_ptr, scale_ptr, hidden, stride_sum, stride_rows, split, tail_offset,
+                HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < hidden
@@ -80,6 +113,8 @@ def _triton_kernel() -> Callable | None:
         if HAS_SCALE:
             value = value * tl.load(scale_ptr + row).to(tl.float32)
         token = tl.load(tok_ptr + row).to(tl.int64)
-        tl.atomic_add(sum_ptr + token * stride_sum + cols, value, mask=mask, sem="relaxed")
+        # Rows from ``split`` on live in the tail, ``tail_offset`` elements from the sum's start.
+        dest = tl.where(token < split, token * stride_sum, tail_offset + (token - split) * stride_sum)
+        tl.atomic_add(sum_ptr + dest + cols, value, mask=mask, sem="relaxed")
 
     return _kernel

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from relay_compile.routing import PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
+from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.segment_compute import (
     ACC_DTYPE,
     HopActivations,
@@ -166,9 +167,9 @@ class ExpertRoutingStep:
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
-            self.y_TH = torch.zeros_like(x_TH, dtype=cfg.sum_dtype(x_TH))
+            self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
         else:
-            self.dx_TH = torch.zeros_like(x_TH, dtype=cfg.sum_dtype(x_TH))
+            self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
             # Every pair meets its expert on exactly one hop, so every entry is written.
             self.ds_S = torch.empty(self.scores_S.shape, dtype=ACC_DTYPE, device=x_TH.device)
 
@@ -186,7 +187,7 @@ class ExpertRoutingStep:
 
     @_drains(_no_partials)
     def forward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
-        segment_forward(self.cfg, self._rows(hop), self.x_TH, weights, self.y_TH)
+        segment_forward(self.cfg, self._rows(hop), self.x_TH, weights, self.y)
         return ()
 
     @staticmethod
@@ -205,7 +206,7 @@ class ExpertRoutingStep:
     def backward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
         dw = WeightGrads(weights, self.cfg.acc_dtype)
         assert self.grad_y_TH is not None
-        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
+        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
         return self._weight_grads(hop, dw, weights)
 
     @_drains(_incoming_sums)
@@ -215,7 +216,7 @@ class ExpertRoutingStep:
         the hop keeps no partial of its own; returns those sums, now including this hop."""
         dw = WeightGrads(weights, self.cfg.acc_dtype, into=lambda: transfer.wait()[first:])
         assert self.grad_y_TH is not None
-        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
+        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
         return dw.result()
 
     @_drains(_no_activations)
@@ -229,7 +230,7 @@ class ExpertRoutingStep:
         assert self.grad_y_TH is not None
         rows = self._rows(hop)
         while acts.chunks:
-            chunk_vjp(self.cfg, rows, acts.chunks, self.x_TH, self.grad_y_TH, self.dx_TH, self.ds_S, dw)
+            chunk_vjp(self.cfg, rows, acts.chunks, self.x_TH, self.grad_y_TH, self.dx, self.ds_S, dw)
         acts.chunks.clear()
         return self._weight_grads(hop, dw, weights)
 
@@ -237,9 +238,9 @@ class ExpertRoutingStep:
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         dtype = self.x_TH.dtype
         if self.grad_y_TH is None:
-            return (self.y_TH.to(dtype),)
+            return (self.y.finish(dtype),)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
-        return (self.dx_TH.to(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
+        return (self.dx.finish(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
                 *unpack_grads(self.cfg.grouped, trailing, self.weights, self.given_weights))
 
 
@@ -316,7 +317,7 @@ class TokenRoutingStep:
     @_drains(_token_partials)
     def forward_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> tuple[Tensor, ...]:
         y_TH = self._token_sum(x_TH)
-        segment_forward(self.cfg, self._rows(hop, ids_TK, scores_TK), x_TH, self.weights, y_TH)
+        segment_forward(self.cfg, self._rows(hop, ids_TK, scores_TK), x_TH, self.weights, RowSum.of(y_TH))
         return (y_TH,)
 
     @_drains(_token_partials)
@@ -326,7 +327,7 @@ class TokenRoutingStep:
         rows = self._rows(hop, ids_TK, scores_TK)
         dx_TH = self._token_sum(x_TH)
         ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
-        segment_backward(self.cfg, rows, x_TH, self.weights, dy_TH, dx_TH, ds_S, self.dw)
+        segment_backward(self.cfg, rows, x_TH, self.weights, dy_TH, RowSum.of(dx_TH), ds_S, self.dw)
         return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
 
     @_drains(_no_activations)
@@ -342,7 +343,7 @@ class TokenRoutingStep:
         dx_TH = self._token_sum(x_TH)
         ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
         while acts.chunks:
-            chunk_vjp(self.cfg, rows, acts.chunks, x_TH, dy_TH, dx_TH, ds_S, self.dw)
+            chunk_vjp(self.cfg, rows, acts.chunks, x_TH, dy_TH, RowSum.of(dx_TH), ds_S, self.dw)
         acts.chunks.clear()
         return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
 

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts
-from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.routing import Chunk, PairRouting
+from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.transport import RingGroup
 from relay_compile.runtime.weight_grads import WeightGrads
 
@@ -137,7 +137,7 @@ def _row_dot(a_CH: Tensor, b_CH: Tensor) -> Tensor:
 
 
 def segment_forward(
-    cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], y_TH: Tensor
+    cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], y: RowSum
 ) -> None:
     """``y[t] += scores[p] * F_owner(x[t])`` (or ``F_owner(scores[p] * x[t])``) for the pairs ``p = (t, k)`` of
     the hop's chunks."""
@@ -147,12 +147,12 @@ def segment_forward(
         x_CH = _gathered_scaled_rows(x_TH, tok_C, score_C1) if cfg.scores_before else x_TH[tok_C]
         out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, _chunk_weights(cfg, weights, chunk))
         if cfg.scores_before:
-            scatter_add_rows_(y_TH, tok_C, out_CH)
-        elif cfg.grouped is not None and out_CH.dtype == y_TH.dtype:
+            y.add_(tok_C, out_CH)
+        elif cfg.grouped is not None and out_CH.dtype == y.dtype:
             out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
-            y_TH.index_add_(0, tok_C, out_CH)
+            y.add_(tok_C, out_CH)
         else:
-            scatter_add_rows_(y_TH, tok_C, out_CH, score_C1)
+            y.add_(tok_C, out_CH, score_C1)
 
 
 @contextlib.contextmanager
@@ -193,7 +193,7 @@ def recompute_chunk(
 
 def chunk_vjp(
     cfg: RingStepConfig, rows: HopRows, pending: list[tuple[Chunk, Tensor, list[Tensor], Tensor]],
-    x_TH: Tensor, dy_TH: Tensor, dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
+    x_TH: Tensor, dy_TH: Tensor, dx: RowSum, ds_S: Tensor, dw: WeightGrads,
 ) -> None:
     """Consume the first recomputed chunk of ``pending``: add its ``dx``, ``d_scores`` and weight-gradient
     contributions. It is popped, so its rows and output are released here as soon as they are used."""
@@ -209,7 +209,7 @@ def chunk_vjp(
         else:
             ds_S[chunk.start : chunk.end] = _row_dot(g_CH, x_TH[tok_C])
             # autograd's fresh gradient rows (or our own dy gather): scaled in place, rounded once as autograd's
-            scatter_add_rows_(dx_TH, tok_C, g_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
+            dx.add_(tok_C, g_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
         dw.add(dws, chunk if cfg.grouped is not None else None)
         return
     ds_S[chunk.start : chunk.end] = _row_dot(dy_CH, out_CH.detach())
@@ -217,13 +217,13 @@ def chunk_vjp(
     dy_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype))
     with _autograd_enabled():
         grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True))
-    scatter_add_rows_(dx_TH, tok_C, grads[0])
+    dx.add_(tok_C, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
 
 def segment_backward(
     cfg: RingStepConfig, rows: HopRows, x_TH: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
-    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads,
+    dx: RowSum, ds_S: Tensor, dw: WeightGrads,
 ) -> None:
     """Per chunk: recompute, vector-Jacobian product, accumulate, release.
 
@@ -236,10 +236,10 @@ def segment_backward(
     no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
     for chunk in rows.chunks:
         if no_fused:
-            chunk_vjp(cfg, rows, [recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx_TH, ds_S, dw)
+            chunk_vjp(cfg, rows, [recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx, ds_S, dw)
             continue
         if cfg.scores_before:
-            _scores_before_fused_vjp(cfg, rows, chunk, x_TH, weights, dy_TH, dx_TH, ds_S, dw, fused)
+            _scores_before_fused_vjp(cfg, rows, chunk, x_TH, weights, dy_TH, dx, ds_S, dw, fused)
             continue
         c0, c1 = chunk.start, chunk.end
         tok_C = rows.routing.tokens_P[c0:c1]
@@ -255,14 +255,14 @@ def segment_backward(
                 dy_TH[tok_C], rows.scores_S[c0:c1],
             )
         ds_S[c0:c1] = ds_C
-        scatter_add_rows_(dx_TH, tok_C, dx_CH)
+        dx.add_(tok_C, dx_CH)
         if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
             dw.add(dws, chunk if grouped is not None else None)
 
 
 def _scores_before_fused_vjp(
     cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor], dy_TH: Tensor,
-    dx_TH: Tensor, ds_S: Tensor, dw: WeightGrads, vjp: ExpertVJP | None,
+    dx: RowSum, ds_S: Tensor, dw: WeightGrads, vjp: ExpertVJP | None,
 ) -> None:
     """One chunk's backward of ``y[t] += F(s x[t])`` through the fused backward of ``s' F(u)`` at ``s' = 1``
     (``cfg.grouped``'s ``vjp_rows``, else the expert function's ``vjp``).
@@ -294,8 +294,8 @@ def _scores_before_fused_vjp(
         )
     ds_S[c0:c1] = _row_dot(g_CH, x_TH[tok_C])
     if grouped is not None:  # our own entry point's fresh rows: scale them in place (rounded once, as autograd's)
-        scatter_add_rows_(dx_TH, tok_C, g_CH.mul_(score_C1.to(ACC_DTYPE)))
+        dx.add_(tok_C, g_CH.mul_(score_C1.to(ACC_DTYPE)))
     else:
-        scatter_add_rows_(dx_TH, tok_C, g_CH, score_C1.to(g_CH.dtype))
+        dx.add_(tok_C, g_CH, score_C1.to(g_CH.dtype))
     if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
         dw.add(dws, chunk if grouped is not None else None)
