@@ -44,7 +44,7 @@ from relay_compile.runtime.segment_compute import (
     segment_backward,
     segment_forward,
 )
-from relay_compile.runtime.transport import RingTransfer, active_run
+from relay_compile.runtime.transport import RingTransfer, active_run, receive_buffers
 from relay_compile.runtime.weight_grads import WeightGrads, pack_weights, unpack_grads
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -119,6 +119,18 @@ def _trailing(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
     return trailing
 
 
+def _grouped_receive_buffers(
+    cfg: RingStepConfig, hop: int, num_circulating: int, specs: Sequence[tuple[Sequence[int], torch.dtype]],
+    device: torch.device,
+) -> list[Tensor]:
+    """A transfer's receive buffers: the circulating tensors in one buffer, the trailing accumulators in another
+    (``transport``: each group travels as one span and keeps its own lifetime). The ring's last transfer returns
+    the accumulators to their owners: they become the op's outputs, which must not alias (separate tensors)."""
+    flat = hop < cfg.ring.size
+    return (receive_buffers(specs[:num_circulating], device, flat=flat)
+            + receive_buffers(specs[num_circulating:], device, flat=flat))
+
+
 def _setup(step: RingStep, plan: Callable[..., None], *args: object) -> None:
     """The step's planning after the agreement, guarded like a hop (a failure there drains too)."""
     _guarded(plan, _no_partials, step, *args)
@@ -178,7 +190,8 @@ class ExpertRoutingStep:
 
     def receive_buffers(self, hop: int, num_circulating: int, payload: Sequence[Tensor]) -> list[Tensor]:
         # Every partition (and its gradient) has the shapes of the local one: agreed at every call.
-        return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in payload]
+        return _grouped_receive_buffers(self.cfg, hop, num_circulating, [(t.shape, t.dtype) for t in payload],
+                                        payload[0].device)
 
     def _rows(self, hop: int) -> HopRows:
         owner = (self.cfg.ring.rank - hop) % self.cfg.ring.size
@@ -284,16 +297,13 @@ class TokenRoutingStep:
     def _source(self, hop: int) -> int:
         return (self.cfg.ring.rank - hop) % self.cfg.ring.size
 
-    def _rows_shaped(self, t: Tensor, rows: int, dtype: torch.dtype | None = None) -> Tensor:
-        return t.new_empty((rows, *t.shape[1:]), dtype=dtype or t.dtype)
-
     def receive_buffers(self, hop: int, num_circulating: int, payload: Sequence[Tensor]) -> list[Tensor]:
         # The transfer sent at ``hop`` brings the tokens of hop ``hop + 1`` and the accumulators of ``hop``.
         rows_next = self.rows_N[self._source(hop + 1)]
         rows_acc = self.rows_N[self._source(hop)]
-        return [self._rows_shaped(t, rows_next) for t in payload[:num_circulating]] + [
-            self._rows_shaped(t, rows_acc) for t in payload[num_circulating:]
-        ]
+        return _grouped_receive_buffers(self.cfg, hop, num_circulating, [
+            ((rows_next if i < num_circulating else rows_acc, *t.shape[1:]), t.dtype) for i, t in enumerate(payload)
+        ], payload[0].device)
 
     def _rows(self, hop: int, ids_TK: Tensor, scores_TK: Tensor) -> HopRows:
         src = self._source(hop)

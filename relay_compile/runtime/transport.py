@@ -6,6 +6,16 @@ until both sides complete and returns the receive buffers. All ranks run the sam
 same transfers in the same order; tags keep concurrent transfers to the same peer apart (gloo matches by tag,
 NCCL by order).
 
+Receive buffers come in groups, each group views of one byte buffer (``receive_buffers``, laid out by
+``_layout``): the circulating tensors, the trailing accumulators (two groups, so that each keeps its own
+lifetime: a hop's weights must not hold the sums beside them alive). A payload that a rank forwards as it
+arrived (weights moving on, token partitions, the sums a hop added into in place) is then one span of bytes
+per group, and travels as one send and one receive per group instead of one per tensor: at EP=64 that
+removes about half of a step's P2P operations and their host cost (docs/BENCHMARKS.md). How a transfer is
+split into spans (``_runs``) depends only on where its tensors live, which every rank's program decides
+alike, and is used only where the payload and the receive buffers split alike, so the two sides of each
+transfer agree (a payload of fresh tensors, such as the local weights at hop 0, goes per tensor).
+
 A program runs inside a ``RingRun`` (one op call), which
 
 - tracks every transfer posted and not yet waited on: if an exception leaves the program, each of them is
@@ -32,6 +42,8 @@ waiting until then, or until the backend notices (gloo reports a closed connecti
 from __future__ import annotations
 
 import contextvars
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -232,8 +244,13 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
     sent = [t.contiguous() for t in payload]
     if ring.size == 1:
         return RingTransfer(sent=[], received=sent)
+    send_runs, recv_runs = _runs(sent), _runs(receive)
+    pairs = (
+        [(_span(sent[a:b]), _span(receive[a:b])) for a, b in send_runs] if send_runs == recv_runs
+        else zip(sent, receive, strict=True)
+    )
     ops = []
-    for pos, (send_t, recv_t) in enumerate(zip(sent, receive, strict=True)):
+    for pos, (send_t, recv_t) in enumerate(pairs):
         tag = index * TAGS_PER_TRANSFER + pos
         ops.append(dist.P2POp(dist.isend, send_t, ring.next_global, ring.group, tag))
         ops.append(dist.P2POp(dist.irecv, recv_t, ring.prev_global, ring.group, tag))
@@ -250,6 +267,63 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
     if run is not None:
         run.posted.append(xfer)
     return xfer
+
+
+# Byte alignment of each tensor in a receive buffer: any element type's, and the width of vector loads.
+_ALIGN = 16
+
+
+def _layout(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of these shapes and dtypes packed in one buffer, and the bytes they span."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + math.prod(shape) * dtype.itemsize
+    return offsets, end
+
+
+def receive_buffers(
+    specs: Sequence[tuple[Sequence[int], torch.dtype]], device: torch.device, *, flat: bool = True
+) -> list[Tensor]:
+    """Uninitialized receive buffers of these shapes and dtypes: views of one byte buffer (module docstring);
+    ``flat=False``: separate tensors (what becomes an op's outputs must not alias)."""
+    if not flat or len(specs) <= 1:
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    offsets, nbytes = _layout(specs)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return [
+        buffer[off : off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for (shape, dtype), off in zip(specs, offsets, strict=True)
+    ]
+
+
+def _runs(tensors: Sequence[Tensor]) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of ``tensors`` that lie in one storage as ``_layout`` packs them (as one
+    ``receive_buffers`` call made them): each run can travel as one span of bytes (``_span``)."""
+    runs: list[tuple[int, int]] = []
+    a, storage, end = 0, -1, 0
+    for i, t in enumerate(tensors):
+        start = -(-end // _ALIGN) * _ALIGN
+        if i == a or not (t.is_contiguous() and t.data_ptr() == start and t.untyped_storage().data_ptr() == storage):
+            if i > a:
+                runs.append((a, i))
+            a, storage = i, t.untyped_storage().data_ptr()
+        end = t.data_ptr() + t.numel() * t.element_size()
+    if tensors:
+        runs.append((a, len(tensors)))
+    return runs
+
+
+def _span(run: Sequence[Tensor]) -> Tensor:
+    """The bytes of one run (``_runs``) as a uint8 tensor over its storage; a run of one tensor is itself."""
+    if len(run) == 1:
+        return run[0]
+    first, last = run[0], run[-1]
+    storage = first.untyped_storage()
+    nbytes = last.data_ptr() + last.numel() * last.element_size() - first.data_ptr()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+        storage, first.data_ptr() - storage.data_ptr(), (nbytes,), (1,))
 
 
 def all_gather_rows(ring: RingGroup, row_R: Tensor) -> Tensor:

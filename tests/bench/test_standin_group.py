@@ -177,6 +177,34 @@ class MoEUnderTheStandinGroup(StandinTestCase):
         want = _forward_backward(a2a_moe, x, ids, scores, weights, group=group)
         self.assert_all_close(got, want, "a2a_moe compiled with the group's name")
 
+class RingTransfersOnTheStandinGroup(StandinTestCase):
+    def test_forwarded_payloads_take_one_send_per_transfer(self) -> None:
+        # Expert routing, SwiGLU packed to (w13, w2), N = 8. Forward: hop 0 sends the local weights (2 tensors),
+        # hops 1..N-2 forward what they received (1 span each). Backward (+1 status send per transfer): hop 0's
+        # weights (2), hop 1's weights and the fresh sums of hop 0 (4), hops 2..N-2 forward the weights and the
+        # sums they added into (2 spans: weights and sums are separate buffers), hop N-1 the sums (1), the return
+        # to the owners (2, separate tensors: they become the op's outputs).
+        n, hidden, experts, tokens, top_k = 8, 16, 16, 64, 4
+        group = standin_group(n)
+        w = moe_weights(0, hidden, 8, experts, experts=range(experts // n))
+        weights = [w[k].requires_grad_() for k in ("w1", "w2", "w3")]
+        x = torch.randn(tokens, hidden, requires_grad=True)
+        ids = torch.randint(0, experts, (tokens, top_k))
+        scores = torch.rand(tokens, top_k, requires_grad=True)
+        sends = {"forward": 0, "backward": 0}
+        phase = "forward"
+        original = StandinGroup.send
+
+        def counting_send(self, *args, **kwargs):
+            sends[phase] += 1
+            return original(self, *args, **kwargs)
+
+        with unittest.mock.patch.object(StandinGroup, "send", counting_send):
+            y = ring_moe(x, ids, scores, *weights, group=group, routing="expert")
+            phase = "backward"
+            y.sum().backward()
+        self.assertEqual(sends, {"forward": 2 + (n - 2), "backward": (2 + 4 + 2 * (n - 3) + 1 + 2) + n + 1})
+
 
 if __name__ == "__main__":
     unittest.main()

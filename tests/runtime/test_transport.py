@@ -18,6 +18,7 @@ from relay_compile.runtime.transport import (
     TAGS_PER_TRANSFER,
     RingGroup,
     all_gather_rows,
+    receive_buffers,
     start_transfer,
 )
 
@@ -82,6 +83,59 @@ class OpsOfALargerRing(unittest.TestCase):
         self.assertEqual([id(t) for t in got], [id(t) for t in receive])  # the receive buffers themselves
         work.wait.assert_called_once_with()
         self.assertEqual(xfer.sent, [])  # the send tensors are released once the transfer completed
+
+    def _ops(self, payload, receive):
+        with mock.patch.object(transport, "dist") as fake:
+            fake.P2POp.side_effect = lambda op, t, peer, group, tag: (op, t, peer, tag)
+            start_transfer(self.RING, 2, payload, receive)
+        (ops,), _ = fake.batch_isend_irecv.call_args
+        return fake, ops
+
+    def test_receive_buffers_are_aligned_views_of_one_buffer_unless_asked_for_separate_tensors(self) -> None:
+        specs = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((2,), torch.int64)]
+        bufs = receive_buffers(specs, torch.device("cpu"))
+        self.assertEqual([(tuple(b.shape), b.dtype) for b in bufs], [(s, d) for s, d in specs])
+        base = bufs[0].untyped_storage().data_ptr()
+        self.assertEqual([b.data_ptr() - base for b in bufs], [0, 32, 64])  # 30 and 28 bytes, 16-aligned
+        self.assertEqual(bufs[0].untyped_storage().nbytes(), 80)
+        separate = receive_buffers(specs, torch.device("cpu"), flat=False)
+        self.assertEqual(len({b.untyped_storage().data_ptr() for b in separate}), 3)
+
+    def test_a_payload_forwarded_as_it_was_received_travels_as_one_span_of_bytes(self) -> None:
+        specs = [((3, 5), torch.bfloat16), ((7,), torch.float32)]
+        arrived = receive_buffers(specs, torch.device("cpu"))
+        arrived[0].fill_(1.5)
+        arrived[1].fill_(-2.0)
+        receive = receive_buffers(specs, torch.device("cpu"))
+        fake, ops = self._ops(arrived, receive)
+        self.assertEqual([(op[0], op[2], op[3]) for op in ops], [(fake.isend, 12, 128), (fake.irecv, 10, 128)])
+        send_span, recv_span = ops[0][1], ops[1][1]
+        self.assertEqual((send_span.dtype, send_span.numel(), recv_span.numel()), (torch.uint8, 60, 60))
+        recv_span.copy_(send_span)  # what the peer's receive does: the views of the next buffer get the values
+        self.assertTrue(torch.equal(receive[0], arrived[0]) and torch.equal(receive[1], arrived[1]))
+
+    def test_a_payload_from_two_buffers_travels_as_two_spans(self) -> None:
+        circ, trail = [((4,), torch.bfloat16), ((3,), torch.bfloat16)], [((5,), torch.float32), ((2,), torch.float32)]
+        arrived = receive_buffers(circ, "cpu") + receive_buffers(trail, "cpu")
+        receive = receive_buffers(circ, "cpu") + receive_buffers(trail, "cpu")
+        _, ops = self._ops(arrived, receive)
+        self.assertEqual([(op[1].dtype, op[1].numel(), op[3]) for op in ops],
+                         [(torch.uint8, 22, 128), (torch.uint8, 22, 128), (torch.uint8, 40, 129), (torch.uint8, 40, 129)])
+
+    def test_fresh_tensors_a_partial_mix_or_separate_receive_buffers_go_per_tensor(self) -> None:
+        specs = [((4,), torch.float32), ((6,), torch.bfloat16)]
+        arrived = receive_buffers(specs, torch.device("cpu"))
+        cases = {
+            "fresh payload": ([torch.ones(4), torch.ones(6, dtype=torch.bfloat16)], receive_buffers(specs, "cpu")),
+            "mixed payload": ([arrived[0], torch.ones(6, dtype=torch.bfloat16)], receive_buffers(specs, "cpu")),
+            "out of order": ([arrived[1], arrived[0]], receive_buffers(specs[::-1], "cpu")),
+            "separate receive": (arrived, receive_buffers(specs, "cpu", flat=False)),
+        }
+        for name, (payload, receive) in cases.items():
+            with self.subTest(name):
+                _, ops = self._ops(payload, receive)
+                self.assertEqual([op[1] for op in ops[::2]], payload)
+                self.assertEqual(len(ops), 4)
 
     def test_tags_of_consecutive_transfers_never_collide(self) -> None:
         tags: list[int] = []

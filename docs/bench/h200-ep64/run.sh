@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issues 10/12 on one H200 (torch 2.11), session 4: EP=64 after RowSum and one-span transfers.
+# Usage (device tool, carry .whl and .whl-titan): bash docs/bench/h200-ep64/run.sh "$OUT" [parts...]
+# Parts (default all): tests spread rows numerics titan train. Everything lands in $OUT/raw.tar.gz and $OUT/log.txt.
+set -uo pipefail
+OUT=$1; shift
+PARTS=${*:-tests spread rows numerics titan train}
+RAW=/tmp/raw; mkdir -p $RAW
+python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-titan/*.whl 2>&1 | tail -1
+export PYTHONPATH=/tmp/site
+python -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+for part in $PARTS; do
+  echo "== $part $(date +%T)"
+  case $part in
+    tests) python -m pytest -q tests/runtime/test_row_sum.py tests/test_scatter_add_rows.py tests/runtime/test_transport.py \
+             tests/bench/test_standin_group.py 2>&1 | tail -3 ;;
+    spread) python docs/bench/h200-hostcost/step_spread.py $RAW 2>&1 | grep -v Warn
+            echo "-- OMP_NUM_THREADS=1"
+            OMP_NUM_THREADS=1 python docs/bench/h200-hostcost/step_spread.py $RAW --tag omp1 2>&1 | grep -v Warn ;;
+    rows) python docs/bench/h200-memory/rows.py $RAW --ep 64 8 --bounds --backend 2>&1 | grep -v Warning | grep -v "^\[" ;;
+    numerics) python -m relay_compile.bench --preset numerics --device cuda --ep 8 64 --tokens 65536 --out $RAW/numerics \
+                2>&1 | tail -2; sed -n '/bf16 numerics/,$p' $RAW/numerics/results.md ;;
+    titan) mkdir -p $RAW/titan; python docs/bench/h200-torchtitan/titan_rows.py $RAW/titan --rounds 2 > $RAW/titan_log.txt 2>&1;
+           tail -25 $RAW/titan_log.txt | grep -v "Warn\|warn_once" ;;
+    train) TRAIN="--device cuda --simulate-ep 8 --dtype bfloat16 --steps 300 --hidden 512 --heads 8 --layers 4 --ffn 384
+             --experts 64 --top-k 8 --batch 8 --seq-len 512 --vocab 4096 --plot= --seed 0"
+           for s in 0 1 2 3; do
+             timeout 200 python examples/train_moe.py $TRAIN --data-seed $s --backend relaymoe \
+               --report-json "$RAW/train_data${s}_relaymoe.json" 2>&1 | grep -v Warning | awk '/^ *(299) |result|Error|error/'
+           done ;;
+  esac
+done
+tar czf $OUT/raw.tar.gz -C $RAW .
