@@ -14,6 +14,8 @@ import argparse
 import gc
 import json
 import statistics
+import sys
+import threading
 import time
 
 import torch
@@ -29,6 +31,7 @@ ap.add_argument("out")
 ap.add_argument("--ep", type=int, default=64)
 ap.add_argument("--steps", type=int, default=30)
 ap.add_argument("--tag", default="")
+ap.add_argument("--modes", nargs="+", default=["gc auto", "gc off in steps"])
 args = ap.parse_args()
 cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=65536)
 group = standin_group(args.ep)
@@ -69,6 +72,15 @@ def probes():
     return py_ms, e[0].elapsed_time(e[1])
 
 
+def other_threads() -> list[str]:
+    """Where every other Python thread is right now (innermost frame): a thread that runs Python takes the GIL
+    from the one launching the ring's kernels."""
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return [f"{names.get(ident, ident)}: {f.f_code.co_filename.split('/')[-1]}:{f.f_lineno} {f.f_code.co_name}"
+            for ident, f in sys._current_frames().items() if ident != me]
+
+
 def step(layer):
     inp.clear_grads()
     e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -84,7 +96,7 @@ def step(layer):
 
 
 results = {}
-for mode in ("gc auto", "gc off in steps"):
+for mode in args.modes:
     for layer in ("a2a", "ring"):
         for _ in range(3):
             step(layer)
@@ -98,7 +110,7 @@ for mode in ("gc auto", "gc off in steps"):
             fwd, bwd, host = step(layer)
             py_ms, mm_ms = probes()
             steps.append({"fwd": fwd, "bwd": bwd, "host_bwd": host, "gcs": collections[n0:], "py_ms": py_ms,
-                          "mm_ms": mm_ms})
+                          "mm_ms": mm_ms, "threads": other_threads()})
         gc.enable()
         tot = [s["fwd"] + s["bwd"] for s in steps]
         gens = [g for s in steps for g, _ in s["gcs"]]
@@ -111,4 +123,12 @@ for mode in ("gc auto", "gc off in steps"):
         print("    matmul probe ms:", " ".join(f"{st['mm_ms']:.1f}" for st in steps), flush=True)
         results[f"{mode} / {layer}"] = steps
 print("objects tracked by gc:", len(gc.get_objects()))
+print("Python threads:", [(t.name, t.daemon) for t in threading.enumerate()])
+seen: dict[str, int] = {}
+for steps in results.values():
+    for st in steps:
+        for where in st["threads"]:
+            seen[where] = seen.get(where, 0) + 1
+for where, n in sorted(seen.items(), key=lambda kv: -kv[1])[:15]:
+    print(f"  other thread seen after {n} steps at {where}")
 json.dump(results, open(f"{args.out}/step_spread{'_' + args.tag if args.tag else ''}.json", "w"), indent=1)
