@@ -99,6 +99,9 @@ class BenchOptions:
     compile: bool = True
     # Measure peak memory (one extra forward+backward per row).
     memory: bool = True
+    # Time the rows' steps in turns (one step of every row per round) instead of each row's steps in a block:
+    # a host whose speed drifts over seconds then weighs on every row alike (docs/BENCHMARKS.md, "EP=64").
+    interleave: bool = False
 
 
 def gib(value: float) -> int:

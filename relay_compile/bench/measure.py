@@ -1,7 +1,8 @@
 """Timing and peak memory of rows on one configuration, side by side in this process (``measure_layer``).
 
 Each row runs rank 0 of the configuration's stand-in group: ``opts.warmup`` steps, then ``opts.repeats`` timed
-forward+backward steps (medians), then one step under ``relay_compile.memory.PeakMemory``; the link model
+forward+backward steps (medians; with ``opts.interleave`` the rows take their timed steps in turns, one step of
+every row per round), then one step under ``relay_compile.memory.PeakMemory``; the link model
 (``relay_compile.bench.link_model``) adds the modeled link time. Results are ``RowResult``s in a ``LayerResult``,
 with ratios to the row ``A2A_EAGER``.
 """
@@ -203,6 +204,7 @@ def measure_layer(
     inp = make_inputs(cfg, weights)
     result = into or LayerResult(config=dataclasses.asdict(cfg), label=cfg.label(), resident_bytes=inp.resident_bytes())
     fns: dict[str, LayerFn] = {}
+    in_turns: list[tuple[RowSpec, RowResult, LayerFn]] = []  # built and warm, timed together (opts.interleave)
     for spec in specs:
         row = RowResult(row=spec.name, kind=spec.kind, note=spec.note)
         result.rows.append(row)
@@ -217,19 +219,25 @@ def measure_layer(
             fn = spec.build(cfg, group)
             for _ in range(opts.warmup):
                 time_step(fn, inp, cfg.device)
-            times = [time_step(fn, inp, cfg.device) for _ in range(max(1, opts.repeats))]
-            row.fwd_ms = statistics.median(t[0] for t in times)
-            row.bwd_ms = statistics.median(t[1] for t in times)
-            row.total_ms = row.fwd_ms + row.bwd_ms  # the sum of the medians, as the link model uses them
-            if opts.memory:
-                row.peak_bytes = peak_step(fn, inp, cfg.device)
-            lm = link_model(cfg, spec, row.fwd_ms, row.bwd_ms, opts.link_gbps)
-            row.link = dataclasses.asdict(lm)
+            if opts.interleave:
+                in_turns.append((spec, row, fn))
+                clear_grads(fn, inp)
+                continue
+            _complete_row(cfg, opts, spec, row, fn, inp, [time_step(fn, inp, cfg.device) for _ in range(_n(opts))])
             fns[spec.name] = fn
         except Exception as e:  # one failing row must not lose the others
             row.skipped = row_failure(spec, e)
-        finally:
-            after_row(fn, inp, cfg.device)
+        after_row(fn, inp, cfg.device)
+        _report_row(progress, cfg, row)
+    times = _time_in_turns(cfg, opts, in_turns, inp)
+    for spec, row, fn in in_turns:
+        try:
+            if not row.skipped:
+                _complete_row(cfg, opts, spec, row, fn, inp, times[spec.name])
+                fns[spec.name] = fn
+        except Exception as e:  # noqa: BLE001 -- as above
+            row.skipped = row_failure(spec, e)
+        after_row(fn, inp, cfg.device)
         _report_row(progress, cfg, row)
     check = _check_ring(cfg, fns, inp)
     if check:
@@ -239,6 +247,41 @@ def measure_layer(
     del inp, fns
     free_cached(cfg.device)
     return result
+
+
+def _n(opts: BenchOptions) -> int:
+    return max(1, opts.repeats)
+
+
+def _complete_row(
+    cfg: LayerConfig, opts: BenchOptions, spec: RowSpec, row: RowResult, fn: LayerFn, inp: LayerInputs,
+    times: list[tuple[float, float]],
+) -> None:
+    """A timed row's medians, its peak (one more step, ``opts.memory``) and its link model."""
+    row.fwd_ms = statistics.median(t[0] for t in times)
+    row.bwd_ms = statistics.median(t[1] for t in times)
+    row.total_ms = row.fwd_ms + row.bwd_ms  # the sum of the medians, as the link model uses them
+    if opts.memory:
+        row.peak_bytes = peak_step(fn, inp, cfg.device)
+    row.link = dataclasses.asdict(link_model(cfg, spec, row.fwd_ms, row.bwd_ms, opts.link_gbps))
+
+
+def _time_in_turns(
+    cfg: LayerConfig, opts: BenchOptions, rows: list[tuple[RowSpec, RowResult, LayerFn]], inp: LayerInputs
+) -> dict[str, list[tuple[float, float]]]:
+    """``opts.repeats`` rounds of one step of every row in turn: each row's (forward, backward) ms. A row whose
+    step raises gets the reason in ``skipped`` and leaves the later rounds."""
+    times: dict[str, list[tuple[float, float]]] = {spec.name: [] for spec, _, _ in rows}
+    for _ in range(_n(opts)):
+        for spec, row, fn in rows:
+            if row.skipped:
+                continue
+            try:
+                times[spec.name].append(time_step(fn, inp, cfg.device))
+            except Exception as e:  # noqa: BLE001 -- one failing row must not lose the others
+                row.skipped = row_failure(spec, e)
+            clear_grads(fn, inp)
+    return times
 
 
 def _report_row(progress: Progress, cfg: LayerConfig, row: RowResult) -> None:

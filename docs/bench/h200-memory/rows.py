@@ -1,7 +1,7 @@
 """Device run (issues 10/12): time and peak of the ring at its defaults (in-place gradient sums, auto hop bound)
 beside whole and bounded hops, bf16 sums, a2a eager and the backend; Qwen3 layer, simulated EP 8 / 64, one run.
 
-    python docs/bench/h200-memory/rows.py OUT_DIR [--ep 8 64] [--bounds 8192 16384 32768]
+    python docs/bench/h200-memory/rows.py OUT_DIR [--ep 8 64] [--bounds 8192 16384 32768] [--backend] [--interleave]
 """
 import argparse
 import dataclasses
@@ -17,10 +17,12 @@ ap.add_argument("out")
 ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
 ap.add_argument("--bounds", type=int, nargs="*", default=[8192, 16384, 32768])
 ap.add_argument("--backend", action="store_true")
+ap.add_argument("--interleave", action="store_true", help="rows take their timed steps in turns (BenchOptions)")
+ap.add_argument("--repeats", type=int, default=10)
 ap.add_argument("--repeat-defaults", type=int, default=0,
                 help="only a2a eager and this many copies of the default ring row (run-to-run spread within a run)")
 args = ap.parse_args()
-opts = BenchOptions(repeats=10)
+opts = BenchOptions(repeats=args.repeats, interleave=args.interleave)
 results = {}
 for ep in args.ep:
     rows = [

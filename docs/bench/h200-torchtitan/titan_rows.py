@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--tiny", action="store_true", help="H=64 F=32 E=16 K=4, 256 tokens (CPU)")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--interleave", action="store_true", help="rows take their timed steps in turns (BenchOptions)")
     p.add_argument("--rounds", type=int, default=1, help="measure every EP this many times (round r: key EP + 1000 r)")
     p.add_argument("--compile-steps", type=int, default=3)
     p.add_argument("--time-budget", type=float, default=0.0, help="s; compile-time EPs after the first are "
@@ -117,7 +118,7 @@ def main() -> None:
     base = QWEN3_30B.with_(device=args.device, dtype="bf16", tokens=args.tokens)
     if args.tiny:
         base = base.with_(name="tiny", hidden=64, ffn=32, experts=16, top_k=4, tokens=256)
-    opts = BenchOptions(repeats=args.repeats)
+    opts = BenchOptions(repeats=args.repeats, interleave=args.interleave)
     progress = Progress()
     t_start = time.perf_counter()
     progress.note(f"torch {torch.__version__}, device {args.device}"
