@@ -142,10 +142,16 @@ class CapacityMatch(unittest.TestCase):
                                  r"tokens' dtype")
         self.assertIn("scores applied before the experts?", reason)
 
-    def test_refuses_experts_with_biases(self) -> None:
-        # nn.Linear(..., bias=True) experts: the grouped experts have no bias.
-        reason = self.refusal(self.deepspeed(bias=True))
-        self.assertRegex(reason, r"^the capacity experts are not recognized as an FFN of experts \(.* adds a bias")
+    def test_experts_with_biases_are_lowered_with_their_biases(self) -> None:
+        # nn.Linear(..., bias=True) experts: empty slots compute F(0) = b2 + ... in the original, times a combine
+        # weight of 0, so the ring over kept pairs computes the same (capacity_pairs).
+        _, regions, refused = traced(self.deepspeed(bias=True))
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual(len(region.weights), 4 * E // N)  # fc1, its bias, fc2, its bias of each local expert
+        self.assertTrue(region.experts_path.description.startswith("gelu experts with bias (gate, down), "),
+                        region.experts_path.description)
+        self.assertEqual(region.lowered.num_packed(len(region.weights)), 4)
 
     def test_refuses_experts_that_mix_capacity_slots(self) -> None:
         # out - out.mean(dim=2): a slot's result depends on the other tokens of its expert.
