@@ -25,6 +25,7 @@ import torch.nn.functional as nnf
 from torch import Tensor
 from torch.testing._internal.common_utils import run_tests
 
+import relay_compile
 from relay_compile.backend import compiled_reports
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
@@ -336,14 +337,19 @@ class BiasedExpertsTrainLikeEager(Idioms):
 
     def test_a_module_list_moe_with_biased_linears_takes_the_grouped_path_and_trains_like_eager(self) -> None:
         self.init_pg()
-        seen = len(compiled_reports())
-        self.check_rewritten_and_equal_to_eager(
-            lambda: MegatronStyleMoE(16, 8, 8, 2, dist.group.WORLD, seed=6, bias=True), "biased ModuleList experts",
-            experts="grouped: swiglu experts with bias (gate+up, down), gate+up per expert")
-        (region,) = [r for g in compiled_reports()[seen:] for r in g.regions]
-        fn = spec_state(region.ring_op).spec.expert_fn
-        self.assertIsInstance(fn, LoweredFFN)
-        self.assertEqual(fn.num_packed(4 * 4), 4)  # [w13, w2, b13, b2] of the 4 local experts' 16 tensors
+        # Expert routing in chunks of a few experts (bias slices, gradients added into the travelling sums), then
+        # token routing with the forward differentiated by autograd (remat off).
+        for settings in ({"routing": "expert", "max_hop_rows": 3}, {"routing": "token", "remat": False}):
+            seen = len(compiled_reports())
+            with relay_compile.config.patch(**settings):
+                self.check_rewritten_and_equal_to_eager(
+                    lambda: MegatronStyleMoE(16, 8, 8, 2, dist.group.WORLD, seed=6, bias=True),
+                    f"biased ModuleList experts, {settings}",
+                    experts="grouped: swiglu experts with bias (gate+up, down), gate+up per expert")
+            (region,) = [r for g in compiled_reports()[seen:] for r in g.regions]
+            fn = spec_state(region.ring_op).spec.expert_fn
+            self.assertIsInstance(fn, LoweredFFN)
+            self.assertEqual(fn.num_packed(4 * 4), 4)  # [w13, w2, b13, b2] of the 4 local experts' 16 tensors
 
 
 if __name__ == "__main__":
