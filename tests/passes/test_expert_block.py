@@ -117,6 +117,17 @@ def _relu2(h: Tensor) -> Tensor:
     return torch.relu(h) ** 2
 
 
+def loop_mm_relu_times_relu(rows, counts, s0, s1, w1, w2):
+    """A loop over ``torch.split`` chunks with ``torch.mm(x_e, w[e].t())``; squared ReLU as ``relu(h) * relu(h)``."""
+    x, perm, _ = _expert_major(rows, counts)
+    counts_L = counts.sum(0)
+    chunks, outs = torch.split(x, [counts_L[e].item() for e in range(L)]), []
+    for e in range(L):
+        h = nnf.relu(torch.mm(chunks[e], w1[e].t()))
+        outs.append((h * h).mm(w2[e].t()))
+    return torch.cat(outs)[torch.argsort(perm)]
+
+
 def with_bias(rows, s00, s01, s02, s10, s11, s12, fc1_0, b1_0, fc2_0, fc1_1, b1_1, fc2_1, fc1_2, b1_2, fc2_2):
     """ModuleList experts whose fc1 (fused gate and up) has a bias."""
     sizes = [s00, s01, s02, s10, s11, s12]
@@ -292,6 +303,13 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
                     Idiom(_non_gated(act), FFN_EFH, per_pair=False), name,
                     f"{name} experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)",
                 )
+
+
+    def test_mm_and_squared_relu_as_a_product_of_two_relus(self) -> None:
+        self.check(
+            Idiom(loop_mm_relu_times_relu, FFN_EFH, per_pair=False), "relu2",
+            "relu2 experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)",
+        )
 
 
 class ExpertsComputedInAnotherDtype(RecognizedIdiomsEqualF):

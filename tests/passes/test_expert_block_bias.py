@@ -129,6 +129,13 @@ def capacity_einsum_swiglu_tutel_bias(recv, w1, b1, w2, b2, w3, b3):
     return y_LRH.reshape(L, N, C, H).transpose(0, 1).reshape(N * L, C, H)
 
 
+def capacity_matmul_mt_gelu_tanh(recv, w1, w2):
+    """Batched ``@`` with ``w.mT`` of ``(E_l, F, H)`` weights (no biases), tanh-GELU."""
+    x_LRH = recv.reshape(N, L, C, H).transpose(0, 1).reshape(L, N * C, H)
+    y_LRH = nnf.gelu(x_LRH @ w1.mT, approximate="tanh") @ w2.mT
+    return y_LRH.reshape(L, N, C, H).transpose(0, 1).reshape(N * L, C, H)
+
+
 def bias_shared_by_all_experts(rows, counts, s0, s1, w1, w2, b1):
     """One ``(F,)`` bias added to the grouped GEMM's rows of every expert: not a per-expert bias."""
     x, perm, offs = _expert_major(rows, counts)
@@ -278,7 +285,7 @@ class BiasedIdiomsEqualF(_Checks):
             "down weights[1] stacked (out_in), up bias weights[3] stacked"))
 
 
-class BiasedCapacityIdiomsEqualF(_Checks):
+class CapacityIdiomsEqualF(_Checks):
     """Batched experts on the whole receive ``(N * E_l, C, H)``: F's shapes are the receive's, so the lowered
     program runs on the rows regrouped by expert (``(E_l, N, C)`` order, every expert ``N * C`` rows)."""
 
@@ -322,6 +329,10 @@ class BiasedCapacityIdiomsEqualF(_Checks):
             "swiglu experts with bias (gate, up, down), gate weights[0] stacked (out_in), up weights[4] stacked "
             "(out_in), down weights[2] stacked (out_in), gate bias weights[1] stacked, up bias weights[5] stacked, "
             "down bias weights[3] stacked"))
+
+    def test_batched_matmul_with_mt_of_stacked_weights(self) -> None:
+        self.check_capacity(capacity_matmul_mt_gelu_tanh, ((L, F, H), (L, H, F)), "gelu_tanh", (
+            "gelu_tanh experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)"))
 
 
 class BiasesThatAreNotPerExpertSayWhy(unittest.TestCase):
