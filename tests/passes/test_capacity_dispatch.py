@@ -3,7 +3,7 @@
 Layers written in those codebases' idioms (``tests.models.deepspeed_style``: top-2 gating with capacity and drops,
 a ModuleList of experts on chunks of ``(N, E_l, C, M)``, all-to-alls functional or DeepSpeed's ``_AllToAll``
 autograd.Function; ``tests.models.fairseq_style``: the same with fairseq's mm
-dispatch and combine; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C,
+dispatch and combine, and experts with biases; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C,
 M)``) train for three SGD steps beside the same layer run eagerly through its all-to-alls: losses and gradients agree
 at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens are dropped, and under an
 adversarial gate that sends every token to the same experts (most dropped), under each routing (auto; token and
@@ -122,11 +122,14 @@ class Cases(DistributedTestCase):
         self.assertNotIn("autograd_function_apply(", code)  # neither _AllToAll.apply is left
 
     def check_fairseq(self) -> None:
-        """The same gate and experts with fairseq's mm dispatch and combine."""
+        """The same gate with fairseq's mm dispatch and combine, and experts whose ``nn.Linear``s have biases (the
+        original computes ``F(0)``, biases and all, on empty slots, times a combine weight of 0)."""
         def build() -> FairseqStyleMoE:
-            return FairseqStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=11)
+            return FairseqStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=11, bias=True)
 
-        self.check_rewritten_graph(self.train_beside_eager(build, self.batches(), "fairseq mm"))
+        self.check_rewritten_graph(self.train_beside_eager(build, self.batches(), "fairseq mm, biased experts"))
+        experts = compiled_reports()[-1].regions[0].experts
+        self.assertTrue(experts.startswith("grouped: gelu experts with bias (gate, down)"), experts)
 
     # --- GShard / Tutel: top-k, batched experts ---------------------------------------------------------
 
