@@ -12,7 +12,8 @@ batched experts write it, on CPU/gloo:
                 back to (N, E_l, C, M)
     combine     all_to_all_single back; (E, C, M); einsum("sec,ecm->sm", combine_weights, out)
 
-Tutel's experts also add biases (``batched_fc1_bias``): these have none (see README, capacity-based dispatch).
+Tutel's experts also add biases (``batched_fc1_bias``, ``(E_l, 1, F)``): these have none (batched experts with
+biases: ``tests/passes/test_expert_block_bias.py``).
 
 Legend: S tokens (per rank), M model dim, E experts, E_l local experts, C capacity, N ranks, F expert width.
 """
