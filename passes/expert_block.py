@@ -21,13 +21,13 @@ The content expression of F's output is then matched against the FFN templates
     down( act(gate(x)) [* up(x)] )        separate gate/up projections, or one fused projection chunked in two
     down( relu(gate(x)) ** 2 )            squared ReLU
 
-with ``act`` one of silu, gelu (exact or tanh), relu, and each projection ``p(x) = x W_e^T [+ b_e]``: a bias
-is a row of the expert's own (``linear(x, w, b)``, ``x @ w + b[e]`` on one expert's rows, or a stacked
-``(E_l, 1, F)`` bias added to batched ``(E_l, C, F)`` rows); giving an ``ExpertFFN`` record: the activation,
-where each projection's weights and biases are (one stacked tensor, or one tensor or slice per local expert),
-their layout, and the dtype F computes in. What moves rows is *not* proven here: that F puts each row's result
-back in its place and groups rows by the right expert is checked by ``expert_lowering`` on probe inputs before
-the recognized program replaces F.
+with ``act`` one of silu (or ``h * sigmoid(h)``), gelu (exact or tanh), relu, and each projection
+``p(x) = x W_e^T [+ b_e]``: a bias is a row of the expert's own (``linear(x, w, b)``, ``x @ w + b[e]`` on one
+expert's rows, or a stacked ``(E_l, 1, F)`` bias added to batched ``(E_l, C, F)`` rows); giving an ``ExpertFFN``
+record: the activation, where each projection's weights and biases are (one stacked tensor, or one tensor or
+slice per local expert), their layout, and the dtype F computes in. What moves rows is *not* proven here: that F
+puts each row's result back in its place and groups rows by the right expert is checked by ``expert_lowering``
+on probe inputs before the recognized program replaces F.
 
 Legend: S rows, H hidden, F expert FFN width, E_l experts per rank.
 """
@@ -61,7 +61,7 @@ from relay_compile.passes.roles import flat_index_of_item
 
 Layout = Literal["out_in", "in_out"]
 # One row's content: ("x",) | ("cast", dtype, e) | ("gemm", WeightKey, e) | ("bias", BiasKey, e) | ("act", name, e)
-# | ("mul", a, b) | ("chunk", i, n, e) | ("square", e). Tuples, so that equal programs compare equal.
+# | ("mul", a, b) | ("chunk", i, n, e) | ("square", e) | ("sigmoid", e). Tuples, so that equal programs compare equal.
 Expr = tuple
 
 
@@ -410,6 +410,8 @@ class _Interpreter:
         if is_call(n, *_ACTIVATIONS) or is_method_call(n, "relu"):
             name = next((v for k, v in _ACTIVATIONS.items() if n.target is k), "relu")  # call_method: relu
             return _Rows(("act", name, r.expr), r.expert)
+        if is_call(n, torch.sigmoid, nnf.sigmoid) or is_method_call(n, "sigmoid"):
+            return _Rows(("sigmoid", r.expr), r.expert)  # SiLU written out: h * sigmoid(h) (see ``product``)
         if is_call(n, nnf.gelu, torch.nn.functional.gelu):
             approximate = arg(n, 1, "approximate", "none")
             return _Rows(("act", "gelu_tanh" if approximate == "tanh" else "gelu", r.expr), r.expert)
@@ -545,6 +547,9 @@ class _Interpreter:
         expert = experts.pop() if len(experts) == 1 else None
         if a.expr == b.expr:  # relu(h) * relu(h): squared ReLU
             return _Rows(("square", a.expr), expert)
+        for h, other in ((a.expr, b.expr), (b.expr, a.expr)):
+            if other == ("sigmoid", h):  # h * sigmoid(h): SiLU
+                return _Rows(("act", "silu", h), expert)
         return _Rows(("mul", *sorted((a.expr, b.expr), key=repr)), expert)
 
 
@@ -661,4 +666,6 @@ def recognize_expert_ffn(fn: fx.GraphModule, binding: ExpertFnBinding, experts_p
     used = set().union(*(r.positions() for r in plan.roles()))
     if used != set(range(len(binding.weights))):
         raise NotAnFFN(f"F reads weights {sorted(set(range(len(binding.weights))) - used)} outside the FFN")
+    if sum(len(r.positions()) for r in plan.roles()) != len(used):  # each gradient has one home
+        raise NotAnFFN(f"a weight of F plays two roles in the FFN ({plan.describe()})")
     return plan

@@ -305,6 +305,12 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
                 )
 
 
+    def test_silu_written_as_h_times_sigmoid_of_h(self) -> None:
+        self.check(
+            Idiom(_non_gated(lambda h: h * torch.sigmoid(h)), FFN_EFH, per_pair=False), "silu",
+            "silu experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)",
+        )
+
     def test_mm_and_squared_relu_as_a_product_of_two_relus(self) -> None:
         self.check(
             Idiom(loop_mm_relu_times_relu, FFN_EFH, per_pair=False), "relu2",

@@ -335,7 +335,23 @@ class CapacityIdiomsEqualF(_Checks):
             "gelu_tanh experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)"))
 
 
+def a_weight_row_as_a_bias(rows, s00, s01, s02, s10, s11, s12, fc1_0, fc2_0, fc1_1, fc2_1, fc1_2, fc2_2):
+    """``fc1(x) + fc2.weight[0]``: a row of the down weight added as the first projection's bias."""
+    sizes, weights = [s00, s01, s02, s10, s11, s12], [fc1_0, fc2_0, fc1_1, fc2_1, fc1_2, fc2_2]
+    chunks, outs = torch.split(rows, sizes), []
+    for e in range(L):
+        x_e = torch.cat([chunks[s * L + e] for s in range(N)])
+        outs.append(nnf.linear(nnf.relu(nnf.linear(x_e, weights[2 * e]) + weights[2 * e + 1][0]), weights[2 * e + 1]))
+    return torch.cat(outs)
+
+
 class BiasesThatAreNotPerExpertSayWhy(unittest.TestCase):
+    def test_a_weight_that_is_also_a_bias_is_refused(self) -> None:
+        # Forward equality (the probe) would pass; the two gradients of one tensor would not be summed.
+        idiom = Idiom(a_weight_row_as_a_bias, tuple(s for _ in range(L) for s in ((H, H), (H, H))), per_pair=True)
+        with self.assertRaisesRegex(NotAnFFN, "a weight of F plays two roles in the FFN"):
+            recognize_expert_ffn(idiom.gm, idiom.binding, L)
+
     def test_a_bias_shared_by_every_experts_rows_is_refused(self) -> None:
         idiom = Idiom(bias_shared_by_all_experts, ((L, F, H), (L, H, F), (F,)), per_pair=False)
         with self.assertRaisesRegex(NotAnFFN, r"add.* adds a \[4\] tensor to rows \[.*\]: not one bias row per expert"):
