@@ -35,7 +35,7 @@ Legend: S rows, H hidden, F expert FFN width, E_l experts per rank.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, cast
 
 import torch
@@ -171,6 +171,7 @@ class _Weight:
     transposed: bool = False
     index: int | None = None  # weights[position][index]
     dtype: torch.dtype | None = None  # cast to
+    gathered: bool = False  # b[idx] of an (E_l, F) bias by an index per row (the probe proves it is the expert's)
 
 
 @dataclass(frozen=True)
@@ -311,13 +312,6 @@ class _Interpreter:
     # --- weights ---
 
     def weight_op(self, n: fx.Node, w: _Weight) -> _Value:
-        dims = [d for d in n.args[1:3] if isinstance(d, int)]
-        batch_transpose = is_method_call(n, "transpose") and len(dims) == 2 and sorted(d % 3 for d in dims) == [1, 2]
-        if w.stacked and (batch_transpose or is_call(n, getattr) and n.args[1] == "mT"):
-            return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
-        transpose_2d = is_method_call(n, "t", "transpose") or is_call(n, getattr) and n.args[1] in ("T", "mT")
-        if transpose_2d and not w.stacked:
-            return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
         dtype = n.args[1] if is_method_call(n, "to") and len(n.args) > 1 else None
         if is_method_call(n, *_CAST_METHODS) and not n.args[1:]:
             dtype = _CAST_METHODS[str(n.target)]
@@ -325,15 +319,38 @@ class _Interpreter:
             before = node_value(n.args[0])
             if before is not None and before.dtype == dtype:
                 return w  # a cast to the dtype the weight has is no cast (as for rows: torchtitan's bf16 weights)
-            return _Weight(w.position, w.stacked, w.transposed, w.index, dtype)
+            return replace(w, dtype=dtype)
         if is_method_call(n, *_MOVE_METHODS):
             return w
+        if w.gathered:
+            raise NotAnFFN(f"{describe(n)} uses weights[{w.position}] gathered by an index other than as a bias")
+        if self.gathers_bias_rows(n, w):  # b[expert_of_row]: an (E_l, F) bias expanded over rows of every expert
+            return replace(w, gathered=True)
+        dims = [d for d in n.args[1:3] if isinstance(d, int)]
+        batch_transpose = is_method_call(n, "transpose") and len(dims) == 2 and sorted(d % 3 for d in dims) == [1, 2]
+        if w.stacked and (batch_transpose or is_call(n, getattr) and n.args[1] == "mT"):
+            return replace(w, transposed=not w.transposed)
+        transpose_2d = is_method_call(n, "t", "transpose") or is_call(n, getattr) and n.args[1] in ("T", "mT")
+        if transpose_2d and not w.stacked:
+            return replace(w, transposed=not w.transposed)
         if is_call(n, operator.getitem) and isinstance(n.args[1], int) and w.index is None:
             if w.stacked or (_ndim(n.args[0]) == 2 and not w.transposed):  # w[e], or one expert's bias b[e]
-                return _Weight(w.position, False, w.transposed, n.args[1], w.dtype)
+                return replace(w, stacked=False, index=n.args[1])
         if self.bias_view(n, w):  # b[:, None], b.unsqueeze(1), b.view(E_l, 1, F): size-1 dims only
-            return _Weight(w.position, _ndim(n) == 3, w.transposed, w.index, w.dtype)
+            return replace(w, stacked=_ndim(n) == 3)
         raise NotAnFFN(f"{describe(n)} uses weights[{w.position}] in a way the FFN templates do not cover")
+
+    def gathers_bias_rows(self, n: fx.Node, w: _Weight) -> bool:
+        """``b[idx]`` / ``b.index_select(0, idx)`` of a 2-D ``(E_l, F)`` tensor by an opaque index (rows' order)."""
+        if w.stacked or w.index is not None or w.transposed or _ndim(n.args[0]) != 2:
+            return False
+        if is_call(n, operator.getitem):
+            index = n.args[1]
+            if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
+                index = index[0]
+            return isinstance(index, fx.Node) and self.value(index) is None
+        is_select = is_method_call(n, "index_select") or is_call(n, torch.index_select)
+        return is_select and arg(n, 1, "dim") == 0 and self.value(arg(n, 2, "index")) is None
 
     def bias_view(self, n: fx.Node, w: _Weight) -> bool:
         """A view of a bias (at most 2-D) that only adds or drops dimensions of size 1."""
@@ -371,6 +388,10 @@ class _Interpreter:
         if bias.dtype != rows.dtype:
             raise NotAnFFN(f"{describe(n)} adds a {bias.dtype} bias to {rows.dtype} rows")
         features, shape = rows.shape[-1], tuple(bias.shape)
+        if w.gathered:  # rows of every expert, each with its expert's bias row (the probe proves the index)
+            if r.expert is not None or rows.dim() != 2 or not same_shape(shape, tuple(rows.shape)):
+                raise NotAnFFN(f"{describe(n)} adds gathered bias rows {list(shape)} to rows {list(rows.shape)}")
+            return _Rows(("bias", _bias_key(w, None), r.expr), None)
         one_row = len(shape) <= rows.dim() and all(d == 1 for d in shape[:-1]) and same_size(shape[-1], features)
         if r.expert is not None and one_row:
             return _Rows(("bias", _bias_key(w, r.expert), r.expr), r.expert)
@@ -516,7 +537,7 @@ class _Interpreter:
         if contracted not in w_t[1:] or len(kept) != 1 or out != x_t[:2] + kept.pop():
             raise NotAnFFN(f"{describe(n)} does not contract the rows' features with one weight dimension")
         # w_t = e, in, out: the stored (in, out) layout of a @ w; e, out, in: transposed.
-        as_matmul = w if w_t[1] == contracted else _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
+        as_matmul = w if w_t[1] == contracted else replace(w, transposed=not w.transposed)
         return self.gemm(n, r, as_matmul, grouped=True)
 
     def write_rows(self, n: fx.Node) -> None:
@@ -530,7 +551,7 @@ class _Interpreter:
         return None
 
     def gemm(self, n: fx.Node, r: _Rows, w: _Value, *, grouped: bool, linear: bool = False) -> _Rows:
-        if not isinstance(w, _Weight) or (grouped and not (w.stacked and w.index is None)):
+        if not isinstance(w, _Weight) or w.gathered or (grouped and not (w.stacked and w.index is None)):
             raise NotAnFFN(f"{describe(n)} multiplies rows by something other than an expert weight")
         if not grouped and w.stacked and w.index is None:
             raise NotAnFFN(f"{describe(n)} multiplies rows by all experts' stacked weights at once")

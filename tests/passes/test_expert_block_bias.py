@@ -29,7 +29,7 @@ import relay_compile
 from relay_compile.backend import compiled_reports
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
-from relay_compile.passes.expert_lowering import LoweredFFN, capacity_probe_error
+from relay_compile.passes.expert_lowering import LoweredFFN, capacity_probe_error, probe_error
 from relay_compile.runtime.specs import spec_state
 from tests.models.megatron_style import MegatronStyleMoE
 from tests.passes.test_expert_block import (
@@ -134,6 +134,29 @@ def capacity_matmul_mt_gelu_tanh(recv, w1, w2):
     x_LRH = recv.reshape(N, L, C, H).transpose(0, 1).reshape(L, N * C, H)
     y_LRH = nnf.gelu(x_LRH @ w1.mT, approximate="tanh") @ w2.mT
     return y_LRH.reshape(L, N, C, H).transpose(0, 1).reshape(N * L, C, H)
+
+
+def grouped_swiglu_gathered_biases(rows, counts, s0, s1, w1, w2, w3, b1, b2):
+    """Grouped GEMMs over offsets (torchtitan / the reference layer) with stacked ``(E_l, F)`` biases expanded over
+    the rows by each row's expert: ``b1[expert of each sorted row]`` after the gate GEMM, and ``b2`` added after
+    the unpermute by the expert of each received row (``repeat_interleave`` of the counts, as the reference finds
+    it; ``index_select`` form)."""
+    x, perm, offs = _expert_major(rows, counts)
+    counts_L = counts.sum(0)
+    expert_of_sorted = torch.repeat_interleave(torch.arange(L), counts_L)
+    h = nnf.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs) + b1[expert_of_sorted])
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[torch.argsort(perm)]
+    expert_of_row = torch.repeat_interleave(torch.arange(N * L) % L, counts.flatten())
+    return out + b2.index_select(0, expert_of_row)
+
+
+def grouped_gathered_bias_of_the_wrong_rows(rows, counts, s0, s1, w1, w2, b1):
+    """Structurally a gathered bias, but by the experts reversed: only the probe can tell."""
+    x, perm, offs = _expert_major(rows, counts)
+    expert_of_sorted = torch.repeat_interleave(torch.arange(L), counts.sum(0)).flip(0)
+    h = nnf.gelu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs) + b1[expert_of_sorted])
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[torch.argsort(perm)]
 
 
 def bias_shared_by_all_experts(rows, counts, s0, s1, w1, w2, b1):
@@ -278,6 +301,12 @@ class BiasedIdiomsEqualF(_Checks):
             "relu2 experts with bias (down), gate weights[0] stacked (in_out), down weights[1] stacked (in_out), "
             "down bias weights[2] stacked"))
 
+    def test_grouped_gemms_with_stacked_biases_gathered_by_each_rows_expert(self) -> None:
+        idiom = Idiom(grouped_swiglu_gathered_biases, ((L, F, H), (L, H, F), (L, F, H), (L, F), (L, H)), per_pair=False)
+        self.check(idiom, "swiglu", (
+            "swiglu experts with bias (gate, down), gate weights[0] stacked (out_in), up weights[2] stacked (out_in), "
+            "down weights[1] stacked (out_in), gate bias weights[3] stacked, down bias weights[4] stacked"))
+
     def test_a_bias_on_the_up_projection_only(self) -> None:
         idiom = Idiom(loop_swiglu_up_bias_only, SWIGLU_UP_BIAS, per_pair=False)
         self.check(idiom, "swiglu", (
@@ -346,6 +375,13 @@ def a_weight_row_as_a_bias(rows, s00, s01, s02, s10, s11, s12, fc1_0, fc2_0, fc1
 
 
 class BiasesThatAreNotPerExpertSayWhy(unittest.TestCase):
+    def test_the_probe_catches_biases_gathered_for_the_wrong_rows(self) -> None:
+        idiom = Idiom(grouped_gathered_bias_of_the_wrong_rows, ((L, F, H), (L, H, F), (L, F)), per_pair=False)
+        plan = recognize_expert_ffn(idiom.gm, idiom.binding, L)  # structurally an FFN with a gathered bias
+        eager = RegionExpertFn(idiom.gm, idiom.binding)
+        weights = _biased(idiom.weight_shapes, seed=0)
+        self.assertGreater(probe_error(eager, LoweredFFN(plan, L, "x"), torch.empty(0, H), weights, N), 1e-2)
+
     def test_a_weight_that_is_also_a_bias_is_refused(self) -> None:
         # Forward equality (the probe) would pass; the two gradients of one tensor would not be summed.
         idiom = Idiom(a_weight_row_as_a_bias, tuple(s for _ in range(L) for s in ((H, H), (H, H))), per_pair=True)
