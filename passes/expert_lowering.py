@@ -193,15 +193,7 @@ class LoweredFFN:
         d_gate, d_down, *d_biases = grads
         out: list[Tensor | None] = [None] * len(weights)
         ffn = d_down.shape[-1]
-        if self.inner.biases[0]:
-            d_first = d_biases.pop(0)
-            halves = [(plan.gate_bias, d_first[:, :ffn]), (plan.up_bias, d_first[:, ffn:])] if plan.up is not None \
-                else [(plan.gate_bias, d_first)]
-            for role, g in halves:
-                if role is not None:
-                    _scatter_bias_grad(out, weights, role, g)
-        if plan.down_bias is not None:
-            _scatter_bias_grad(out, weights, plan.down_bias, d_biases.pop(0))
+        self._unpack_bias_grads(out, weights, d_biases, ffn)
         if plan.up is not None:
             _scatter_grad(out, weights, plan.up, d_gate[:, ffn:])
             d_gate = d_gate[:, :ffn]
@@ -209,6 +201,22 @@ class LoweredFFN:
         _scatter_grad(out, weights, plan.down, d_down)
         assert all(g is not None for g in out), "LoweredFFN: a weight got no gradient"
         return [g for g in out if g is not None]
+
+    def _unpack_bias_grads(
+        self, out: list[Tensor | None], weights: Sequence[Tensor], d_biases: Sequence[Tensor], ffn: int
+    ) -> None:
+        """The packed bias gradients ``[db13 or db1, db2]`` (those there are) into ``out``, in F's layout; the
+        gradient of a zero half (a gated pair with one bias) is dropped."""
+        plan, rest = self.plan, iter(d_biases)
+        if self.inner.biases[0]:
+            d_first = next(rest)
+            halves = [(plan.gate_bias, d_first)] if plan.up is None else [
+                (plan.gate_bias, d_first[:, :ffn]), (plan.up_bias, d_first[:, ffn:])]
+            for role, g in halves:
+                if role is not None:
+                    _scatter_bias_grad(out, weights, role, g)
+        if plan.down_bias is not None:
+            _scatter_bias_grad(out, weights, plan.down_bias, next(rest))
 
     # --- GroupedExperts: entry points ---
 
