@@ -140,26 +140,25 @@ def _add_bias(h_SO: Tensor, b_GO: Tensor | None, expert_S: Tensor | None) -> Ten
 
 
 def _grouped_bias_grad(
-    d_SO: Tensor, expert_S: Tensor, rows_G: Sequence[int], grad_dtype: torch.dtype | None = None,
+    d_SO: Tensor, expert_S: Tensor, groups: int, grad_dtype: torch.dtype | None = None,
     into_GO: Tensor | None = None, scale_S: Tensor | None = None,
 ) -> Tensor:
-    """``db[e] = sum of d`` over the rows of expert ``e`` ``(G, O)``: the bias gradient of ``_add_bias``.
+    """``db[e] = sum of d * scale`` over the rows of expert ``e`` ``(G, O)``: the bias gradient of ``_add_bias``.
 
-    ``scale_S``: the rows are ``d * scale`` (rounded in ``d``'s dtype, as autograd's gradient of ``out * score``).
-    Summed in ``grad_dtype`` (or ``into_GO``'s dtype, added in place): one ``index_add_`` where that is the
-    rows' dtype, else one sum per expert in the wider dtype (on the host counts ``rows_G``), with no widened
-    copy of the rows.
+    One GEMM, ``sel @ d`` with ``sel[e(s), s] = scale[s]`` (1 without ``scale_S``; in ``d``'s dtype, as the ring
+    rounds the scores it multiplies ``dy`` by): deterministic (no atomics), no ``(S, O)`` product of the rows,
+    summed in ``grad_dtype`` (the ring's fp32 sums) or added into ``into_GO`` in its dtype, as the weight
+    gradients are (``_mm_widened`` / ``_addmm_widened``).
     """
-    if scale_S is not None:
-        d_SO = d_SO * scale_S[:, None].to(d_SO.dtype)
-    if into_GO is None:
-        into_GO = d_SO.new_zeros((len(rows_G), d_SO.shape[1]), dtype=grad_dtype or d_SO.dtype)
-    if into_GO.dtype == d_SO.dtype:
-        return into_GO.index_add_(0, expert_S, d_SO)
-    for e, d_e in enumerate(torch.split(d_SO, list(rows_G))):
-        if d_e.shape[0]:
-            into_GO[e] += d_e.sum(0, dtype=into_GO.dtype)
-    return into_GO
+    sel_GS = d_SO.new_zeros((groups, d_SO.shape[0]))
+    scale = scale_S.to(d_SO.dtype) if scale_S is not None else sel_GS.new_ones(d_SO.shape[0])
+    sel_GS.scatter_(0, expert_S[None, :], scale[None, :])
+    if into_GO is not None:
+        _addmm_widened(sel_GS, d_SO, into_GO)
+        return into_GO
+    db_GO = d_SO.new_empty((groups, d_SO.shape[1]), dtype=grad_dtype or d_SO.dtype)
+    _mm_widened(sel_GS, d_SO, db_GO)
+    return db_GO
 
 
 def _bias_score_term(dy_SH: Tensor, b2_GH: Tensor, expert_S: Tensor | None) -> Tensor:
@@ -241,21 +240,22 @@ class _Biases:
     expert_S: Tensor | None = None
 
     def grads(
-        self, dh_SO: Tensor, dy_SH: Tensor, score_S: Tensor, rows_G: Sequence[int] | None,
-        grad_dtype: torch.dtype | None, into: Sequence[Tensor | None],
+        self, dh_SO: Tensor, dy_SH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None,
+        into: Sequence[Tensor | None],
     ) -> list[Tensor]:
         """``[db_first, db_down]`` (those there are): the first projection's from its pre-activation gradient
         ``dh`` (scaled by the scores already), the down projection's from ``score * dy``; added into ``into``
         (the sinks after the weights', in the same order) where given."""
         if self.first is None and self.down is None:
             return []
-        assert self.expert_S is not None and rows_G is not None, "bias gradients need each row's expert"
+        assert self.expert_S is not None, "bias gradients need each row's expert"
         sinks = iter(into)
         out = []
         if self.first is not None:
-            out.append(_grouped_bias_grad(dh_SO, self.expert_S, rows_G, grad_dtype, next(sinks, None)))
+            out.append(_grouped_bias_grad(dh_SO, self.expert_S, self.first.shape[0], grad_dtype, next(sinks, None)))
         if self.down is not None:
-            out.append(_grouped_bias_grad(dy_SH, self.expert_S, rows_G, grad_dtype, next(sinks, None), score_S))
+            out.append(_grouped_bias_grad(dy_SH, self.expert_S, self.down.shape[0], grad_dtype, next(sinks, None),
+                                          score_S))
         return out
 
 
@@ -316,7 +316,7 @@ def _swiglu_vjp(
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
     dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype, into2)
     del act_scaled_SF, g_SF
-    db = b.grads(dh13_SG, dy_SH, score_S, wgrad_rows, grad_dtype, into_b)
+    db = b.grads(dh13_SG, dy_SH, score_S, grad_dtype, into_b)
     del dy_SH
     dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
     del x_SH
@@ -369,7 +369,7 @@ def _ffn_vjp(
     into1, into2, *into_b = into if into is not None else (None, None, None, None)
     dw2 = _grouped_weight_grad(dy_SH, act_SF, offsets_L, wgrad_rows, grad_dtype, into2)
     del act_SF
-    db = b.grads(dh_SF, dy_SH, score_S, wgrad_rows, grad_dtype, into_b)
+    db = b.grads(dh_SF, dy_SH, score_S, grad_dtype, into_b)
     del dy_SH
     dw1 = _grouped_weight_grad(dh_SF, x_SH, offsets_L, wgrad_rows, grad_dtype, into1)
     del x_SH
