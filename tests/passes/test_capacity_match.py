@@ -108,6 +108,16 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual(scores.meta["val"].shape, (S, 2))
         self.assertNotIn("einsum('sec,ecm->sm'", gm.code)
 
+    def test_finds_the_gshard_block_with_tutel_biases_on_its_batched_experts(self) -> None:
+        # Tutel's biases: (E_l, 1, F) added as stored, (E_l, M)[:, None, :] broadcast over every slot.
+        _, regions, refused = traced(GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=0.5, seed=1,
+                                                    bias=True))
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual(region.experts_path.description, (
+            "relu experts with bias (gate, down), gate weights[0] stacked (in_out), down weights[2] stacked (in_out), "
+            "gate bias weights[1] stacked, down bias weights[3] stacked"))
+
     def test_two_capacity_layers_in_one_graph_are_two_disjoint_regions_and_two_rings(self) -> None:
         # x + moe1(x), then + moe2(...): the second dispatch has the first layer's all-to-alls upstream.
         blocks = [GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=0.5, seed=s) for s in (1, 2)]
