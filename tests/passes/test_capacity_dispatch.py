@@ -4,11 +4,11 @@ Layers written in those codebases' idioms (``tests.models.deepspeed_style``: top
 a ModuleList of experts on chunks of ``(N, E_l, C, M)``, all-to-alls functional or DeepSpeed's ``_AllToAll``
 autograd.Function; ``tests.models.fairseq_style``: the same with fairseq's mm dispatch and combine, and experts
 with biases; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C, M)``, with
-and without Tutel's biases) train for three SGD steps beside the same layer run eagerly through its all-to-alls: losses and gradients agree
-at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens are dropped, and under an
-adversarial gate that sends every token to the same experts (most dropped), under each routing (auto; token and
-expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the backend's own options is set
-(no Dynamo config: these graphs have no data-dependent sizes).
+and without Tutel's biases) train for three SGD steps beside the same layer run eagerly through its all-to-alls:
+losses and gradients agree at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens
+are dropped, and under an adversarial gate that sends every token to the same experts (most dropped), under each
+routing (auto; token and expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the
+backend's own options is set (no Dynamo config: these graphs have no data-dependent sizes).
 
 Legend: S tokens per rank, M model dim, F expert width, E experts, K top-k, N ranks, C capacity.
 """
