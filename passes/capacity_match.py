@@ -38,7 +38,7 @@ Contract:
     boolean mask (scores applied before the experts), no capacity slots or top-k readable from the graph,
     unequal or symbolic splits, a capacity C or experts count that is not a constant, masks that are inputs of
     the graph (the gate across a graph break), F reading anything but the receive and weights, F that is not
-    an FFN of experts (biases, slot-mixing ops), and region values used outside the region.
+    an FFN of experts (slot-mixing ops, per-expert norms), and region values used outside the region.
 
 Pseudo-code:
     # Step 1: claim: token all-to-alls whose input, through views, is a capacity dispatch einsum (or another

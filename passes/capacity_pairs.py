@@ -16,8 +16,8 @@ over kept pairs. A token with fewer than K kept pairs (dropped over capacity) ca
 ``F(x) * 0`` to y, and their score gradient is masked to 0 by ``keep_SE``, as the original's is by the gate's
 mask. Kept pairs get ``d scores[s, e] = F_e(x[s]) . dy[s]`` on every slot ``c`` of ``cw[s, e, :]``; the gate reads
 ``cw`` only through ``gates[s, e] * one_hot(location)[c]``, so ``d gates`` is the original's. Experts with biases
-do not change this (empty slots compute ``F(0)`` in the original, times a combine weight of 0), but are refused
-anyway: the grouped experts have no bias.
+do not change this (empty slots compute ``F(0)`` in the original, biases and all, times a combine weight of 0):
+the grouped experts add them to the kept pairs' rows only.
 
 Legend: S tokens, E experts, C capacity, K the gate's top-k.
 """

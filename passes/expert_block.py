@@ -21,11 +21,13 @@ The content expression of F's output is then matched against the FFN templates
     down( act(gate(x)) [* up(x)] )        separate gate/up projections, or one fused projection chunked in two
     down( relu(gate(x)) ** 2 )            squared ReLU
 
-with ``act`` one of silu, gelu (exact or tanh), relu; giving an ``ExpertFFN`` record: the activation, where each
-projection's weights are (one stacked tensor, or one tensor or slice per local expert), their layout, and the
-dtype F computes in. What moves rows is *not* proven here: that F puts each row's result back in its place and
-groups rows by the right expert is checked by ``expert_lowering`` on probe inputs before the recognized program
-replaces F.
+with ``act`` one of silu (or ``h * sigmoid(h)``), gelu (exact or tanh), relu, and each projection
+``p(x) = x W_e^T [+ b_e]``: a bias is a row of the expert's own (``linear(x, w, b)``, ``x @ w + b[e]`` on one
+expert's rows, or a stacked ``(E_l, 1, F)`` bias added to batched ``(E_l, C, F)`` rows); giving an ``ExpertFFN``
+record: the activation, where each projection's weights and biases are (one stacked tensor, or one tensor or
+slice per local expert), their layout, and the dtype F computes in. What moves rows is *not* proven here: that F
+puts each row's result back in its place and groups rows by the right expert is checked by ``expert_lowering``
+on probe inputs before the recognized program replaces F.
 
 Legend: S rows, H hidden, F expert FFN width, E_l experts per rank.
 """
@@ -33,7 +35,7 @@ Legend: S rows, H hidden, F expert FFN width, E_l experts per rank.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, cast
 
 import torch
@@ -42,12 +44,24 @@ import torch.nn.functional as nnf
 
 from relay_compile.experts import ACTIVATIONS, Activation
 from relay_compile.passes.expert_fn import ExpertFnBinding
-from relay_compile.passes.fx_nodes import arg, as_list, describe, is_call, is_item, is_method_call, node_value, shape_of
+from relay_compile.passes.fx_nodes import (
+    arg,
+    as_list,
+    describe,
+    dtype_of,
+    is_call,
+    is_item,
+    is_method_call,
+    node_value,
+    same_shape,
+    same_size,
+    shape_of,
+)
 from relay_compile.passes.roles import flat_index_of_item
 
 Layout = Literal["out_in", "in_out"]
-# One row's content: ("x",) | ("cast", dtype, e) | ("gemm", WeightKey, e) | ("act", name, e) | ("mul", a, b)
-# | ("chunk", i, n, e) | ("square", e). Tuples, so that equal programs compare equal.
+# One row's content: ("x",) | ("cast", dtype, e) | ("gemm", WeightKey, e) | ("bias", BiasKey, e) | ("act", name, e)
+# | ("mul", a, b) | ("chunk", i, n, e) | ("square", e) | ("sigmoid", e). Tuples, so that equal programs compare equal.
 Expr = tuple
 
 
@@ -76,8 +90,29 @@ class WeightRole:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BiasRole:
+    """Where one projection's biases are: ``stacked``, the position of one tensor holding every local expert's
+    bias (``(E_l, F)``, or ``(E_l, 1, F)`` as batched idioms store it); otherwise ``per_expert[e]`` is
+    ``(position, index)``: local expert ``e`` adds ``weights[position]`` (``(F,)`` or ``(1, F)``; ``index``
+    None) or ``weights[position][index]``."""
+
+    stacked: int | None = None
+    per_expert: tuple[tuple[int, int | None], ...] = ()
+
+    def positions(self) -> set[int]:
+        return {self.stacked} if self.stacked is not None else {p for p, _ in self.per_expert}
+
+    def describe(self) -> str:
+        if self.stacked is not None:
+            return f"weights[{self.stacked}] stacked"
+        at = (f"weights[{p}]" + (f"[{i}]" if i is not None else "") for p, i in self.per_expert)
+        return "per expert " + ", ".join(at)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExpertFFN:
-    """F recognized: ``down(act(gate(x)) * up(x))`` (gated) or ``down(act(gate(x)))`` per row, by expert."""
+    """F recognized: ``down(act(gate(x)) * up(x))`` (gated) or ``down(act(gate(x)))`` per row, by expert; each
+    projection ``x W^T`` or ``x W^T + b`` (its bias role, None when it has none)."""
 
     activation: Activation
     gate: WeightRole  # w1; with ``fused_gate_up``, the (2F, H) projection whose halves are [gate, up]
@@ -85,18 +120,33 @@ class ExpertFFN:
     down: WeightRole  # w2
     fused_gate_up: bool
     compute_dtype: torch.dtype | None  # F casts rows and weights to this before its GEMMs (None: no cast)
+    gate_bias: BiasRole | None = None  # b1; with ``fused_gate_up``, the (2F,) bias of the fused projection
+    up_bias: BiasRole | None = None  # b3
+    down_bias: BiasRole | None = None  # b2
 
-    def roles(self) -> list[WeightRole]:
-        return [r for r in (self.gate, self.up, self.down) if r is not None]
+    def roles(self) -> list[WeightRole | BiasRole]:
+        return [r for r in (self.gate, self.up, self.down, *self.biases()) if r is not None]
+
+    def biases(self) -> list[BiasRole]:
+        return [b for b in (self.gate_bias, self.up_bias, self.down_bias) if b is not None]
 
     def describe(self) -> str:
-        parts = [f"{self.activation} experts", f"gate{'+up' if self.fused_gate_up else ''} {self.gate.describe()}"]
+        gate = f"gate{'+up' if self.fused_gate_up else ''}"
+        with_bias = f" with bias ({', '.join(self._bias_names())})" if self.biases() else ""
+        parts = [f"{self.activation} experts{with_bias}", f"{gate} {self.gate.describe()}"]
         if self.up is not None:
             parts.append(f"up {self.up.describe()}")
         parts.append(f"down {self.down.describe()}")
+        for name, bias in ((gate, self.gate_bias), ("up", self.up_bias), ("down", self.down_bias)):
+            if bias is not None:
+                parts.append(f"{name} bias {bias.describe()}")
         if self.compute_dtype is not None:
             parts.append(f"computed in {self.compute_dtype}")
         return ", ".join(parts)
+
+    def _bias_names(self) -> list[str]:
+        names = ("gate+up" if self.fused_gate_up else "gate", "up", "down")
+        return [n for n, b in zip(names, (self.gate_bias, self.up_bias, self.down_bias)) if b is not None]
 
 
 class NotAnFFN(Exception):
@@ -121,6 +171,7 @@ class _Weight:
     transposed: bool = False
     index: int | None = None  # weights[position][index]
     dtype: torch.dtype | None = None  # cast to
+    gathered: bool = False  # b[idx] of an (E_l, F) bias by an index per row (the probe proves it is the expert's)
 
 
 @dataclass(frozen=True)
@@ -157,16 +208,27 @@ def _weight_key(w: _Weight, layout: Layout, expert: int | None) -> tuple:
     return ("w", (("expert", expert, w.position, w.index),), layout, w.dtype)
 
 
+def _bias_key(w: _Weight, expert: int | None) -> tuple:
+    """A bias inside an expression: stacked ``(E_l, 1, F)`` (batched rows), or one expert's row (merged by cat)."""
+    if expert is None:
+        return ("b", ("stacked", w.position), w.dtype)
+    return ("b", (("expert", expert, w.position, w.index),), w.dtype)
+
+
+def _is_add(n: fx.Node) -> bool:
+    return is_call(n, operator.add, operator.iadd, torch.add) or is_method_call(n, "add", "add_")
+
+
 def _merge(a: Expr, b: Expr) -> Expr:
-    """One expression for rows of two experts: equal up to which expert's weights each GEMM reads."""
+    """One expression for rows of two experts: equal up to which expert's weights (biases) each GEMM reads."""
     if a == b:
         return a
     if not (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and a[:1] == b[:1]):
         raise NotAnFFN(f"rows of different experts go through different programs: {a} vs {b}")
-    if a[0] == "w":
+    if a[0] in ("w", "b"):
         if a[2:] != b[2:] or a[1][0] == "stacked" or b[1][0] == "stacked":
             raise NotAnFFN(f"experts read weights of different kinds: {a} vs {b}")
-        return ("w", tuple(sorted(set(a[1]) | set(b[1]))), *a[2:])
+        return (a[0], tuple(sorted(set(a[1]) | set(b[1]))), *a[2:])
     return tuple(_merge(x, y) if isinstance(x, tuple) else _same(x, y) for x, y in zip(a, b))
 
 
@@ -229,6 +291,8 @@ class _Interpreter:
             return None  # index / size arithmetic: decides where rows go, not what they hold
         if is_call(n, torch.einsum, torch.functional.einsum):
             return self.batched_einsum(n)
+        if _is_add(n):
+            return self.bias_add(n)
         first = self.value(n.args[0]) if n.args else None
         if is_call(n, operator.setitem) or is_method_call(n, "index_copy_", "index_put_"):
             self.write_rows(n)
@@ -248,12 +312,6 @@ class _Interpreter:
     # --- weights ---
 
     def weight_op(self, n: fx.Node, w: _Weight) -> _Value:
-        dims = [d for d in n.args[1:3] if isinstance(d, int)]
-        if is_method_call(n, "transpose") and len(dims) == 2 and sorted(d % 3 for d in dims) == [1, 2] and w.stacked:
-            return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
-        transpose_2d = is_method_call(n, "t", "transpose") or is_call(n, getattr) and n.args[1] in ("T", "mT")
-        if transpose_2d and not w.stacked:
-            return _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
         dtype = n.args[1] if is_method_call(n, "to") and len(n.args) > 1 else None
         if is_method_call(n, *_CAST_METHODS) and not n.args[1:]:
             dtype = _CAST_METHODS[str(n.target)]
@@ -261,12 +319,87 @@ class _Interpreter:
             before = node_value(n.args[0])
             if before is not None and before.dtype == dtype:
                 return w  # a cast to the dtype the weight has is no cast (as for rows: torchtitan's bf16 weights)
-            return _Weight(w.position, w.stacked, w.transposed, w.index, dtype)
+            return replace(w, dtype=dtype)
         if is_method_call(n, *_MOVE_METHODS):
             return w
-        if is_call(n, operator.getitem) and isinstance(n.args[1], int) and w.stacked and w.index is None:
-            return _Weight(w.position, False, w.transposed, n.args[1], w.dtype)
+        if w.gathered:
+            raise NotAnFFN(f"{describe(n)} uses weights[{w.position}] gathered by an index other than as a bias")
+        if self.gathers_bias_rows(n, w):  # b[expert_of_row]: an (E_l, F) bias expanded over rows of every expert
+            return replace(w, gathered=True)
+        dims = [d for d in n.args[1:3] if isinstance(d, int)]
+        batch_transpose = is_method_call(n, "transpose") and len(dims) == 2 and sorted(d % 3 for d in dims) == [1, 2]
+        if w.stacked and (batch_transpose or is_call(n, getattr) and n.args[1] == "mT"):
+            return replace(w, transposed=not w.transposed)
+        transpose_2d = is_method_call(n, "t", "transpose") or is_call(n, getattr) and n.args[1] in ("T", "mT")
+        if transpose_2d and not w.stacked:
+            return replace(w, transposed=not w.transposed)
+        if is_call(n, operator.getitem) and isinstance(n.args[1], int) and w.index is None:
+            if w.stacked or (_ndim(n.args[0]) == 2 and not w.transposed):  # w[e], or one expert's bias b[e]
+                return replace(w, stacked=False, index=n.args[1])
+        if self.bias_view(n, w):  # b[:, None], b.unsqueeze(1), b.view(E_l, 1, F): size-1 dims only
+            return replace(w, stacked=_ndim(n) == 3)
         raise NotAnFFN(f"{describe(n)} uses weights[{w.position}] in a way the FFN templates do not cover")
+
+    def gathers_bias_rows(self, n: fx.Node, w: _Weight) -> bool:
+        """``b[idx]`` / ``b.index_select(0, idx)`` of a 2-D ``(E_l, F)`` tensor by an opaque index (rows' order)."""
+        if w.stacked or w.index is not None or w.transposed or _ndim(n.args[0]) != 2:
+            return False
+        if is_call(n, operator.getitem):
+            index = n.args[1]
+            if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
+                index = index[0]
+            return isinstance(index, fx.Node) and self.value(index) is None
+        is_select = is_method_call(n, "index_select") or is_call(n, torch.index_select)
+        return is_select and arg(n, 1, "dim") == 0 and self.value(arg(n, 2, "index")) is None
+
+    def bias_view(self, n: fx.Node, w: _Weight) -> bool:
+        """A view of a bias (at most 2-D) that only adds or drops dimensions of size 1."""
+        view = is_method_call(n, "unsqueeze", "view", "reshape") or is_call(n, torch.unsqueeze, torch.reshape) or (
+            is_call(n, operator.getitem) and isinstance(n.args[1], tuple)
+            and all(i is None or i == slice(None) or i is Ellipsis for i in n.args[1]))
+        before, after = node_value(n.args[0]), node_value(n)
+        if not (view and not w.transposed and before is not None and after is not None and before.dim() <= 2):
+            return False
+        return [d for d in before.shape if d != 1] == [d for d in after.shape if d != 1] and after.dim() <= 3
+
+    def bias_add(self, n: fx.Node) -> _Rows:
+        """``rows + b`` (or ``b + rows``, ``rows += b``): a bias, when ``b`` is one bias row per expert."""
+        a, b = n.args[0], arg(n, 1, "other")
+        if len(n.args) > 2 or n.kwargs.get("alpha", 1) != 1:
+            raise NotAnFFN(f"{describe(n)} adds a scaled tensor (alpha)")
+        rows_node, bias_node = (a, b) if isinstance(self.value(a), _Rows) else (b, a)
+        r, w = self.value(rows_node), self.value(bias_node)
+        if not (isinstance(r, _Rows) and isinstance(w, _Weight)):
+            raise NotAnFFN(f"{describe(n)} adds something other than a bias to rows")
+        if not same_shape(shape_of(n), shape_of(rows_node)) or dtype_of(n) != dtype_of(rows_node):
+            raise NotAnFFN(f"{describe(n)} makes rows {shape_of(rows_node)} {dtype_of(rows_node)} into "
+                           f"{shape_of(n)} {dtype_of(n)} (broadcast or promoted by what it adds)")
+        out = self.biased(n, r, w, bias_node)
+        if rows_node is a and isinstance(a, fx.Node) and (is_call(n, operator.iadd) or is_method_call(n, "add_")):
+            self.env[a] = out  # in place: the rows now hold the biased values
+        return out
+
+    def biased(self, n: fx.Node, r: _Rows, w: _Value, bias_node: object) -> _Rows:
+        """``r + b`` with output ``n``: b one bias row of ``r``'s expert (any shape of ones but the features), or
+        a stacked ``(E_l, 1, F)`` bias on batched ``(E_l, C, F)`` rows (a batched GEMM's, of every expert)."""
+        rows, bias = node_value(n), node_value(bias_node)
+        if not isinstance(w, _Weight) or w.transposed or rows is None or bias is None:
+            raise NotAnFFN(f"{describe(n)} adds something other than a bias to rows")
+        if bias.dtype != rows.dtype:
+            raise NotAnFFN(f"{describe(n)} adds a {bias.dtype} bias to {rows.dtype} rows")
+        features, shape = rows.shape[-1], tuple(bias.shape)
+        if w.gathered:  # rows of every expert, each with its expert's bias row (the probe proves the index)
+            if r.expert is not None or rows.dim() != 2 or not same_shape(shape, tuple(rows.shape)):
+                raise NotAnFFN(f"{describe(n)} adds gathered bias rows {list(shape)} to rows {list(rows.shape)}")
+            return _Rows(("bias", _bias_key(w, None), r.expr), None)
+        one_row = len(shape) <= rows.dim() and all(d == 1 for d in shape[:-1]) and same_size(shape[-1], features)
+        if r.expert is not None and one_row:
+            return _Rows(("bias", _bias_key(w, r.expert), r.expr), r.expert)
+        stacked = len(shape) == 3 and shape[:2] == (self.experts_per_rank, 1) and same_size(shape[2], features)
+        if r.expert is None and rows.dim() == 3 and stacked and same_size(rows.shape[0], shape[0]) and w.index is None:
+            return _Rows(("bias", _bias_key(w, None), r.expr), None)
+        raise NotAnFFN(f"{describe(n)} adds a {list(shape)} tensor to rows {list(rows.shape)}: not one bias row "
+                       f"per expert (one expert's rows + (F,), or batched (E_l, C, F) rows + (E_l, 1, F))")
 
     # --- rows ---
 
@@ -288,18 +421,20 @@ class _Interpreter:
         if is_call(n, torch._grouped_mm):
             return self.gemm(n, r, self.value(n.args[1]), grouped=True)
         if is_call(n, torch.nn.functional.linear, torch._C._nn.linear):
-            if arg(n, 2, "bias") is not None:
-                raise NotAnFFN(f"{describe(n)} adds a bias (not supported by the grouped experts yet)")
-            return self.gemm(n, r, self.value(n.args[1]), grouped=False, linear=True)
-        if is_call(n, torch.matmul, operator.matmul, torch.bmm) or is_method_call(n, "matmul", "bmm"):
+            out = self.gemm(n, r, self.value(arg(n, 1, "weight")), grouped=False, linear=True)
+            bias = arg(n, 2, "bias")
+            return out if bias is None else self.biased(n, out, self.value(bias), bias)
+        if is_call(n, torch.matmul, operator.matmul, torch.bmm, torch.mm) or is_method_call(n, "matmul", "bmm", "mm"):
             # (E_l, rows, H) @ (E_l, H, F): one GEMM per expert, like a grouped GEMM over equal groups.
             batched = _ndim(n.args[0]) == 3 and _ndim(n.args[1]) == 3
             return self.gemm(n, r, self.value(n.args[1]), grouped=batched)
         if is_call(n, *_ACTIVATIONS) or is_method_call(n, "relu"):
             name = next((v for k, v in _ACTIVATIONS.items() if n.target is k), "relu")  # call_method: relu
             return _Rows(("act", name, r.expr), r.expert)
+        if is_call(n, torch.sigmoid, nnf.sigmoid) or is_method_call(n, "sigmoid"):
+            return _Rows(("sigmoid", r.expr), r.expert)  # SiLU written out: h * sigmoid(h) (see ``product``)
         if is_call(n, nnf.gelu, torch.nn.functional.gelu):
-            approximate = n.kwargs.get("approximate", "none")
+            approximate = arg(n, 1, "approximate", "none")
             return _Rows(("act", "gelu_tanh" if approximate == "tanh" else "gelu", r.expr), r.expert)
         if is_call(n, operator.mul, torch.mul) or is_method_call(n, "mul"):
             return self.product(n)
@@ -402,7 +537,7 @@ class _Interpreter:
         if contracted not in w_t[1:] or len(kept) != 1 or out != x_t[:2] + kept.pop():
             raise NotAnFFN(f"{describe(n)} does not contract the rows' features with one weight dimension")
         # w_t = e, in, out: the stored (in, out) layout of a @ w; e, out, in: transposed.
-        as_matmul = w if w_t[1] == contracted else _Weight(w.position, w.stacked, not w.transposed, w.index, w.dtype)
+        as_matmul = w if w_t[1] == contracted else replace(w, transposed=not w.transposed)
         return self.gemm(n, r, as_matmul, grouped=True)
 
     def write_rows(self, n: fx.Node) -> None:
@@ -416,7 +551,7 @@ class _Interpreter:
         return None
 
     def gemm(self, n: fx.Node, r: _Rows, w: _Value, *, grouped: bool, linear: bool = False) -> _Rows:
-        if not isinstance(w, _Weight) or (grouped and not (w.stacked and w.index is None)):
+        if not isinstance(w, _Weight) or w.gathered or (grouped and not (w.stacked and w.index is None)):
             raise NotAnFFN(f"{describe(n)} multiplies rows by something other than an expert weight")
         if not grouped and w.stacked and w.index is None:
             raise NotAnFFN(f"{describe(n)} multiplies rows by all experts' stacked weights at once")
@@ -430,7 +565,13 @@ class _Interpreter:
         if not (isinstance(a, _Rows) and isinstance(b, _Rows)):
             raise NotAnFFN(f"{describe(n)} scales rows by something other than rows (a constant or a score)")
         experts = {a.expert, b.expert}
-        return _Rows(("mul", *sorted((a.expr, b.expr), key=repr)), experts.pop() if len(experts) == 1 else None)
+        expert = experts.pop() if len(experts) == 1 else None
+        if a.expr == b.expr:  # relu(h) * relu(h): squared ReLU
+            return _Rows(("square", a.expr), expert)
+        for h, other in ((a.expr, b.expr), (b.expr, a.expr)):
+            if other == ("sigmoid", h):  # h * sigmoid(h): SiLU
+                return _Rows(("act", "silu", h), expert)
+        return _Rows(("mul", *sorted((a.expr, b.expr), key=repr)), expert)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -438,22 +579,40 @@ class _Interpreter:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _role(key: tuple, experts_per_rank: int) -> tuple[WeightRole, torch.dtype | None]:
-    _, where, layout, dtype = key
+def _placement(where: tuple, experts_per_rank: int) -> tuple[int | None, tuple[tuple[int, int | None], ...]]:
+    """``(stacked position, ())`` or ``(None, per_expert)`` of a weight or bias key's ``where``."""
     if where[0] == "stacked":
-        return WeightRole(stacked=where[1], layout=layout), dtype
+        return where[1], ()
     by_expert = {e: (pos, index) for _, e, pos, index in where}
     if sorted(by_expert) != list(range(experts_per_rank)):
         raise NotAnFFN(f"the expert loop covers local experts {sorted(by_expert)}, not all {experts_per_rank}")
     positions = {pos for pos, _ in by_expert.values()}
     if len(positions) == 1 and all(index == e for e, (_, index) in by_expert.items()):
         # A loop over w[e] of one stacked weight is that stacked weight: no copy to pack it.
-        return WeightRole(stacked=positions.pop(), layout=layout), dtype
-    return WeightRole(per_expert=tuple(by_expert[e] for e in range(experts_per_rank)), layout=layout), dtype
+        return positions.pop(), ()
+    return None, tuple(by_expert[e] for e in range(experts_per_rank))
 
 
-def _gemm(e: Expr) -> tuple[tuple, Expr] | None:
-    return (e[1], e[2]) if e[0] == "gemm" else None
+def _role(key: tuple, experts_per_rank: int) -> tuple[WeightRole, torch.dtype | None]:
+    _, where, layout, dtype = key
+    stacked, per_expert = _placement(where, experts_per_rank)
+    return WeightRole(stacked=stacked, per_expert=per_expert, layout=layout), dtype
+
+
+def _bias_role(key: tuple | None, experts_per_rank: int) -> tuple[BiasRole | None, torch.dtype | None]:
+    if key is None:
+        return None, None
+    _, where, dtype = key
+    stacked, per_expert = _placement(where, experts_per_rank)
+    return BiasRole(stacked=stacked, per_expert=per_expert), dtype
+
+
+def _projection(e: Expr) -> tuple[tuple, tuple | None, Expr] | None:
+    """``(weight key, bias key or None, input)`` of ``x W^T [+ b]``; None if ``e`` is no projection."""
+    bias = None
+    if e[0] == "bias":
+        bias, e = e[1], e[2]
+    return (e[1], bias, e[2]) if e[0] == "gemm" else None
 
 
 def _gated_name(act: str) -> str:
@@ -463,54 +622,61 @@ def _gated_name(act: str) -> str:
     return names[act]
 
 
+def _gating(h: Expr) -> tuple[str, Expr, tuple | None, tuple | None, bool]:
+    """``act(gate) * up`` -> ``(gated activation, gate's expression, up key, up bias key, fused)``."""
+    acts = [t for t in h[1:] if t[0] == "act"]
+    if len(acts) != 1:
+        raise NotAnFFN("the gating product multiplies no activation (or two)")
+    other = h[2] if h[1] is acts[0] else h[1]
+    activation, gate = _gated_name(acts[0][1]), acts[0][2]
+    if gate[0] == "chunk" and other[0] == "chunk" and gate[3] == other[3] and (gate[1], other[1]) == (0, 1):
+        return activation, gate[3], None, None, True
+    up = _projection(other)
+    if up is None:
+        raise NotAnFFN("the gate's activation is multiplied by something other than a projection")
+    gate_proj = _projection(gate)
+    if gate_proj is None or gate_proj[2] != up[2]:
+        raise NotAnFFN("the gate and up projections read different inputs")
+    return activation, gate, up[0], up[1], False
+
+
 def _match_ffn(expr: Expr, experts_per_rank: int) -> ExpertFFN:
-    """``down(act(gate(x)) [* up(x)])`` from the output's content expression."""
+    """``down(act(gate(x)) [* up(x)])`` from the output's content expression; each projection maybe biased."""
     if expr[0] == "cast":  # back to the rows' dtype after computing in another one
         expr = expr[2]
-    down = _gemm(expr)
+    down = _projection(expr)
     if down is None:
         raise NotAnFFN("F's output is not a projection by an expert weight")
-    down_key, h = down
+    down_key, down_bias, h = down
     up_key: tuple | None = None
+    up_bias: tuple | None = None
     fused = False
     if h[0] == "mul":
-        acts = [t for t in h[1:] if t[0] == "act"]
-        if len(acts) != 1:
-            raise NotAnFFN("the gating product multiplies no activation (or two)")
-        other = h[2] if h[1] is acts[0] else h[1]
-        activation, gate = _gated_name(acts[0][1]), acts[0][2]
-        if gate[0] == "chunk" and other[0] == "chunk" and gate[3] == other[3] and (gate[1], other[1]) == (0, 1):
-            fused, gate = True, gate[3]
-        else:
-            up = _gemm(other)
-            if up is None:
-                raise NotAnFFN("the gate's activation is multiplied by something other than a projection")
-            up_key, up_in = up
-            gate_gemm = _gemm(gate)
-            if gate_gemm is None or gate_gemm[1] != up_in:
-                raise NotAnFFN("the gate and up projections read different inputs")
+        activation, gate, up_key, up_bias, fused = _gating(h)
     elif h[0] == "square" and h[1][0] == "act" and h[1][1] == "relu":
         activation, gate = "relu2", h[1][2]
     elif h[0] == "act":
         activation, gate = h[1], h[2]
     else:
         raise NotAnFFN("the down projection's input is not an activation of a projection")
-    gated = _gemm(gate)
+    gated = _projection(gate)
     if gated is None:
         raise NotAnFFN("the activation's input is not a projection by an expert weight")
-    gate_key, x_in = gated
+    gate_key, gate_bias, x_in = gated
     compute = x_in[1] if x_in[0] == "cast" else None
     if (x_in[2] if x_in[0] == "cast" else x_in) != ("x",):
         raise NotAnFFN("the first projection does not read the received rows")
     roles = [_role(k, experts_per_rank) for k in (gate_key, up_key, down_key) if k is not None]
-    if {dtype for _, dtype in roles} != {compute}:
-        raise NotAnFFN(f"rows are computed in {compute} but weights cast to {sorted(map(str, {d for _, d in roles}))}")
+    biases = [_bias_role(k, experts_per_rank) for k in (gate_bias, up_bias, down_bias)]
+    dtypes = {dtype for _, dtype in roles} | {dtype for b, dtype in biases if b is not None}
+    if dtypes != {compute}:
+        raise NotAnFFN(f"rows are computed in {compute} but weights cast to {sorted(map(str, dtypes))}")
     gate_role, *rest = [r for r, _ in roles]
     up_role = rest[0] if up_key is not None else None
     assert activation in ACTIVATIONS, f"expert_block: {activation} is not an engine activation"
     return ExpertFFN(
         activation=cast(Activation, activation), gate=gate_role, up=up_role, down=rest[-1], fused_gate_up=fused,
-        compute_dtype=compute,
+        compute_dtype=compute, gate_bias=biases[0][0], up_bias=biases[1][0], down_bias=biases[2][0],
     )
 
 
@@ -521,4 +687,6 @@ def recognize_expert_ffn(fn: fx.GraphModule, binding: ExpertFnBinding, experts_p
     used = set().union(*(r.positions() for r in plan.roles()))
     if used != set(range(len(binding.weights))):
         raise NotAnFFN(f"F reads weights {sorted(set(range(len(binding.weights))) - used)} outside the FFN")
+    if sum(len(r.positions()) for r in plan.roles()) != len(used):  # each gradient has one home
+        raise NotAnFFN(f"a weight of F plays two roles in the FFN ({plan.describe()})")
     return plan

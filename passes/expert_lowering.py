@@ -5,7 +5,8 @@
 1. ``expert_block.recognize_expert_ffn`` reads F's per-row program (activation, projections, layouts).
 2. ``LoweredFFN`` is that program as a ``GroupedExperts`` (``relay_compile.experts``): the region's weights are
    packed once per step into the engine's layout (``[w13 (E_l, 2F, H), w2 (E_l, H, F)]`` for gated
-   activations, ``[w1, w2]`` otherwise; a view where the layout already is the engine's, one copy otherwise),
+   activations, ``[w1, w2]`` otherwise, then the biases F adds: ``b13 (E_l, 2F)`` or ``b1 (E_l, F)``, and
+   ``b2 (E_l, H)``; a view where the layout already is the engine's, one copy otherwise),
    circulate packed, run as grouped GEMMs per chunk with the fused SwiGLU backward where it applies, and their
    gradients are unpacked to the region's layout at the end of the step.
 3. The probe: on small inputs drawn from a fixed seed (rows of one source, an empty expert among the counts,
@@ -34,7 +35,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from relay_compile.experts import GradSink, GroupedFFN
-from relay_compile.passes.expert_block import ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
+from relay_compile.passes.expert_block import BiasRole, ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
 from relay_compile.passes.expert_compile import COMPILERS, CompiledExpertFn, compile_expert_fn
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.fx_nodes import node_value, size_hint
@@ -101,6 +102,33 @@ def _scatter_grad(grads: list[Tensor | None], weights: Sequence[Tensor], role: W
         whole[index] += g.to(whole.dtype)
 
 
+def _expert_bias(weights: Sequence[Tensor], role: BiasRole, e: int) -> Tensor:
+    position, index = role.per_expert[e]
+    return (weights[position] if index is None else weights[position][index]).reshape(-1)
+
+
+def _canonical_bias(weights: Sequence[Tensor], role: BiasRole, experts: int) -> Tensor:
+    """The role's biases as ``(E_l, out)`` (a view of a stacked ``(E_l, out)`` or ``(E_l, 1, out)`` bias)."""
+    if role.stacked is not None:
+        return weights[role.stacked].reshape(experts, -1)
+    return torch.stack([_expert_bias(weights, role, e) for e in range(experts)])
+
+
+def _scatter_bias_grad(grads: list[Tensor | None], weights: Sequence[Tensor], role: BiasRole, g_LO: Tensor) -> None:
+    """Write the role's bias gradient ``(E_l, out)`` into ``grads`` in the region's shapes and dtypes."""
+    if role.stacked is not None:
+        grads[role.stacked] = _owned(g_LO.reshape(weights[role.stacked].shape), weights[role.stacked].dtype)
+        return
+    for e, (position, index) in enumerate(role.per_expert):
+        if index is None:
+            grads[position] = _owned(g_LO[e].reshape(weights[position].shape), weights[position].dtype)
+            continue
+        whole = grads[position]
+        if whole is None:
+            whole = grads[position] = torch.zeros_like(weights[position])
+        whole[index] += g_LO[e].reshape(whole[index].shape).to(whole.dtype)
+
+
 class LoweredFFN:
     """A recognized F as the ring's expert function (``ExpertFn`` and ``GroupedExperts``).
 
@@ -112,7 +140,9 @@ class LoweredFFN:
 
     def __init__(self, plan: ExpertFFN, experts_per_rank: int, identity: str) -> None:
         self.plan, self.experts_per_rank, self._identity = plan, experts_per_rank, identity
-        self.inner = GroupedFFN(plan.activation)
+        # Packed biases: the first projection's (gate, or gate and up: b13, zeros for a half without one), down's.
+        first_bias = plan.gate_bias is not None or plan.up_bias is not None
+        self.inner = GroupedFFN(plan.activation, biases=(first_bias, plan.down_bias is not None))
         # With casts too (F computes in compute_dtype): the packed weights are in it, the rows are cast per chunk.
         self.has_fused_backward = self.inner.has_fused_backward
         self.__qualname__ = f"LoweredFFN[{plan.activation},{self.digest()}]"
@@ -129,7 +159,7 @@ class LoweredFFN:
     # --- GroupedExperts: packing ---
 
     def num_packed(self, num_weights: int) -> int:
-        return 2
+        return 2 + sum(self.inner.biases)
 
     def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
         plan, experts = self.plan, self.experts_per_rank
@@ -138,20 +168,55 @@ class LoweredFFN:
             gate = torch.cat([gate, _canonical(weights, plan.up, experts)], dim=1)
         down = _canonical(weights, plan.down, experts)
         dtype = plan.compute_dtype or weights[0].dtype
-        return [w.to(dtype, memory_format=torch.contiguous_format) for w in (gate, down)]
+        packed = [gate, down, *self._pack_biases(weights, gate.shape[1], down.shape[1])]
+        return [w.to(dtype, memory_format=torch.contiguous_format) for w in packed]
+
+    def _pack_biases(self, weights: Sequence[Tensor], first_out: int, down_out: int) -> list[Tensor]:
+        """``[b13 or b1, b2]``, those F has: ``(E_l, 2F)`` or ``(E_l, F)``, ``(E_l, H)``; a gated projection
+        pair with one bias gets zeros for the other half (never read back: its gradient is dropped)."""
+        plan, experts = self.plan, self.experts_per_rank
+        packed = []
+        if self.inner.biases[0]:
+            halves = [plan.gate_bias, plan.up_bias] if plan.up is not None else [plan.gate_bias]
+            out = first_out // len(halves)
+            like = weights[0]
+            packed.append(torch.cat([
+                _canonical_bias(weights, b, experts) if b is not None else like.new_zeros(experts, out)
+                for b in halves], dim=1))
+        if plan.down_bias is not None:
+            packed.append(_canonical_bias(weights, plan.down_bias, experts))
+            assert packed[-1].shape[1] == down_out, "LoweredFFN: the down bias does not match the down projection"
+        return packed
 
     def unpack_grads(self, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
         plan = self.plan
-        d_gate, d_down = grads
+        d_gate, d_down, *d_biases = grads
         out: list[Tensor | None] = [None] * len(weights)
+        ffn = d_down.shape[-1]
+        self._unpack_bias_grads(out, weights, d_biases, ffn)
         if plan.up is not None:
-            ffn = d_down.shape[-1]
             _scatter_grad(out, weights, plan.up, d_gate[:, ffn:])
             d_gate = d_gate[:, :ffn]
         _scatter_grad(out, weights, plan.gate, d_gate)
         _scatter_grad(out, weights, plan.down, d_down)
         assert all(g is not None for g in out), "LoweredFFN: a weight got no gradient"
         return [g for g in out if g is not None]
+
+    def _unpack_bias_grads(
+        self, out: list[Tensor | None], weights: Sequence[Tensor], d_biases: Sequence[Tensor], ffn: int
+    ) -> None:
+        """The packed bias gradients ``[db13 or db1, db2]`` (those there are) into ``out``, in F's layout; the
+        gradient of a zero half (a gated pair with one bias) is dropped."""
+        plan, rest = self.plan, iter(d_biases)
+        if self.inner.biases[0]:
+            d_first = next(rest)
+            halves = [(plan.gate_bias, d_first)] if plan.up is None else [
+                (plan.gate_bias, d_first[:, :ffn]), (plan.up_bias, d_first[:, ffn:])]
+            for role, g in halves:
+                if role is not None:
+                    _scatter_bias_grad(out, weights, role, g)
+        if plan.down_bias is not None:
+            _scatter_bias_grad(out, weights, plan.down_bias, next(rest))
 
     # --- GroupedExperts: entry points ---
 

@@ -26,6 +26,7 @@ Legend: S rows of a segment, H hidden, F expert FFN width, N ranks in the EP gro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -121,6 +122,53 @@ def _grouped_linear(x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, count
     return torch.cat([c @ w_EOD[e].T for e, c in enumerate(chunks)], dim=0)
 
 
+def expert_of_rows(offsets_G: Tensor, rows: int) -> Tensor:
+    """The group (local expert of a chunk) of each of ``rows`` rows sorted by group, from the groups' int32
+    prefix sums ``offsets_G`` ``(G,)``: int64 ``(rows,)``, on the device, no host sync. Computed once per chunk,
+    it expands per-expert bias rows over their rows (forward) and sums each expert's rows (bias gradients)."""
+    row_S = torch.arange(rows, device=offsets_G.device, dtype=offsets_G.dtype)
+    return torch.searchsorted(offsets_G, row_S, right=True)
+
+
+def _add_bias(h_SO: Tensor, b_GO: Tensor | None, expert_S: Tensor | None) -> Tensor:
+    """``h[s] + b[e(s)]``: in place unless autograd records ``h`` (the forward differentiated by the ring)."""
+    if b_GO is None:
+        return h_SO
+    assert expert_S is not None, "a bias needs each row's expert"
+    bias_SO = b_GO.index_select(0, expert_S)
+    return h_SO + bias_SO if h_SO.requires_grad or b_GO.requires_grad else h_SO.add_(bias_SO)
+
+
+def _grouped_bias_grad(
+    d_SO: Tensor, expert_S: Tensor, groups: int, grad_dtype: torch.dtype | None = None,
+    into_GO: Tensor | None = None, scale_S: Tensor | None = None,
+) -> Tensor:
+    """``db[e] = sum of d * scale`` over the rows of expert ``e`` ``(G, O)``: the bias gradient of ``_add_bias``.
+
+    One GEMM, ``sel @ d`` with ``sel[e(s), s] = scale[s]`` (1 without ``scale_S``; in ``d``'s dtype, as the ring
+    rounds the scores it multiplies ``dy`` by): deterministic (no atomics), no ``(S, O)`` product of the rows,
+    summed in ``grad_dtype`` (the ring's fp32 sums) or added into ``into_GO`` in its dtype, as the weight
+    gradients are (``_mm_widened`` / ``_addmm_widened``).
+    """
+    sel_GS = d_SO.new_zeros((groups, d_SO.shape[0]))
+    scale = scale_S.to(d_SO.dtype) if scale_S is not None else sel_GS.new_ones(d_SO.shape[0])
+    sel_GS.scatter_(0, expert_S[None, :], scale[None, :])
+    if into_GO is not None:
+        _addmm_widened(sel_GS, d_SO, into_GO)
+        return into_GO
+    db_GO = d_SO.new_empty((groups, d_SO.shape[1]), dtype=grad_dtype or d_SO.dtype)
+    _mm_widened(sel_GS, d_SO, db_GO)
+    return db_GO
+
+
+def _bias_score_term(dy_SH: Tensor, b2_GH: Tensor, expert_S: Tensor | None) -> Tensor:
+    """``<dy[s], b2[e(s)]>`` in fp32 ``(S,)``: the down bias's part of ``d_score = <dy, out>``."""
+    assert expert_S is not None, "a bias needs each row's expert"
+    dots_SG = dy_SH.new_empty((dy_SH.shape[0], b2_GH.shape[0]), dtype=torch.float32)
+    _mm_widened(dy_SH, b2_GH.t(), dots_SG)
+    return dots_SG.gather(1, expert_S[:, None]).squeeze(1)
+
+
 def _grouped_weight_grad(
     dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
     grad_dtype: torch.dtype | None = None, into_EOI: Tensor | None = None,
@@ -182,6 +230,35 @@ def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weigh
     return None, counts_L.tolist()  # NOTE: device-to-host sync (the loop path only)
 
 
+@dataclass(frozen=True)
+class _Biases:
+    """A chunk's packed biases: ``first`` on the first projection (``b13 (G, 2F)`` gated, ``b1 (G, F)``),
+    ``down`` on the down projection ``b2 (G, H)``, and each row's expert ``expert_S`` (``expert_of_rows``)."""
+
+    first: Tensor | None = None
+    down: Tensor | None = None
+    expert_S: Tensor | None = None
+
+    def grads(
+        self, dh_SO: Tensor, dy_SH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None,
+        into: Sequence[Tensor | None],
+    ) -> list[Tensor]:
+        """``[db_first, db_down]`` (those there are): the first projection's from its pre-activation gradient
+        ``dh`` (scaled by the scores already), the down projection's from ``score * dy``; added into ``into``
+        (the sinks after the weights', in the same order) where given."""
+        if self.first is None and self.down is None:
+            return []
+        assert self.expert_S is not None, "bias gradients need each row's expert"
+        sinks = iter(into)
+        out = []
+        if self.first is not None:
+            out.append(_grouped_bias_grad(dh_SO, self.expert_S, self.first.shape[0], grad_dtype, next(sinks, None)))
+        if self.down is not None:
+            out.append(_grouped_bias_grad(dy_SH, self.expert_S, self.down.shape[0], grad_dtype, next(sinks, None),
+                                          score_S))
+        return out
+
+
 def expert_ffn_swiglu_vjp(
     x_SH: Tensor, counts_L: Tensor, w1_LFH: Tensor, w2_LHF: Tensor, w3_LFH: Tensor, dy_SH: Tensor,
     score_S: Tensor, *, use_grouped_mm: bool | None = None,
@@ -212,9 +289,10 @@ def _split_w13(w13_LGH: Tensor, ffn: int) -> list[Tensor]:
 def _swiglu_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
-    rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
+    rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``.
+    """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
+    (then ``db13``, ``db2`` for the biases ``biases`` has).
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
@@ -224,21 +302,26 @@ def _swiglu_vjp(
     accumulators ``[w13, w2]``, the GEMMs add into them and no gradients are returned.
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
+    b = biases or _Biases()
     dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
     g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
     x_SH = x_TH if tok_S is None else x_TH[tok_S]
-    h13_SG = _grouped_linear(x_SH, w13_LGH, offsets_L, counts_host)
+    h13_SG = _add_bias(_grouped_linear(x_SH, w13_LGH, offsets_L, counts_host), b.first, b.expert_S)
     d_score_S = swiglu_backward_(h13_SG, g_SF, score_S)
+    if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
+        d_score_S += _bias_score_term(dy_SH, b.down, b.expert_S)
     act_scaled_SF, dh13_SG = g_SF, h13_SG
     into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
-    into13, into2 = into if into is not None else (None, None)
+    into13, into2, *into_b = into if into is not None else (None, None, None, None)
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
     dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype, into2)
-    del dy_SH, act_scaled_SF, g_SF
+    del act_scaled_SF, g_SF
+    db = b.grads(dh13_SG, dy_SH, score_S, grad_dtype, into_b)
+    del dy_SH
     dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
     del x_SH
     dx_SH = _grouped_linear(dh13_SG, w13_LGH.transpose(-2, -1), offsets_L, counts_host)
-    return dx_SH, d_score_S, [] if into is not None else [dw13, dw2]
+    return dx_SH, d_score_S, [] if into is not None else [dw13, dw2, *db]
 
 
 def _activation_backward(activation: str, grad_SF: Tensor, h_SF: Tensor) -> Tensor:
@@ -259,33 +342,39 @@ def _ffn_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, activation: str, tok_S: Tensor | None = None,
     grad_dtype: torch.dtype | None = None, rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
+    biases: _Biases | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused backward of ``score * w2 @ act(w1 @ x)`` for a non-gated activation: ``dx``, ``d_score``,
-    ``[dw1, dw2]`` (``_swiglu_vjp``'s contract: rows gathered here, ``grad_into`` asked before the first weight
-    GEMM).
+    ``[dw1, dw2]`` (then ``db1``, ``db2`` for the biases ``biases`` has; ``_swiglu_vjp``'s contract: rows
+    gathered here, ``grad_into`` asked before the first weight GEMM).
 
     ``d_score = <dy @ w2, act(h)>``, so the output GEMM is not recomputed: one recomputed GEMM (``h``) and four
     gradient GEMMs, where autograd over a recomputed forward runs six and keeps every intermediate.
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
+    b = biases or _Biases()
     dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
     g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
     x_SH = x_TH if tok_S is None else x_TH[tok_S]
-    h_SF = _grouped_linear(x_SH, w1_LFH, offsets_L, counts_host)
+    h_SF = _add_bias(_grouped_linear(x_SH, w1_LFH, offsets_L, counts_host), b.first, b.expert_S)
     act_SF = activation_fn(activation)(h_SF)
     d_score_S = (g_SF.float() * act_SF.float()).sum(-1)
+    if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
+        d_score_S += _bias_score_term(dy_SH, b.down, b.expert_S)
     score_S1 = score_S[:, None].to(g_SF.dtype)
     dh_SF = _activation_backward(activation, g_SF.mul_(score_S1), h_SF)
     del g_SF, h_SF
     act_SF.mul_(score_S1)  # dw2[e] = (score * dy)^T act = dy^T (score * act)
     into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
-    into1, into2 = into if into is not None else (None, None)
+    into1, into2, *into_b = into if into is not None else (None, None, None, None)
     dw2 = _grouped_weight_grad(dy_SH, act_SF, offsets_L, wgrad_rows, grad_dtype, into2)
-    del dy_SH, act_SF
+    del act_SF
+    db = b.grads(dh_SF, dy_SH, score_S, grad_dtype, into_b)
+    del dy_SH
     dw1 = _grouped_weight_grad(dh_SF, x_SH, offsets_L, wgrad_rows, grad_dtype, into1)
     del x_SH
     dx_SH = _grouped_linear(dh_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
-    return dx_SH, d_score_S, [] if into is not None else [dw1, dw2]
+    return dx_SH, d_score_S, [] if into is not None else [dw1, dw2, *db]
 
 
 def expert_ffn(
@@ -318,49 +407,66 @@ def expert_ffn(
 
 def _ffn(
     x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
-    w3_LFH: Tensor | None, activation: Activation,
+    w3_LFH: Tensor | None, activation: Activation, biases: _Biases | None = None,
 ) -> Tensor:
-    """``expert_ffn`` given the grouping (device offsets, or host counts for the loop path)."""
+    """``expert_ffn`` given the grouping (device offsets, or host counts for the loop path); ``biases``
+    (non-gated only): ``b1``, ``b2`` added to each row's projections."""
+    b = biases or _Biases()
     act = activation_fn(activation)
-    h_SF = act(_grouped_linear(x_SH, w1_LFH, offsets_L, counts_host))
+    h_SF = act(_add_bias(_grouped_linear(x_SH, w1_LFH, offsets_L, counts_host), b.first, b.expert_S))
     if activation in GATED:
-        assert w3_LFH is not None, f"{activation} needs w3"
+        assert w3_LFH is not None and biases is None, f"{activation} needs w3 (and its biases packed)"
         h_SF = h_SF * _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
-    return _grouped_linear(h_SF, w2_LHF, offsets_L, counts_host)
+    return _add_bias(_grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
 
 
 def _gated_packed(
     x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
-    activation: str,
+    activation: str, biases: _Biases | None = None,
 ) -> Tensor:
-    """Gated experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3``."""
+    """Gated experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3`` (their biases
+    ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them)."""
+    b = biases or _Biases()
     ffn = w2_LHF.shape[-1]
-    h13_SG = _grouped_linear(x_SH, w13_LGH, offsets_L, counts_host)
+    h13_SG = _add_bias(_grouped_linear(x_SH, w13_LGH, offsets_L, counts_host), b.first, b.expert_S)
     h_SF = activation_fn(activation)(h13_SG[:, :ffn]) * h13_SG[:, ffn:]
-    return _grouped_linear(h_SF, w2_LHF, offsets_L, counts_host)
+    return _add_bias(_grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
 
 
 class GroupedFFN:
     """``expert_ffn`` as the ring's expert function: the ``ExpertFn`` contract (weights ``(w1, w2)`` or
-    ``(w1, w2, w3)``), ``vjp`` (swiglu) and the ``GroupedExperts`` entry points.
+    ``(w1, w2, w3)``, then the biases ``biases`` says there are), ``vjp`` (swiglu, no biases) and the
+    ``GroupedExperts`` entry points.
 
     Packed layout: gated activations circulate ``[w13, w2]`` with ``w13 = cat([w1, w3], dim=1)``
     ``(E_l, 2F, H)``, so the forward runs two grouped GEMMs per chunk instead of three (swiglu's fused
     backward five instead of eight), and a hop moves two tensors (and two gradients) instead of three. Other
     activations circulate ``[w1, w2]``.
+
+    Biases (``biases = (first, down)``): the first projection's ``b1 (E_l, F)`` (gated: ``b1, b3``, packed as
+    ``b13 (E_l, 2F)``) and the down projection's ``b2 (E_l, H)`` follow the weights, in that order, unpacked
+    and packed; a chunk slices them by expert like the weights, adds them to its rows by each row's expert
+    (``expert_of_rows``, once per chunk) and sums their gradients per expert.
     """
 
-    def __init__(self, activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> None:
+    def __init__(
+        self, activation: Activation = "swiglu", use_grouped_mm: bool | None = None,
+        biases: tuple[bool, bool] = (False, False),
+    ) -> None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"ring_moe: activation={activation!r} is not one of {ACTIVATIONS}")
-        self.activation, self.use_grouped_mm = activation, use_grouped_mm
-        self.__qualname__ = f"expert_ffn[{activation}]"
+        self.activation, self.use_grouped_mm, self.biases = activation, use_grouped_mm, biases
+        self.__qualname__ = f"expert_ffn[{activation}{',bias' if any(biases) else ''}]"
         # Fused backward entry points: SwiGLU's (packed w13, Triton pointwise step) and the non-gated ones'.
         self.has_fused_backward = activation == "swiglu" or activation not in GATED
-        if activation == "swiglu":
+        if activation == "swiglu" and not any(biases):
             self.vjp: ExpertVJP = self._vjp  # the ExpertFn contract's optional fused backward
 
     def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor]) -> Tensor:
+        if any(self.biases):
+            counts_L = counts_NL.sum(0)
+            offsets_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
+            return self.forward_rows(x_SH, offsets_L, counts_L.tolist(), self.pack(weights))
         return expert_ffn(
             x_SH, counts_NL.sum(0), *weights, activation=self.activation, use_grouped_mm=self.use_grouped_mm
         )
@@ -374,36 +480,53 @@ class GroupedFFN:
         )
 
     def num_packed(self, num_weights: int) -> int:
-        return 2 if self.activation in GATED else num_weights
+        return 2 + sum(self.biases) if self.activation in GATED else num_weights
 
     def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
         if self.activation not in GATED:
             return list(weights)
-        w1, w2, w3 = weights
-        return [torch.cat([w1, w3], dim=1), w2]
+        w1, w2, w3, *biases = weights
+        packed = [torch.cat([w1, w3], dim=1), w2]
+        if self.biases[0]:
+            packed.append(torch.cat(biases[:2], dim=1))
+        if self.biases[1]:
+            packed.append(biases[-1])
+        return packed
 
     def unpack_grads(self, grads: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
         if self.activation not in GATED:
             return list(grads)
-        dw13, dw2 = grads
-        dw1, dw3 = _split_w13(dw13, weights[1].shape[-1])
-        return [dw1, dw2, dw3]
+        dw13, dw2, *dbs = grads
+        ffn = weights[1].shape[-1]
+        dw1, dw3 = _split_w13(dw13, ffn)
+        if self.biases[0]:
+            dbs[:1] = _split_w13(dbs[0], ffn)
+        return [dw1, dw2, dw3, *dbs]
 
     def _grouping(
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
     ) -> tuple[Tensor | None, Sequence[int] | None]:
         grouped = self.use_grouped_mm
         if grouped is None:
-            grouped = grouped_mm_supported(x_SH, *weights)
+            grouped = grouped_mm_supported(x_SH, *weights[:2])
         return (offsets_G, None) if grouped else (None, rows_G)
+
+    def _biases(self, weights: Sequence[Tensor], offsets_G: Tensor, rows: int) -> _Biases | None:
+        """The packed biases of ``weights`` (after the two weights), and each of the chunk's rows' expert."""
+        if not any(self.biases):
+            return None
+        rest = iter(weights[2:])
+        first, down = (next(rest) if has else None for has in self.biases)
+        return _Biases(first, down, expert_of_rows(offsets_G, rows))
 
     def forward_rows(
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
     ) -> Tensor:
         grouping = self._grouping(x_SH, offsets_G, rows_G, weights)
+        biases = self._biases(weights, offsets_G, x_SH.shape[0])
         if self.activation in GATED:
-            return _gated_packed(x_SH, *grouping, *weights, self.activation)
-        return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation)
+            return _gated_packed(x_SH, *grouping, weights[0], weights[1], self.activation, biases)
+        return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation, biases)
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
@@ -412,13 +535,17 @@ class GroupedFFN:
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
+        biases = self._biases(weights, offsets_G, x_TH.shape[0] if tok_S is None else tok_S.shape[0])
+        w1, w2 = weights[:2]
         if self.activation != "swiglu":
-            w1, w2 = weights
             return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
-                            grad_into)
-        return _swiglu_vjp(x_TH, *grouping, *weights, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into)
+                            grad_into, biases)
+        return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases)
 
 
-def ffn_expert_fn(activation: Activation = "swiglu", use_grouped_mm: bool | None = None) -> GroupedFFN:
-    """The ring's expert function for ``expert_ffn``: weights are ``(w1, w2)`` or ``(w1, w2, w3)``."""
-    return GroupedFFN(activation, use_grouped_mm)
+def ffn_expert_fn(
+    activation: Activation = "swiglu", use_grouped_mm: bool | None = None, biases: tuple[bool, bool] = (False, False)
+) -> GroupedFFN:
+    """The ring's expert function for ``expert_ffn``: weights are ``(w1, w2)`` or ``(w1, w2, w3)``, then the
+    biases ``biases`` says there are (``GroupedFFN``)."""
+    return GroupedFFN(activation, use_grouped_mm, biases)

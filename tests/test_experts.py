@@ -1,5 +1,5 @@
-"""The expert function's fused backwards (SwiGLU, non-gated activations) against autograd, and SwiGLU's in-place
-pointwise kernel.
+"""The expert function's fused backwards (SwiGLU, non-gated activations; with per-expert biases too) against
+autograd, and SwiGLU's in-place pointwise kernel.
 
 On the CPU (CI) the pointwise step runs its eager reference (in place, like the kernel); the CUDA test runs
 the Triton kernel on the device machine (``python -m pytest tests/test_experts.py``) and is skipped elsewhere.
@@ -12,7 +12,14 @@ import unittest
 import torch
 from torch import Tensor
 
-from relay_compile.experts import expert_ffn, expert_ffn_swiglu_vjp, ffn_expert_fn
+from relay_compile.experts import (
+    GATED,
+    activation_fn,
+    expert_ffn,
+    expert_ffn_swiglu_vjp,
+    expert_of_rows,
+    ffn_expert_fn,
+)
 from relay_compile.kernels.swiglu_backward import reference as swiglu_backward_reference
 from relay_compile.kernels.swiglu_backward import swiglu_backward_
 
@@ -61,6 +68,66 @@ class FusedNonGatedBackward(unittest.TestCase):
                 self.assertEqual(none, [])
                 for acc, ref in zip(accs, want[1:3], strict=False):
                     self.assertLess(_rel(acc - 1.0, ref), 1e-5, f"into {activation} grouped={grouped}")
+
+
+def _biased_reference(activation: str, x: Tensor, rows: list[int], ws: list[Tensor]) -> Tensor:
+    """Per expert, dense: ``act(x w1^T + b1) [* (x w3^T + b3)] w2^T + b2``; ``ws`` is ``(w1, w2[, w3], b1[, b3],
+    b2)``."""
+    gated = activation in GATED
+    w1, w2, w3 = ws[0], ws[1], ws[2] if gated else None
+    b1, b3, b2 = (ws[3], ws[4], ws[5]) if gated else (ws[2], None, ws[3])
+    outs = []
+    for e, x_e in enumerate(torch.split(x, rows)):
+        h = activation_fn(activation)(x_e @ w1[e].T + b1[e])
+        if w3 is not None and b3 is not None:
+            h = h * (x_e @ w3[e].T + b3[e])
+        outs.append(h @ w2[e].T + b2[e])
+    return torch.cat(outs)
+
+
+class BiasedExperts(unittest.TestCase):
+    def test_each_row_is_given_its_experts_index_with_empty_experts_anywhere(self) -> None:
+        rows = [0, 2, 0, 0, 3, 1, 0]
+        offsets = torch.cumsum(torch.tensor(rows), 0, dtype=torch.int32)
+        want = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+        torch.testing.assert_close(expert_of_rows(offsets, sum(rows)), want, rtol=0, atol=0)
+
+    def test_biased_entry_points_on_an_expert_slice_equal_a_dense_reference_and_autograd(self) -> None:
+        # A chunk holding experts [1, 4) of 4 (one empty), rows gathered by the function (reverse order) or given
+        # (scores before the experts: tok_S=None), gradients returned or added into fp64 sinks.
+        rows = [4, 0, 3]
+        for activation in ("swiglu", "gelu", "relu2", "geglu"):
+            for grouped in (True, False):
+                what = f"{activation} grouped={grouped}"
+                fn = ffn_expert_fn(activation, use_grouped_mm=grouped, biases=(True, True))
+                x, counts, w1, w2, w3, dy, score = _case("cpu", torch.float32, rows)
+                gen = torch.Generator().manual_seed(1)
+                b1, b3, b2 = (torch.randn(4, n, generator=gen) for n in (w1.shape[1], w1.shape[1], w2.shape[1]))
+                w1, w2, w3 = (torch.cat([torch.randn(1, *w.shape[1:]), w], 0) for w in (w1, w2, w3))
+                ws = [w1, w2, w3, b1, b3, b2] if activation in GATED else [w1, w2, b1, b2]
+                self.assertEqual(fn.num_packed(len(ws)), 4)
+                packed = [w[1:4] for w in fn.pack(ws)]
+                mine = [w[1:4] for w in ws]
+                offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+                out = fn.forward_rows(x, offsets, rows, packed)
+                self.assertLess(_rel(out, _biased_reference(activation, x, rows, mine)), 1e-6, what)
+                self.assertEqual(fn.has_fused_backward, activation != "geglu", what)
+                if not fn.has_fused_backward:
+                    continue
+                leaves = [t.clone().requires_grad_() for t in (x, *mine)]
+                ref = _biased_reference(activation, leaves[0], rows, leaves[1:])
+                want = torch.autograd.grad(ref, leaves, dy * score[:, None])
+                want_ds = (dy * ref).sum(-1)
+                tok = torch.arange(x.shape[0] - 1, -1, -1)
+                dx, ds, dws = fn.vjp_rows(x.flip(0), tok, offsets, rows, packed, dy.flip(0), score)
+                sinks = [torch.zeros_like(p, dtype=torch.float64) for p in packed]
+                dx2, _, none = fn.vjp_rows(x, None, offsets, rows, packed, dy, score, torch.float64, lambda: sinks)
+                self.assertEqual(none, [])
+                for got_dws in (dws, [g.float() for g in sinks]):
+                    for i, (g, w) in enumerate(zip(fn.unpack_grads(got_dws, mine), want[1:], strict=True)):
+                        self.assertLess(_rel(g, w), 1e-6, f"{what} weight {i}")
+                for got, ref_ in ((dx, want[0]), (dx2, want[0]), (ds, want_ds)):
+                    self.assertLess(_rel(got, ref_), 1e-6, what)
 
 
 class FusedSwiGLUBackward(unittest.TestCase):

@@ -1,7 +1,7 @@
 """Variants of the DeepSpeed-style capacity layer that the matcher must leave unchanged, with a reason.
 
 Each changes one thing of ``tests.models.deepspeed_style.DeepSpeedStyleMoE``; everything else is the matched
-pattern. (Experts with biases: ``DeepSpeedStyleMoE(..., bias=True)``.)
+pattern. (Experts with biases, ``DeepSpeedStyleMoE(..., bias=True)``, are matched and lowered with them.)
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class TopKGate(nn.Module):
 
 
 class MLP(nn.Module):
-    """One expert: Linear -> GELU -> Linear (biases refuse the rewrite: see README, capacity-based dispatch)."""
+    """One expert: Linear -> GELU -> Linear (with ``bias``, recognized with its biases)."""
 
     def __init__(self, model_dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()

@@ -12,7 +12,8 @@ batched experts write it, on CPU/gloo:
                 back to (N, E_l, C, M)
     combine     all_to_all_single back; (E, C, M); einsum("sec,ecm->sm", combine_weights, out)
 
-Tutel's experts also add biases (``batched_fc1_bias``): these have none (see README, capacity-based dispatch).
+With ``bias``, the experts add Tutel's biases: ``batched_fc1_bias`` stored ``(E_l, 1, F)`` and added as it is,
+``batched_fc2_bias`` stored ``(E_l, M)`` and broadcast over the slots as ``[:, None, :]``.
 
 Legend: S tokens (per rank), M model dim, E experts, E_l local experts, C capacity, N ranks, F expert width.
 """
@@ -58,10 +59,11 @@ class GShardStyleMoE(nn.Module):
         capacity_factor: C = capacity_factor * ceil(S * k / E).
         group: the EP group (N ranks); rank r owns experts [r * E_l, (r + 1) * E_l).
         seed: the router and all E experts' weights are drawn from it, identically on every rank.
+        bias: the experts add biases (Tutel's ``batched_fc1_bias``, ``batched_fc2_bias``).
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group: dist.ProcessGroup, *,
-                 capacity_factor: float = 1.0, seed: int = 0) -> None:
+                 capacity_factor: float = 1.0, seed: int = 0, bias: bool = False) -> None:
         super().__init__()
         self.group, self.world = group, dist.get_world_size(group)
         self.num_local_experts = num_experts // self.world
@@ -71,17 +73,26 @@ class GShardStyleMoE(nn.Module):
         self.wg = nn.Linear(dim, num_experts, bias=False)
         w1 = torch.randn(num_experts, dim, hidden) / dim ** 0.5
         w2 = torch.randn(num_experts, hidden, dim) / hidden ** 0.5
+        b1, b2 = 0.1 * torch.randn(num_experts, 1, hidden), 0.1 * torch.randn(num_experts, dim)
         torch.random.set_rng_state(state)
         lo = dist.get_rank(group) * self.num_local_experts
         self.batched_fc1_w = nn.Parameter(w1[lo:lo + self.num_local_experts].clone())
         self.batched_fc2_w = nn.Parameter(w2[lo:lo + self.num_local_experts].clone())
+        self.bias = bias
+        if bias:
+            self.batched_fc1_bias = nn.Parameter(b1[lo:lo + self.num_local_experts].clone())
+            self.batched_fc2_bias = nn.Parameter(b2[lo:lo + self.num_local_experts].clone())
 
     def experts(self, x_NLCM: Tensor) -> Tensor:
         """The local experts on their capacity buffers, batched: ``(N, E_l, C, M) -> (N, E_l, C, M)``."""
         n, e_l, c, m = x_NLCM.shape
         x_LRM = x_NLCM.transpose(0, 1).reshape(e_l, n * c, m)
-        h_LRF = torch.relu(torch.einsum("ecm,emf->ecf", x_LRM, self.batched_fc1_w))
-        y_LRM = torch.bmm(h_LRF, self.batched_fc2_w)
+        h_LRF = torch.einsum("ecm,emf->ecf", x_LRM, self.batched_fc1_w)
+        if self.bias:
+            h_LRF = h_LRF + self.batched_fc1_bias
+        y_LRM = torch.bmm(torch.relu(h_LRF), self.batched_fc2_w)
+        if self.bias:
+            y_LRM = y_LRM + self.batched_fc2_bias[:, None, :]
         return y_LRM.reshape(e_l, n, c, m).transpose(0, 1).contiguous()
 
     def forward(self, x_SM: Tensor) -> Tensor:

@@ -30,12 +30,13 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 
 
 class Expert(nn.Module):
-    """Megatron MLP with a gated linear unit: fc1 (H -> 2F), silu(gate) * up, fc2 (F -> H)."""
+    """Megatron MLP with a gated linear unit: fc1 (H -> 2F), silu(gate) * up, fc2 (F -> H); ``bias``: Megatron's
+    ``add_bias_linear`` (fc1 and fc2 with biases)."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, 2 * hidden, bias=False)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=False)
+        self.linear_fc1 = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.linear_fc2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x_RH: Tensor) -> Tensor:
         gate_RF, up_RF = self.linear_fc1(x_RH).chunk(2, dim=-1)
@@ -50,10 +51,11 @@ class MegatronStyleMoE(nn.Module):
         group: the EP process group (N ranks); this rank owns E/N consecutive experts.
         seed: every rank builds all E experts and the router from this seed and keeps its own experts,
             so ``all_experts(seed)`` gives the same weights for a dense reference.
+        bias: experts' ``nn.Linear`` layers with biases.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group: dist.ProcessGroup,
-                 *, seed: int = 0) -> None:
+                 *, seed: int = 0, bias: bool = False) -> None:
         super().__init__()
         self.group = group
         self.ep_size = dist.get_world_size(group)
@@ -61,18 +63,19 @@ class MegatronStyleMoE(nn.Module):
         assert num_experts % self.ep_size == 0
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local_experts = num_experts // self.ep_size
-        router, experts = self.build_all(dim, hidden, num_experts, seed)
+        router, experts = self.build_all(dim, hidden, num_experts, seed, bias)
         self.router = router
         lo = self.ep_rank * self.num_local_experts
         self.local_experts = nn.ModuleList(experts[lo:lo + self.num_local_experts])
 
     @staticmethod
-    def build_all(dim: int, hidden: int, num_experts: int, seed: int) -> tuple[nn.Linear, list[Expert]]:
+    def build_all(dim: int, hidden: int, num_experts: int, seed: int,
+                  bias: bool = False) -> tuple[nn.Linear, list[Expert]]:
         """The router and all E experts for ``seed`` (identical on every rank)."""
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         router = nn.Linear(dim, num_experts, bias=False)
-        experts = [Expert(dim, hidden) for _ in range(num_experts)]
+        experts = [Expert(dim, hidden, bias) for _ in range(num_experts)]
         torch.random.set_rng_state(gen_state)
         return router, experts
 

@@ -2,13 +2,13 @@
 
 Layers written in those codebases' idioms (``tests.models.deepspeed_style``: top-2 gating with capacity and drops,
 a ModuleList of experts on chunks of ``(N, E_l, C, M)``, all-to-alls functional or DeepSpeed's ``_AllToAll``
-autograd.Function; ``tests.models.fairseq_style``: the same with fairseq's mm
-dispatch and combine; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C,
-M)``) train for three SGD steps beside the same layer run eagerly through its all-to-alls: losses and gradients agree
-at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens are dropped, and under an
-adversarial gate that sends every token to the same experts (most dropped), under each routing (auto; token and
-expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the backend's own options is set
-(no Dynamo config: these graphs have no data-dependent sizes).
+autograd.Function; ``tests.models.fairseq_style``: the same with fairseq's mm dispatch and combine, and experts
+with biases; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C, M)``, with
+and without Tutel's biases) train for three SGD steps beside the same layer run eagerly through its all-to-alls:
+losses and gradients agree at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens
+are dropped, and under an adversarial gate that sends every token to the same experts (most dropped), under each
+routing (auto; token and expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the
+backend's own options is set (no Dynamo config: these graphs have no data-dependent sizes).
 
 Legend: S tokens per rank, M model dim, F expert width, E experts, K top-k, N ranks, C capacity.
 """
@@ -122,22 +122,25 @@ class Cases(DistributedTestCase):
         self.assertNotIn("autograd_function_apply(", code)  # neither _AllToAll.apply is left
 
     def check_fairseq(self) -> None:
-        """The same gate and experts with fairseq's mm dispatch and combine."""
+        """The same gate with fairseq's mm dispatch and combine, and experts whose ``nn.Linear``s have biases (the
+        original computes ``F(0)``, biases and all, on empty slots, times a combine weight of 0)."""
         def build() -> FairseqStyleMoE:
-            return FairseqStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=11)
+            return FairseqStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=11, bias=True)
 
-        self.check_rewritten_graph(self.train_beside_eager(build, self.batches(), "fairseq mm"))
+        self.check_rewritten_graph(self.train_beside_eager(build, self.batches(), "fairseq mm, biased experts"))
+        experts = compiled_reports()[-1].regions[0].experts
+        self.assertTrue(experts.startswith("grouped: gelu experts with bias (gate, down)"), experts)
 
     # --- GShard / Tutel: top-k, batched experts ---------------------------------------------------------
 
-    def check_gshard(self, top_k: int, routing: str) -> None:
+    def check_gshard(self, top_k: int, routing: str, bias: bool = False) -> None:
         def build() -> GShardStyleMoE:
-            return GShardStyleMoE(M, F, E, top_k, dist.group.WORLD, capacity_factor=0.75, seed=13)
+            return GShardStyleMoE(M, F, E, top_k, dist.group.WORLD, capacity_factor=0.75, seed=13, bias=bias)
 
         batches = self.batches()
         _, dispatch_mask = topk_capacity_gating(build().wg(batches[0]), top_k, 0.75)
         self.assertLess(int(dispatch_mask.any(-1).sum()), top_k * batches[0].shape[0], "no token was dropped")
-        what = f"gshard top-{top_k} routing={routing}"
+        what = f"gshard top-{top_k} routing={routing}{' with Tutel biases' if bias else ''}"
         self.check_rewritten_graph(self.train_beside_eager(build, batches, what, routing))
 
 
@@ -148,7 +151,7 @@ class CapacityDispatchWorld2(Cases):
         self.check_deepspeed_autograd_function()
         self.check_fairseq()
         self.check_gshard(top_k=2, routing="token")  # tokens circulate
-        self.check_gshard(top_k=1, routing="expert")  # expert weights circulate
+        self.check_gshard(top_k=1, routing="expert", bias=True)  # expert weights (and biases) circulate
 
 
 class CapacityDispatchWorld4(Cases):

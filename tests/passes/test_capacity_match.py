@@ -108,6 +108,16 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual(scores.meta["val"].shape, (S, 2))
         self.assertNotIn("einsum('sec,ecm->sm'", gm.code)
 
+    def test_finds_the_gshard_block_with_tutel_biases_on_its_batched_experts(self) -> None:
+        # Tutel's biases: (E_l, 1, F) added as stored, (E_l, M)[:, None, :] broadcast over every slot.
+        _, regions, refused = traced(GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=0.5, seed=1,
+                                                    bias=True))
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual(region.experts_path.description, (
+            "relu experts with bias (gate, down), gate weights[0] stacked (in_out), down weights[2] stacked (in_out), "
+            "gate bias weights[1] stacked, down bias weights[3] stacked"))
+
     def test_two_capacity_layers_in_one_graph_are_two_disjoint_regions_and_two_rings(self) -> None:
         # x + moe1(x), then + moe2(...): the second dispatch has the first layer's all-to-alls upstream.
         blocks = [GShardStyleMoE(M, F, E, 2, dist.group.WORLD, capacity_factor=0.5, seed=s) for s in (1, 2)]
@@ -142,10 +152,16 @@ class CapacityMatch(unittest.TestCase):
                                  r"tokens' dtype")
         self.assertIn("scores applied before the experts?", reason)
 
-    def test_refuses_experts_with_biases(self) -> None:
-        # nn.Linear(..., bias=True) experts: the grouped experts have no bias.
-        reason = self.refusal(self.deepspeed(bias=True))
-        self.assertRegex(reason, r"^the capacity experts are not recognized as an FFN of experts \(.* adds a bias")
+    def test_experts_with_biases_are_lowered_with_their_biases(self) -> None:
+        # nn.Linear(..., bias=True) experts: empty slots compute F(0) = b2 + ... in the original, times a combine
+        # weight of 0, so the ring over kept pairs computes the same (capacity_pairs).
+        _, regions, refused = traced(self.deepspeed(bias=True))
+        self.assertEqual(refused, [])
+        (region,) = regions
+        self.assertEqual(len(region.weights), 4 * E // N)  # fc1, its bias, fc2, its bias of each local expert
+        self.assertTrue(region.experts_path.description.startswith("gelu experts with bias (gate, down), "),
+                        region.experts_path.description)
+        self.assertEqual(region.lowered.num_packed(len(region.weights)), 4)
 
     def test_refuses_experts_that_mix_capacity_slots(self) -> None:
         # out - out.mean(dim=2): a slot's result depends on the other tokens of its expert.

@@ -117,8 +117,19 @@ def _relu2(h: Tensor) -> Tensor:
     return torch.relu(h) ** 2
 
 
+def loop_mm_relu_times_relu(rows, counts, s0, s1, w1, w2):
+    """A loop over ``torch.split`` chunks with ``torch.mm(x_e, w[e].t())``; squared ReLU as ``relu(h) * relu(h)``."""
+    x, perm, _ = _expert_major(rows, counts)
+    counts_L = counts.sum(0)
+    chunks, outs = torch.split(x, [counts_L[e].item() for e in range(L)]), []
+    for e in range(L):
+        h = nnf.relu(torch.mm(chunks[e], w1[e].t()))
+        outs.append((h * h).mm(w2[e].t()))
+    return torch.cat(outs)[torch.argsort(perm)]
+
+
 def with_bias(rows, s00, s01, s02, s10, s11, s12, fc1_0, b1_0, fc2_0, fc1_1, b1_1, fc2_1, fc1_2, b1_2, fc2_2):
-    """ModuleList experts whose fc1 has a bias: not an FFN the grouped experts run (yet)."""
+    """ModuleList experts whose fc1 (fused gate and up) has a bias."""
     sizes = [s00, s01, s02, s10, s11, s12]
     weights = [fc1_0, b1_0, fc2_0, fc1_1, b1_1, fc2_1, fc1_2, b1_2, fc2_2]
     chunks = torch.split(rows, sizes)
@@ -294,6 +305,19 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
                 )
 
 
+    def test_silu_written_as_h_times_sigmoid_of_h(self) -> None:
+        self.check(
+            Idiom(_non_gated(lambda h: h * torch.sigmoid(h)), FFN_EFH, per_pair=False), "silu",
+            "silu experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)",
+        )
+
+    def test_mm_and_squared_relu_as_a_product_of_two_relus(self) -> None:
+        self.check(
+            Idiom(loop_mm_relu_times_relu, FFN_EFH, per_pair=False), "relu2",
+            "relu2 experts, gate weights[0] stacked (out_in), down weights[1] stacked (out_in)",
+        )
+
+
 class ExpertsComputedInAnotherDtype(RecognizedIdiomsEqualF):
     def test_bf16_experts_on_fp32_rows_and_weights_run_the_fused_backward_on_the_cast_weights(self) -> None:
         # torchtitan on fp32 parameters: the packed weights are bf16 (cast once per step), the fused backward
@@ -332,9 +356,13 @@ class ExpertsComputedInAnotherDtype(RecognizedIdiomsEqualF):
 
 
 class UnrecognizedIdiomsSayWhy(unittest.TestCase):
-    def test_a_bias_is_named(self) -> None:
-        idiom = Idiom(with_bias, MODULES_WITH_BIAS, per_pair=True)
-        with self.assertRaisesRegex(NotAnFFN, r"linear.* adds a bias"):
+    def test_adding_rows_to_rows_is_not_a_bias(self) -> None:
+        # A residual inside the experts (biases: tests/passes/test_expert_block_bias.py).
+        def residual(rows, counts, s0, s1, w1, w2):
+            return _non_gated(nnf.silu)(rows, counts, s0, s1, w1, w2) + rows
+
+        idiom = Idiom(residual, FFN_EFH, per_pair=False)
+        with self.assertRaisesRegex(NotAnFFN, "add.* adds something other than a bias to rows"):
             recognize_expert_ffn(idiom.gm, idiom.binding, L)
 
     def test_the_probe_catches_rows_grouped_by_the_wrong_experts(self) -> None:
