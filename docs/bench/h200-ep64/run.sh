@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issues 10/12 on one H200 (torch 2.11), session 4: EP=64 after RowSum and one-span transfers.
 # Usage (device tool, carry .whl and .whl-titan): bash docs/bench/h200-ep64/run.sh "$OUT" [parts...]
-# Parts (default all): tests spread rows numerics titan train. Everything lands in $OUT/raw.tar.gz and $OUT/log.txt.
+# Parts (default all): tests spread rows numerics titan train; final (the last run: CUDA tests of the merged
+# biased experts, and the rows and torchtitan rows with their steps interleaved). Everything lands in $OUT/raw.tar.gz and $OUT/log.txt.
 set -uo pipefail
 OUT=$1; shift
-PARTS=${*:-tests spread rows numerics titan train}
+PARTS=${*:-tests spread rows numerics titan train final}
 RAW=/tmp/raw; mkdir -p $RAW
 python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-titan/*.whl 2>&1 | tail -1
 export PYTHONPATH=/tmp/site
@@ -29,6 +30,12 @@ for part in $PARTS; do
              timeout 200 python examples/train_moe.py $TRAIN --data-seed $s --backend relaymoe \
                --report-json "$RAW/train_data${s}_relaymoe.json" 2>&1 | grep -v Warning | awk '/^ *(299) |result|Error|error/'
            done ;;
+    final) python -m pytest -q tests/test_experts.py tests/runtime/test_row_sum.py 2>&1 | tail -2
+           python docs/bench/h200-memory/rows.py $RAW --ep 64 8 --bounds --backend --interleave 2>&1 | grep -v Warning \
+             | grep -v "^\["
+           mkdir -p $RAW/titan-interleaved; python docs/bench/h200-torchtitan/titan_rows.py $RAW/titan-interleaved \
+             --interleave --compile-ep 64 > $RAW/titan_interleaved_log.txt 2>&1
+           tail -22 $RAW/titan_interleaved_log.txt | grep -v "Warn\|warn_once" ;;
   esac
 done
 tar czf $OUT/raw.tar.gz -C $RAW .
