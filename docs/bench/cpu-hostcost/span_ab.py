@@ -6,12 +6,17 @@ transfers as spans (``transport._runs``) against one P2P operation per tensor, s
 Session 4, 2 cores, idle machine, three runs (median ms per forward+backward, spans / per tensor):
 75.2 / 83.3, 77.4 / 72.8, 78.9 / 82.1: no host-time difference this measurement can resolve (EP=8: 24.2 / 24.0).
 """
-import time, statistics, torch, sys
+import statistics
+import time
+
+import torch
+
 from relay_compile import ring_moe
-from relay_compile.runtime import transport as T
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.standin_group import standin_group
+from relay_compile.runtime import transport as T
+
 torch.set_num_threads(1)
 cfg = QWEN3_30B.with_(device="cpu", dtype="bf16", ep=64, tokens=256, hidden=16, ffn=8)
 group = standin_group(64); inp = make_inputs(cfg)
