@@ -300,16 +300,24 @@ def receive_buffers(
 
 def _runs(tensors: Sequence[Tensor]) -> list[tuple[int, int]]:
     """Maximal runs ``[a, b)`` of ``tensors`` that lie in one storage as ``_layout`` packs them (as one
-    ``receive_buffers`` call made them): each run can travel as one span of bytes (``_span``)."""
+    ``receive_buffers`` call made them): each run can travel as one span of bytes (``_span``).
+
+    Runs per transfer, so it reads addresses: a tensor extends the run when it starts where ``_layout`` puts the
+    next tensor and ends inside the storage of the run's first tensor (then it is in that storage).
+    """
     runs: list[tuple[int, int]] = []
-    a, storage, end = 0, -1, 0
+    a, end, storage_end = 0, 0, -1
     for i, t in enumerate(tensors):
-        start = -(-end // _ALIGN) * _ALIGN
-        if i == a or not (t.is_contiguous() and t.data_ptr() == start and t.untyped_storage().data_ptr() == storage):
-            if i > a:
-                runs.append((a, i))
-            a, storage = i, t.untyped_storage().data_ptr()
-        end = t.data_ptr() + t.numel() * t.element_size()
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        if i > a and ptr == -(-end // _ALIGN) * _ALIGN and ptr + nbytes <= storage_end and t.is_contiguous():
+            end = ptr + nbytes
+            continue
+        if i > a:
+            runs.append((a, i))
+        storage = t.untyped_storage()
+        # A run's first tensor must be contiguous too for the run to be its bytes; else it stays alone.
+        a, end = i, ptr + nbytes
+        storage_end = storage.data_ptr() + storage.nbytes() if t.is_contiguous() else -1
     if tensors:
         runs.append((a, len(tensors)))
     return runs
