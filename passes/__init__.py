@@ -9,7 +9,8 @@ and what those two share:
     fx_nodes.py   op identities, the fake-value lookup, narrowing predicates (nothing MoE-specific)
     roles.py      recognizers of the values a dispatcher computes (sort order, row gather, scatter, splits)
     expert_fn.py  F cut out of the region into its own graph (ExpertFnBinding), RegionExpertFn runs it per hop
-    expert_block.py     F recognized as an FFN of experts (ExpertFFN), by abstract interpretation of its graph
+    expert_block.py     F recognized as an FFN of experts, by abstract interpretation of its graph
+    ffn_template.py     the FFN templates that interpretation must match, and their record (ExpertFFN)
     expert_lowering.py  a recognized F on the engine's grouped experts (LoweredFFN), proven on probe inputs
     capacity_pairs.py   a capacity region's (id, score) pairs from its masks, inserted by the rewrite
     liveness.py   the nodes that die when a region's output is replaced

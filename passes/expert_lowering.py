@@ -35,9 +35,10 @@ import torch.fx as fx
 from torch import Tensor
 
 from relay_compile.experts import GradSink, GroupedFFN
-from relay_compile.passes.expert_block import BiasRole, ExpertFFN, NotAnFFN, WeightRole, recognize_expert_ffn
+from relay_compile.passes.expert_block import recognize_expert_ffn
 from relay_compile.passes.expert_compile import COMPILERS, CompiledExpertFn, compile_expert_fn
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
+from relay_compile.passes.ffn_template import BiasRole, ExpertFFN, NotAnFFN, WeightRole
 from relay_compile.passes.fx_nodes import node_value, size_hint
 
 if TYPE_CHECKING:  # match imports this module (capacity regions are lowered while matching)
@@ -133,7 +134,7 @@ class LoweredFFN:
     """A recognized F as the ring's expert function (``ExpertFn`` and ``GroupedExperts``).
 
     Args:
-        plan: what F computes per row (``expert_block.ExpertFFN``).
+        plan: what F computes per row (``ffn_template.ExpertFFN``).
         experts_per_rank: E_l.
         identity: the F it stands for (``RegionExpertFn.digest()``), part of its equality and its spec key.
     """
