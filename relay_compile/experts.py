@@ -286,6 +286,19 @@ def _split_w13(w13_LGH: Tensor, ffn: int) -> list[Tensor]:
             w13_LGH[:, ffn:].clone(memory_format=torch.contiguous_format)]
 
 
+def _recompute(
+    x_TH: Tensor, dy_TH: Tensor, tok_S: Tensor | None, w_first: Tensor, w2_LHF: Tensor, offsets_L: Tensor | None,
+    counts_host: Sequence[int] | None, b: _Biases,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What both fused backwards start from: the rows ``dy``, ``x`` (gathered by ``tok_S`` unless given), ``g =
+    dy @ w2[e]`` and the recomputed first projection ``h`` (with its bias). Returned, not kept: the caller
+    releases each after its last use."""
+    dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
+    g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
+    x_SH = x_TH if tok_S is None else x_TH[tok_S]
+    return dy_SH, g_SF, x_SH, _add_bias(_grouped_linear(x_SH, w_first, offsets_L, counts_host), b.first, b.expert_S)
+
+
 def _swiglu_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
@@ -303,10 +316,7 @@ def _swiglu_vjp(
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
-    dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
-    g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
-    x_SH = x_TH if tok_S is None else x_TH[tok_S]
-    h13_SG = _add_bias(_grouped_linear(x_SH, w13_LGH, offsets_L, counts_host), b.first, b.expert_S)
+    dy_SH, g_SF, x_SH, h13_SG = _recompute(x_TH, dy_TH, tok_S, w13_LGH, w2_LHF, offsets_L, counts_host, b)
     d_score_S = swiglu_backward_(h13_SG, g_SF, score_S)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
         d_score_S += _bias_score_term(dy_SH, b.down, b.expert_S)
@@ -353,10 +363,7 @@ def _ffn_vjp(
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
-    dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
-    g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
-    x_SH = x_TH if tok_S is None else x_TH[tok_S]
-    h_SF = _add_bias(_grouped_linear(x_SH, w1_LFH, offsets_L, counts_host), b.first, b.expert_S)
+    dy_SH, g_SF, x_SH, h_SF = _recompute(x_TH, dy_TH, tok_S, w1_LFH, w2_LHF, offsets_L, counts_host, b)
     act_SF = activation_fn(activation)(h_SF)
     d_score_S = (g_SF.float() * act_SF.float()).sum(-1)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
