@@ -5,7 +5,7 @@ run-to-run noise measured as the gaps between the a2a runs of different data ord
 
 Each raw JSON is one ``examples/train_moe.py --report-json`` run (``--data-seed s``): eager a2a and the relaymoe
 copy from the same initialization on the same batches. Gap of two curves: mean |difference| of their
-``WINDOW``-step means (as docs/bench/h200-numerics/plot_training.py). Writes training_seeds.png and
+``WINDOW``-step means (docs/bench/h200-numerics/plot_training.py's, imported). Writes training_seeds.png and
 training_seeds.json beside the raw folder.
 """
 import itertools
@@ -19,16 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-WINDOW = 25
-
-
-def windows(losses: list[float]) -> list[float]:
-    return [statistics.mean(losses[i : i + WINDOW]) for i in range(0, len(losses) - WINDOW + 1, WINDOW)]
-
-
-def gap(a: list[float], b: list[float]) -> float:
-    return statistics.mean(abs(x - y) for x, y in zip(windows(a), windows(b), strict=True))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "h200-numerics"))
+from plot_training import WINDOW, gap, windows  # noqa: E402  (session 3's script: the same windows and gap)
 
 raw = Path(sys.argv[1])
 runs = {int(p.stem.split("data")[1].split("_")[0]): json.loads(p.read_text())["losses"]
