@@ -1,20 +1,20 @@
 """Ring transport: one hop's asynchronous P2P transfer, sent to the next rank and received from the previous.
 
 Every transfer of a ring program is a ``RingTransfer``: ``start`` posts the sends and receives of a payload
-(several tensors in one ``batch_isend_irecv``: weights and trailing gradients travel merged), ``wait`` blocks
-until both sides complete and returns the receive buffers. All ranks run the same program, so they post the
-same transfers in the same order; tags keep concurrent transfers to the same peer apart (gloo matches by tag,
-NCCL by order).
+(several tensors in one batch, as ``batch_isend_irecv`` posts them: weights and trailing gradients travel
+merged), ``wait`` blocks until both sides complete and returns the receive buffers. All ranks run the same
+program, so they post the same transfers in the same order; tags keep concurrent transfers to the same peer
+apart (gloo matches by tag, NCCL by order).
 
-Receive buffers come in groups, each group views of one byte buffer (``receive_buffers``, laid out by
-``_layout``): the circulating tensors, the trailing accumulators (two groups, so that each keeps its own
-lifetime: a hop's weights must not hold the sums beside them alive). A payload that a rank forwards as it
-arrived (weights moving on, token partitions, the sums a hop added into in place) is then one span of bytes
-per group, and travels as one send and one receive per group instead of one per tensor: at EP=64 that
-removes about half of a step's P2P operations and their host cost (docs/BENCHMARKS.md). How a transfer is
-split into spans (``_runs``) depends only on where its tensors live, which every rank's program decides
-alike, and is used only where the payload and the receive buffers split alike, so the two sides of each
-transfer agree (a payload of fresh tensors, such as the local weights at hop 0, goes per tensor).
+Receive buffers come in groups, each group views of one buffer (``receive_buffers``, laid out by ``_layout``):
+the circulating tensors, the trailing accumulators (two groups, so that each keeps its own lifetime: a hop's
+weights must not hold the sums beside them alive). A payload that a rank forwards as it arrived (weights
+moving on, token partitions, the sums a hop added into in place) is then the whole buffer of a group, and
+travels as one send and one receive per group instead of one per tensor: at EP=64 that removes about half of
+a step's P2P operations (docs/BENCHMARKS.md). Which tensors travel as a group's buffer (``_spans``) depends
+only on which tensors the program passes, which every rank's program decides alike, and is used only where
+the payload and the receive buffers split alike, so the two sides of each transfer agree (a payload of fresh
+tensors, such as the local weights at hop 0, goes per tensor).
 
 A program runs inside a ``RingRun`` (one op call), which
 
@@ -42,6 +42,7 @@ waiting until then, or until the backend notices (gloo reports a closed connecti
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -244,29 +245,49 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
     sent = [t.contiguous() for t in payload]
     if ring.size == 1:
         return RingTransfer(sent=[], received=sent)
-    send_runs, recv_runs = _runs(sent), _runs(receive)
+    send_spans, recv_spans = _spans(sent), _spans(receive)
     pairs = (
-        [(_span(sent[a:b]), _span(receive[a:b])) for a, b in send_runs] if send_runs == recv_runs
+        [(s, r) for (_, s), (_, r) in zip(send_spans, recv_spans)]
+        if [(n, s.nbytes) for n, s in send_spans] == [(n, r.nbytes) for n, r in recv_spans]
         else zip(sent, receive, strict=True)
     )
-    ops = []
+    ops: list[tuple[bool, Tensor, int]] = []
     for pos, (send_t, recv_t) in enumerate(pairs):
         tag = index * TAGS_PER_TRANSFER + pos
-        ops.append(dist.P2POp(dist.isend, send_t, ring.next_global, ring.group, tag))
-        ops.append(dist.P2POp(dist.irecv, recv_t, ring.prev_global, ring.group, tag))
+        ops += [(True, send_t, tag), (False, recv_t, tag)]
     run = active_run()
     status_in = None
     if run is not None and run.status is not None:
         # Never written in place (a failure or a merge makes a new tensor): sent as it is.
         status_out, status_in = run.status, torch.empty_like(run.status)
         sent.append(status_out)
-        ops.append(dist.P2POp(dist.isend, status_out, ring.next_global, ring.group, STATUS_TAG + index))
-        ops.append(dist.P2POp(dist.irecv, status_in, ring.prev_global, ring.group, STATUS_TAG + index))
-    xfer = RingTransfer(sent=sent, received=receive, works=dist.batch_isend_irecv(ops), index=index, ring=ring,
-                        run=run, status_in=status_in)
+        ops += [(True, status_out, STATUS_TAG + index), (False, status_in, STATUS_TAG + index)]
+    xfer = RingTransfer(sent=sent, received=receive, works=_post(ring, receive[0].device, ops), index=index,
+                        ring=ring, run=run, status_in=status_in)
     if run is not None:
         run.posted.append(xfer)
     return xfer
+
+
+def _post(ring: RingGroup, device: torch.device, ops: Sequence[tuple[bool, Tensor, int]]) -> list[dist.Work]:
+    """Post ``(is_send, tensor, tag)`` ops to the next / from the previous rank: what ``dist.batch_isend_irecv``
+    posts (the same backend calls in the same order, coalesced into one group where the backend coalesces,
+    NCCL), without its per-op Python (``P2POp`` objects, group and rank checks, rank translation): the ring
+    posts two transfers per hop, and at EP=64 that Python was a tenth of a step's host time."""
+    group = ring.group
+    assert group is not None, "ring transport: a ring of more than one rank has a group"
+    coalesced = _coalesces(group, device)
+    if coalesced:
+        group._start_coalescing(device)
+    dst, src = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
+    works = [group.send([t], dst, tag) if is_send else group.recv([t], src, tag) for is_send, t, tag in ops]
+    return [group._end_coalescing(device)] if coalesced else works
+
+
+def _coalesces(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``batch_isend_irecv`` would coalesce on this group (its test, torch 2.11 and 2.13): a C++ group
+    whose backend for ``device`` coalesces (NCCL); a Python group (the stand-in) or gloo posts op by op."""
+    return type(group) is dist.ProcessGroup and group._get_backend(device).supports_coalescing
 
 
 # Byte alignment of each tensor in a receive buffer: any element type's, and the width of vector loads.
@@ -283,55 +304,94 @@ def _layout(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[in
     return offsets, end
 
 
+@dataclass(frozen=True)
+class _BufferPlan:
+    """How ``receive_buffers`` lays out one group of specs: the buffer's dtype and length, and per tensor its
+    shape, contiguous strides and element offset (a buffer of the tensors' dtype where they share one, so
+    each view is one ``as_strided``; else bytes, each view a slice reinterpreted)."""
+
+    dtype: torch.dtype
+    numel: int
+    views: tuple[tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype], ...]
+
+
+@functools.lru_cache(maxsize=512)
+def _buffer_plan(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> _BufferPlan:
+    offsets, nbytes = _layout(specs)
+    dtypes = {dtype for _, dtype in specs}
+    unit = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
+    views = tuple(
+        (tuple(shape), _contiguous_strides(shape), off // unit.itemsize, dtype)
+        for (shape, dtype), off in zip(specs, offsets, strict=True)
+    )
+    return _BufferPlan(dtype=unit, numel=nbytes // unit.itemsize, views=views)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class _Group:
+    """A ``receive_buffers`` group: its buffer, and how many views it has. Each view carries ``(group, position)``
+    as ``_ring_group``, so a payload forwarded as it arrived is found to be the whole group (``_spans``)
+    without reading addresses."""
+
+    __slots__ = ("buffer", "size")
+
+    def __init__(self, buffer: Tensor, size: int) -> None:
+        self.buffer, self.size = buffer, size
+
+
 def receive_buffers(
     specs: Sequence[tuple[Sequence[int], torch.dtype]], device: torch.device, *, flat: bool = True
 ) -> list[Tensor]:
-    """Uninitialized receive buffers of these shapes and dtypes: views of one byte buffer (module docstring);
+    """Uninitialized receive buffers of these shapes and dtypes: views of one buffer (module docstring);
     ``flat=False``: separate tensors (what becomes an op's outputs must not alias)."""
     if not flat or len(specs) <= 1:
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
-    offsets, nbytes = _layout(specs)
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return [
-        buffer[off : off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-        for (shape, dtype), off in zip(specs, offsets, strict=True)
-    ]
+    plan = _buffer_plan(tuple((tuple(shape), dtype) for shape, dtype in specs))
+    buffer = torch.empty(plan.numel, dtype=plan.dtype, device=device)
+    group = _Group(buffer, len(plan.views))
+    views = []
+    for pos, (shape, strides, offset, dtype) in enumerate(plan.views):
+        if dtype == plan.dtype:
+            view = buffer.as_strided(shape, strides, offset)
+        else:
+            nbytes = math.prod(shape) * dtype.itemsize
+            view = buffer[offset : offset + nbytes].view(dtype).view(shape)
+        view._ring_group = (group, pos)  # type: ignore[attr-defined]
+        views.append(view)
+    return views
 
 
-def _runs(tensors: Sequence[Tensor]) -> list[tuple[int, int]]:
-    """Maximal runs ``[a, b)`` of ``tensors`` that lie in one storage as ``_layout`` packs them (as one
-    ``receive_buffers`` call made them): each run can travel as one span of bytes (``_span``).
+def _spans(tensors: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
+    """``tensors`` as what can travel: ``(count, tensor)`` with the buffer of every whole ``receive_buffers``
+    group among them, in order (count: the views it stands for), and every other tensor by itself.
 
-    Runs per transfer, so it reads addresses: a tensor extends the run when it starts where ``_layout`` puts the
-    next tensor and ends inside the storage of the run's first tensor (then it is in that storage).
+    It depends only on which tensors the program passes, which every rank's program decides alike; a transfer
+    sends spans only where its payload and its receive buffers split alike, so both sides of it agree (a
+    payload of fresh tensors, such as the local weights at hop 0, goes per tensor).
     """
-    runs: list[tuple[int, int]] = []
-    a, end, storage_end = 0, 0, -1
-    for i, t in enumerate(tensors):
-        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        if i > a and ptr == -(-end // _ALIGN) * _ALIGN and ptr + nbytes <= storage_end and t.is_contiguous():
-            end = ptr + nbytes
-            continue
-        if i > a:
-            runs.append((a, i))
-        storage = t.untyped_storage()
-        # A run's first tensor must be contiguous too for the run to be its bytes; else it stays alone.
-        a, end = i, ptr + nbytes
-        storage_end = storage.data_ptr() + storage.nbytes() if t.is_contiguous() else -1
-    if tensors:
-        runs.append((a, len(tensors)))
-    return runs
-
-
-def _span(run: Sequence[Tensor]) -> Tensor:
-    """The bytes of one run (``_runs``) as a uint8 tensor over its storage; a run of one tensor is itself."""
-    if len(run) == 1:
-        return run[0]
-    first, last = run[0], run[-1]
-    storage = first.untyped_storage()
-    nbytes = last.data_ptr() + last.numel() * last.element_size() - first.data_ptr()
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
-        storage, first.data_ptr() - storage.data_ptr(), (nbytes,), (1,))
+    spans: list[tuple[int, Tensor]] = []
+    i = 0
+    while i < len(tensors):
+        tag = getattr(tensors[i], "_ring_group", None)
+        if tag is not None and tag[1] == 0:
+            group = tag[0]
+            n = group.size
+            if i + n <= len(tensors) and all(
+                getattr(t, "_ring_group", None) == (group, j) for j, t in enumerate(tensors[i : i + n])
+            ):
+                spans.append((n, group.buffer))
+                i += n
+                continue
+        spans.append((1, tensors[i]))
+        i += 1
+    return spans
 
 
 def all_gather_rows(ring: RingGroup, row_R: Tensor) -> Tensor:

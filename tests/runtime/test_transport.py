@@ -12,6 +12,7 @@ import unittest
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 from relay_compile.runtime import transport
 from relay_compile.runtime.transport import (
@@ -51,76 +52,122 @@ class RingOfOne(unittest.TestCase):
         self.assertEqual(table.tolist(), [[5, 0, 2, 3]])
 
 
-class OpsOfALargerRing(unittest.TestCase):
-    """``dist`` replaced by a recorder: rank 1 of a ring of 3 (global ranks 10, 11, 12)."""
+class _RecordingGroup:
+    """Stands in for a process group: records the ring's sends and receives, returns one ``Work`` mock each."""
 
-    RING = RingGroup(group=None, rank=1, size=3, next_global=12, prev_global=10)
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, torch.Tensor, int, int]] = []
+        self.works: list[mock.Mock] = []
+
+    def _post(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> mock.Mock:
+        assert len(tensors) == 1
+        self.ops.append((kind, tensors[0], peer, tag))
+        self.works.append(mock.Mock())
+        return self.works[-1]
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> mock.Mock:
+        return self._post("send", tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> mock.Mock:
+        return self._post("recv", tensors, src, tag)
+
+
+class OpsOfALargerRing(unittest.TestCase):
+    """A recording group: rank 1 of a ring of 3 (group ranks 2 and 0 are its neighbours; global 12 and 10)."""
+
+    def ring(self) -> RingGroup:
+        return RingGroup(group=_RecordingGroup(), rank=1, size=3, next_global=12, prev_global=10)  # type: ignore[arg-type]
 
     def test_each_tensor_of_a_transfer_goes_to_the_next_rank_and_comes_from_the_previous_under_its_own_tag(
         self,
     ) -> None:
         payload = [torch.ones(2), torch.ones(3), torch.ones(1)]
         receive = [torch.empty(2), torch.empty(3), torch.empty(1)]
-        with mock.patch.object(transport, "dist") as fake:
-            fake.P2POp.side_effect = lambda op, t, peer, group, tag: (op, t, peer, tag)
-            work = mock.Mock()
-            fake.batch_isend_irecv.return_value = [work]
-            xfer = start_transfer(self.RING, 5, payload, receive)
-        (ops,), _ = fake.batch_isend_irecv.call_args
+        ring = self.ring()
+        xfer = start_transfer(ring, 5, payload, receive)
         want = []
         for pos in range(3):
             tag = 5 * 64 + pos
-            want += [(fake.isend, payload[pos], 12, tag), (fake.irecv, receive[pos], 10, tag)]
+            want += [("send", payload[pos], 2, tag), ("recv", receive[pos], 0, tag)]
+        ops = ring.group.ops
         self.assertEqual(len(ops), len(want))
         for got_op, want_op in zip(ops, want):
-            self.assertIs(got_op[0], want_op[0])
+            self.assertEqual(got_op[0], want_op[0])
             self.assertIs(got_op[1], want_op[1])
             self.assertEqual(got_op[2:], want_op[2:])
         self.assertEqual(TAGS_PER_TRANSFER, 64)
-        self.assertEqual(xfer.works, [work])
-        work.wait.assert_not_called()
+        self.assertEqual(xfer.works, ring.group.works)
+        for work in xfer.works:
+            work.wait.assert_not_called()
         got = xfer.wait()
         self.assertEqual([id(t) for t in got], [id(t) for t in receive])  # the receive buffers themselves
-        work.wait.assert_called_once_with()
+        for work in xfer.works:
+            work.wait.assert_called_once_with()
         self.assertEqual(xfer.sent, [])  # the send tensors are released once the transfer completed
 
+    def test_a_coalescing_backend_gets_the_batch_between_start_and_end_of_coalescing_as_c10d_posts_it(self) -> None:
+        """NCCL's path (``batch_isend_irecv``'s coalescing manager): one ``Work`` for the whole batch."""
+        group = mock.create_autospec(dist.ProcessGroup, instance=True)
+        ring = RingGroup(group=group, rank=1, size=3, next_global=12, prev_global=10)
+        payload, receive = [torch.ones(2)], [torch.empty(2)]
+        with mock.patch.object(transport, "_coalesces", return_value=True):
+            xfer = start_transfer(ring, 0, payload, receive)
+        names = [c[0] for c in group.method_calls]
+        self.assertEqual(names, ["_start_coalescing", "send", "recv", "_end_coalescing"])
+        self.assertEqual(group.send.call_args.args, ([payload[0]], 2, 0))
+        self.assertEqual(group.recv.call_args.args, ([receive[0]], 0, 0))
+        self.assertEqual(xfer.works, [group._end_coalescing.return_value])
+
+    def test_only_a_cpp_group_whose_backend_coalesces_is_coalesced(self) -> None:
+        python_group = mock.create_autospec(dist.ProcessGroup, instance=True)  # the stand-in's kind: op by op
+        self.assertFalse(transport._coalesces(python_group, torch.device("cpu")))
+        python_group._get_backend.assert_not_called()
+
     def _ops(self, payload, receive):
-        with mock.patch.object(transport, "dist") as fake:
-            fake.P2POp.side_effect = lambda op, t, peer, group, tag: (op, t, peer, tag)
-            start_transfer(self.RING, 2, payload, receive)
-        (ops,), _ = fake.batch_isend_irecv.call_args
-        return fake, ops
+        ring = self.ring()
+        start_transfer(ring, 2, payload, receive)
+        return ring.group.ops
 
     def test_receive_buffers_are_aligned_views_of_one_buffer_unless_asked_for_separate_tensors(self) -> None:
         specs = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((2,), torch.int64)]
         bufs = receive_buffers(specs, torch.device("cpu"))
         self.assertEqual([(tuple(b.shape), b.dtype) for b in bufs], [(s, d) for s, d in specs])
+        self.assertTrue(all(b.is_contiguous() for b in bufs))
         base = bufs[0].untyped_storage().data_ptr()
         self.assertEqual([b.data_ptr() - base for b in bufs], [0, 32, 64])  # 30 and 28 bytes, 16-aligned
         self.assertEqual(bufs[0].untyped_storage().nbytes(), 80)
+        same_dtype = receive_buffers([((3, 5), torch.float32), ((2, 2, 4), torch.float32), ((3,), torch.float32)],
+                                     "cpu")
+        base = same_dtype[0].untyped_storage().data_ptr()
+        self.assertEqual([b.data_ptr() - base for b in same_dtype], [0, 64, 128])  # 60 and 64 bytes, 16-aligned
+        self.assertEqual([b.stride() for b in same_dtype], [(5, 1), (8, 4, 1), (1,)])
+        self.assertEqual(same_dtype[0].untyped_storage().nbytes(), 140)
         separate = receive_buffers(specs, torch.device("cpu"), flat=False)
         self.assertEqual(len({b.untyped_storage().data_ptr() for b in separate}), 3)
 
-    def test_a_payload_forwarded_as_it_was_received_travels_as_one_span_of_bytes(self) -> None:
-        specs = [((3, 5), torch.bfloat16), ((7,), torch.float32)]
-        arrived = receive_buffers(specs, torch.device("cpu"))
-        arrived[0].fill_(1.5)
-        arrived[1].fill_(-2.0)
-        receive = receive_buffers(specs, torch.device("cpu"))
-        fake, ops = self._ops(arrived, receive)
-        self.assertEqual([(op[0], op[2], op[3]) for op in ops], [(fake.isend, 12, 128), (fake.irecv, 10, 128)])
-        send_span, recv_span = ops[0][1], ops[1][1]
-        self.assertEqual((send_span.dtype, send_span.numel(), recv_span.numel()), (torch.uint8, 60, 60))
-        recv_span.copy_(send_span)  # what the peer's receive does: the views of the next buffer get the values
-        self.assertTrue(torch.equal(receive[0], arrived[0]) and torch.equal(receive[1], arrived[1]))
+    def test_a_payload_forwarded_as_it_was_received_travels_as_its_buffer(self) -> None:
+        for specs in ([((3, 5), torch.bfloat16), ((7,), torch.float32)], [((3, 5), torch.float32), ((7,), torch.float32)]):
+            with self.subTest(dtypes=[d for _, d in specs]):
+                arrived = receive_buffers(specs, torch.device("cpu"))
+                arrived[0].fill_(1.5)
+                arrived[1].fill_(-2.0)
+                receive = receive_buffers(specs, torch.device("cpu"))
+                ops = self._ops(arrived, receive)
+                self.assertEqual([(op[0], op[2], op[3]) for op in ops], [("send", 2, 128), ("recv", 0, 128)])
+                send_span, recv_span = ops[0][1], ops[1][1]
+                self.assertEqual(send_span.nbytes, recv_span.nbytes)
+                self.assertEqual(send_span.untyped_storage().data_ptr(), arrived[0].untyped_storage().data_ptr())
+                recv_span.copy_(send_span)  # what the peer's receive does: the views of the next buffer get the values
+                self.assertTrue(torch.equal(receive[0], arrived[0]) and torch.equal(receive[1], arrived[1]))
 
     def test_a_payload_from_two_buffers_travels_as_two_spans(self) -> None:
         circ, trail = [((4,), torch.bfloat16), ((3,), torch.bfloat16)], [((5,), torch.float32), ((2,), torch.float32)]
         arrived = receive_buffers(circ, "cpu") + receive_buffers(trail, "cpu")
         receive = receive_buffers(circ, "cpu") + receive_buffers(trail, "cpu")
-        _, ops = self._ops(arrived, receive)
-        self.assertEqual([(op[1].dtype, op[1].numel(), op[3]) for op in ops],
-                         [(torch.uint8, 22, 128), (torch.uint8, 22, 128), (torch.uint8, 40, 129), (torch.uint8, 40, 129)])
+        ops = self._ops(arrived, receive)
+        self.assertEqual([(op[1].dtype, op[1].nbytes, op[3]) for op in ops],
+                         [(torch.bfloat16, 22, 128), (torch.bfloat16, 22, 128), (torch.float32, 40, 129),
+                          (torch.float32, 40, 129)])
 
     def test_fresh_tensors_a_partial_mix_or_separate_receive_buffers_go_per_tensor(self) -> None:
         specs = [((4,), torch.float32), ((6,), torch.bfloat16)]
@@ -130,27 +177,27 @@ class OpsOfALargerRing(unittest.TestCase):
             "mixed payload": ([arrived[0], torch.ones(6, dtype=torch.bfloat16)], receive_buffers(specs, "cpu")),
             "out of order": ([arrived[1], arrived[0]], receive_buffers(specs[::-1], "cpu")),
             "separate receive": (arrived, receive_buffers(specs, "cpu", flat=False)),
+            "a group cut short": (arrived[:1], receive_buffers(specs[:1], "cpu")),
         }
         for name, (payload, receive) in cases.items():
             with self.subTest(name):
-                _, ops = self._ops(payload, receive)
+                ops = self._ops(payload, receive)
                 self.assertEqual([op[1] for op in ops[::2]], payload)
-                self.assertEqual(len(ops), 4)
+                self.assertEqual(len(ops), 2 * len(payload))
 
     def test_tags_of_consecutive_transfers_never_collide(self) -> None:
-        tags: list[int] = []
-        with mock.patch.object(transport, "dist") as fake:
-            fake.P2POp.side_effect = lambda op, t, peer, group, tag: tags.append(tag) if op is fake.isend else None
-            for index in range(4):
-                n = TAGS_PER_TRANSFER if index == 2 else 2  # a full transfer next to small ones
-                start_transfer(self.RING, index, [torch.ones(1)] * n, [torch.empty(1)] * n)
+        ring = self.ring()
+        for index in range(4):
+            n = TAGS_PER_TRANSFER if index == 2 else 2  # a full transfer next to small ones
+            start_transfer(ring, index, [torch.ones(1)] * n, [torch.empty(1)] * n)
+        tags = [op[3] for op in ring.group.ops if op[0] == "send"]
         self.assertEqual(len(tags), len(set(tags)))
         self.assertEqual(len(tags), 2 + 2 + TAGS_PER_TRANSFER + 2)
 
     def test_a_payload_longer_than_the_tag_room_or_unlike_its_receive_buffers_is_refused(self) -> None:
         n = TAGS_PER_TRANSFER + 1
-        for ring in (RingGroup.resolve(""), self.RING):
-            with mock.patch.object(transport, "dist"):
+        for ring in (RingGroup.resolve(""), self.ring()):
+            with self.subTest(size=ring.size):
                 with self.assertRaises(AssertionError):
                     start_transfer(ring, 0, [torch.ones(1)] * n, [torch.empty(1)] * n)
                 with self.assertRaises(AssertionError):
@@ -163,7 +210,7 @@ class OpsOfALargerRing(unittest.TestCase):
 
         with mock.patch.object(transport, "dist") as fake:
             fake.all_gather_single.side_effect = gather
-            table = all_gather_rows(self.RING, torch.tensor([1, 2]))
+            table = all_gather_rows(self.ring(), torch.tensor([1, 2]))
         self.assertEqual(table.tolist(), [[1, 2], [101, 102], [201, 202]])
 
 
