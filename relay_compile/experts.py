@@ -115,11 +115,17 @@ def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
 
 def _grouped_linear(x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, counts_E: list[int] | None) -> Tensor:
     """``y[s] = x[s] @ w[e(s)].T`` for rows sorted by expert: one grouped GEMM, or a loop over experts."""
+    return _grouped_matmul(x_SD, w_EOD.transpose(-2, -1), offsets_E, counts_E)
+
+
+def _grouped_matmul(x_SD: Tensor, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: list[int] | None) -> Tensor:
+    """``y[s] = x[s] @ w[e(s)]`` for rows sorted by expert (the backward's products with the weights as they
+    are stored: no transposed views made per call, each a dispatch on the host path of a hop)."""
     if offsets_E is not None:
-        return torch._grouped_mm(x_SD, w_EOD.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(x_SD, w_EDO, offs=offsets_E)
     assert counts_E is not None
     chunks = torch.split(x_SD, counts_E)
-    return torch.cat([c @ w_EOD[e].T for e, c in enumerate(chunks)], dim=0)
+    return torch.cat([c @ w_EDO[e] for e, c in enumerate(chunks)], dim=0)
 
 
 def expert_of_rows(offsets_G: Tensor, rows: int) -> Tensor:
@@ -294,7 +300,7 @@ def _recompute(
     dy @ w2[e]`` and the recomputed first projection ``h`` (with its bias). Returned, not kept: the caller
     releases each after its last use."""
     dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
-    g_SF = _grouped_linear(dy_SH, w2_LHF.transpose(-2, -1), offsets_L, counts_host)  # dy @ w2[e]
+    g_SF = _grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
     x_SH = x_TH if tok_S is None else x_TH[tok_S]
     return dy_SH, g_SF, x_SH, _add_bias(_grouped_linear(x_SH, w_first, offsets_L, counts_host), b.first, b.expert_S)
 
@@ -330,7 +336,7 @@ def _swiglu_vjp(
     del dy_SH
     dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
     del x_SH
-    dx_SH = _grouped_linear(dh13_SG, w13_LGH.transpose(-2, -1), offsets_L, counts_host)
+    dx_SH = _grouped_matmul(dh13_SG, w13_LGH, offsets_L, counts_host)
     return dx_SH, d_score_S, [] if into is not None else [dw13, dw2, *db]
 
 
@@ -380,7 +386,7 @@ def _ffn_vjp(
     del dy_SH
     dw1 = _grouped_weight_grad(dh_SF, x_SH, offsets_L, wgrad_rows, grad_dtype, into1)
     del x_SH
-    dx_SH = _grouped_linear(dh_SF, w1_LFH.transpose(-2, -1), offsets_L, counts_host)
+    dx_SH = _grouped_matmul(dh_SF, w1_LFH, offsets_L, counts_host)
     return dx_SH, d_score_S, [] if into is not None else [dw1, dw2, *db]
 
 

@@ -112,10 +112,14 @@ class RingRun:
         self.ring, self.label = ring, label
         self.posted: list[RingTransfer] = []
         self.failure: HopFailure | None = None
-        # (1,) int64: 0, or 1 + the highest failing rank heard of (own failure included). None: a ring of one,
-        # or a schedule in which no rank's results depend on what another rank computes.
+        # Failure status, (1,) int64: 0, or 1 + the highest failing rank heard of. ``heard`` is the status the
+        # last completed transfer brought, ``own`` this rank's (None until it fails); the run's status is their
+        # maximum (``status``). Both None: a ring of one, or a schedule in which no rank's results depend on
+        # what another rank computes.
         with_status = carries_status and ring.size > 1
-        self.status = torch.zeros(1, dtype=torch.int64, device=device) if with_status else None
+        self.heard = torch.zeros(1, dtype=torch.int64, device=device) if with_status else None
+        self.heard_index = -1  # the transfer that brought ``heard``: a later one waited on earlier does not count
+        self.own: Tensor | None = None
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> RingRun:  # noqa: PYI034 -- final in effect
@@ -137,8 +141,21 @@ class RingRun:
         """Record this rank's failure (the first one counts); later transfers carry it to the peers."""
         if self.failure is None:
             self.failure = HopFailure(error=error, where=where)
-            if self.status is not None:
-                self.status = torch.full_like(self.status, self.ring.rank + 1)
+            if self.heard is not None:
+                self.own = torch.full_like(self.heard, self.ring.rank + 1)
+
+    @property
+    def status(self) -> Tensor | None:
+        """The status this rank sends on: the maximum of its own and the last one it received.
+
+        The last one received is enough: every rank sends a status that never decreases (its own is set once,
+        and by induction what it receives never decreases), so the status of the previous rank's latest transfer
+        (by index, whatever order the program waits in; ranks post in index order) is the highest it sent. No
+        merge runs per transfer unless this rank failed.
+        """
+        if self.heard is None or self.own is None:
+            return self.heard
+        return torch.maximum(self.own, self.heard)
 
     def _settle(self, error: BaseException) -> None:
         """An exception leaves the program: wait on every transfer still posted, so none is left pending."""
@@ -160,9 +177,10 @@ class RingRun:
                 "completed the ring's remaining transfers (computing nothing) so that no peer waits on it"
             ))
             raise self.failure.error
-        if self.status is None or not status_read_at_once(self.status.device):
-            return self.status
-        failed = int(self.status.item()) - 1
+        status = self.status
+        if status is None or not status_read_at_once(status.device):
+            return status
+        failed = int(status.item()) - 1
         if failed >= 0:
             raise RingPeerError(peer_failure(failed, self.ring.rank, f"this {self.label} ring"))
         return None
@@ -222,8 +240,8 @@ class RingTransfer:
         except RuntimeError as e:
             raise RingTransportError(self._failed(e)) from e
         self.sent, self.done = [], True
-        if run is not None and run.status is not None and self.status_in is not None:
-            run.status = torch.maximum(run.status, self.status_in)
+        if run is not None and self.status_in is not None and self.index > run.heard_index:
+            run.heard, run.heard_index = self.status_in, self.index
         return tuple(self.received)
 
     def _failed(self, e: Exception) -> str:
@@ -257,9 +275,10 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
         ops += [(True, send_t, tag), (False, recv_t, tag)]
     run = active_run()
     status_in = None
-    if run is not None and run.status is not None:
-        # Never written in place (a failure or a merge makes a new tensor): sent as it is.
-        status_out, status_in = run.status, torch.empty_like(run.status)
+    status_out = run.status if run is not None else None
+    if status_out is not None:
+        # Never written in place (a received status or a merge is a tensor of its own): sent as it is.
+        status_in = torch.empty_like(status_out)
         sent.append(status_out)
         ops += [(True, status_out, STATUS_TAG + index), (False, status_in, STATUS_TAG + index)]
     xfer = RingTransfer(sent=sent, received=receive, works=_post(ring, receive[0].device, ops), index=index,
