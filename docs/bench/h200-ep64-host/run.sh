@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 10 on one H200 (torch 2.11), session 5: the EP=64 ring's host time after the transport and stand-in cuts.
+# Usage (device tool, carry .whl, .whl-titan, and for "ab" a baseline tree as .ab_old):
+#   bash docs/bench/h200-ep64-host/run.sh "$OUT" [parts...]
+# Parts (default all): tests ab census rows titan. Everything lands in $OUT/raw.tar.gz and $OUT/log.txt.
+set -uo pipefail
+OUT=$1; shift
+PARTS=${*:-tests ab census rows titan}
+RAW=/tmp/raw; mkdir -p $RAW
+python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-titan/*.whl 2>&1 | grep -v WARN | tail -1
+export PYTHONPATH=/tmp/site
+python -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+for part in $PARTS; do
+  echo "== $part $(date +%T)"
+  case $part in
+    tests) python -m pytest -q tests/test_experts.py tests/runtime/test_transport.py tests/test_scatter_add_rows.py \
+             tests/runtime/test_row_sum.py tests/bench/test_standin_group.py 2>&1 | tail -2 ;;
+    ab) # ring_moe direct at EP=64, the baseline tree (.ab_old: session 4's final relay_compile) and this one
+        # alternating, one process each (docs/bench/h200-hostcost/steps.py: medians of 60 steps)
+        for i in 1 2 3; do
+          echo -n "base: "; PYTHONPATH=.ab_old:/tmp/site python docs/bench/h200-hostcost/steps.py 2>&1 | grep -v Warn | tail -1
+          echo -n "new:  "; python docs/bench/h200-hostcost/steps.py 2>&1 | grep -v Warn | tail -1
+        done | tee $RAW/ab.txt ;;
+    census) python docs/bench/h200-hostcost/op_census.py 2>&1 | grep -v Warn | tee $RAW/op_census.txt | head -12 ;;
+    rows) python docs/bench/h200-memory/rows.py $RAW --ep 64 8 --bounds --backend --interleave 2>&1 | grep -v Warning \
+            | grep -v "^\[" ;;
+    titan) mkdir -p $RAW/titan-interleaved
+           python docs/bench/h200-torchtitan/titan_rows.py $RAW/titan-interleaved --interleave --compile-ep 64 \
+             > $RAW/titan_interleaved_log.txt 2>&1
+           tail -22 $RAW/titan_interleaved_log.txt | grep -v "Warn\|warn_once" ;;
+  esac
+done
+tar czf $OUT/raw.tar.gz -C $RAW .
