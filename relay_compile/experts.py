@@ -58,7 +58,8 @@ class GroupedExperts(Protocol):
     differentiates ``forward_rows`` with autograd. Its weight gradients come in ``grad_dtype`` where given
     (the ring's fp32 sums: the GEMMs return their accumulators unrounded), else in the weights' dtype; or,
     where ``grad_into`` gives accumulators (``GradSink``), the weight-gradient GEMMs add into those and the
-    returned list is empty.
+    returned list is empty. ``d_score_out`` (fp32 ``(S,)``, a slice of the ring's per-pair score gradients):
+    ``d_score`` is written into it and it is returned (no buffer and copy per chunk).
 
     The entry points take the weights in the function's *packed* layout (``pack``: for example SwiGLU's
     ``w1`` and ``w3`` stacked, so one GEMM computes both): that is what circulates, what a chunk slices and
@@ -82,7 +83,7 @@ class GroupedExperts(Protocol):
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
-        grad_into: GradSink | None = None,
+        grad_into: GradSink | None = None, d_score_out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]: ...
 
 
@@ -191,9 +192,8 @@ def _grouped_weight_grad(
         if into_EOI.dtype == dy_SO.dtype and offsets_E is not None:
             return into_EOI.add_(torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E))
         assert counts_E is not None, "a weight gradient added in place needs the host counts"
-        for e, (d, x) in enumerate(zip(torch.split(dy_SO, list(counts_E)), torch.split(x_SI, list(counts_E)))):
-            if d.shape[0]:
-                _addmm_widened(d.t(), x, into_EOI[e])
+        for d_OS, x_SI_e, into_OI in _per_expert(dy_SO, x_SI, counts_E, into_EOI):
+            _addmm_widened(d_OS, x_SI_e, into_OI)
         return into_EOI
     if grad_dtype is None or grad_dtype == dy_SO.dtype:
         if offsets_E is not None:
@@ -202,9 +202,20 @@ def _grouped_weight_grad(
         return torch.stack([d.t() @ x for d, x in zip(torch.split(dy_SO, counts_E), torch.split(x_SI, counts_E))])
     assert counts_E is not None, "a weight gradient wider than its rows needs the host counts"
     dw_EOI = dy_SO.new_empty((len(counts_E), dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype)
-    for e, (d, x) in enumerate(zip(torch.split(dy_SO, list(counts_E)), torch.split(x_SI, list(counts_E)))):
-        _mm_widened(d.t(), x, dw_EOI[e])
+    for d_OS, x_SI_e, dw_OI in _per_expert(dy_SO, x_SI, counts_E, dw_EOI, skip_empty=False):
+        _mm_widened(d_OS, x_SI_e, dw_OI)
     return dw_EOI
+
+
+def _per_expert(
+    dy_SO: Tensor, x_SI: Tensor, counts_E: Sequence[int], out_EOI: Tensor, *, skip_empty: bool = True
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Each expert's ``(dy_e.T, x_e, out[e])`` for its weight-gradient GEMM: four view ops for all experts (a
+    transposed split, a split, an unbind), not three per expert (a hop's host time is mostly such dispatches).
+    ``skip_empty``: leave out experts without rows (their GEMM would add nothing)."""
+    counts = list(counts_E)
+    parts = zip(dy_SO.t().split(counts, dim=1), x_SI.split(counts), out_EOI.unbind(0), counts, strict=True)
+    return [(d, x, out) for d, x, out, n in parts if n or not skip_empty]
 
 
 def _mm_widened(a: Tensor, b: Tensor, out: Tensor) -> None:
@@ -309,6 +320,7 @@ def _swiglu_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
     rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
+    d_score_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
     (then ``db13``, ``db2`` for the biases ``biases`` has).
@@ -323,7 +335,7 @@ def _swiglu_vjp(
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
     dy_SH, g_SF, x_SH, h13_SG = _recompute(x_TH, dy_TH, tok_S, w13_LGH, w2_LHF, offsets_L, counts_host, b)
-    d_score_S = swiglu_backward_(h13_SG, g_SF, score_S)
+    d_score_S = swiglu_backward_(h13_SG, g_SF, score_S, d_score_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
         d_score_S += _bias_score_term(dy_SH, b.down, b.expert_S)
     act_scaled_SF, dh13_SG = g_SF, h13_SG
@@ -358,7 +370,7 @@ def _ffn_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, activation: str, tok_S: Tensor | None = None,
     grad_dtype: torch.dtype | None = None, rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
-    biases: _Biases | None = None,
+    biases: _Biases | None = None, d_score_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused backward of ``score * w2 @ act(w1 @ x)`` for a non-gated activation: ``dx``, ``d_score``,
     ``[dw1, dw2]`` (then ``db1``, ``db2`` for the biases ``biases`` has; ``_swiglu_vjp``'s contract: rows
@@ -371,7 +383,7 @@ def _ffn_vjp(
     b = biases or _Biases()
     dy_SH, g_SF, x_SH, h_SF = _recompute(x_TH, dy_TH, tok_S, w1_LFH, w2_LHF, offsets_L, counts_host, b)
     act_SF = activation_fn(activation)(h_SF)
-    d_score_S = (g_SF.float() * act_SF.float()).sum(-1)
+    d_score_S = torch.sum(g_SF.float() * act_SF.float(), -1, out=d_score_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
         d_score_S += _bias_score_term(dy_SH, b.down, b.expert_S)
     score_S1 = score_S[:, None].to(g_SF.dtype)
@@ -544,7 +556,7 @@ class GroupedFFN:
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
-        grad_into: GradSink | None = None,
+        grad_into: GradSink | None = None, d_score_out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
@@ -552,8 +564,9 @@ class GroupedFFN:
         w1, w2 = weights[:2]
         if self.activation != "swiglu":
             return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
-                            grad_into, biases)
-        return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases)
+                            grad_into, biases, d_score_out)
+        return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases,
+                           d_score_out)
 
 
 def ffn_expert_fn(

@@ -188,7 +188,12 @@ class FusedSwiGLUBackward(unittest.TestCase):
             x, counts, w1, w2, w3, dy, score = _case("cpu", torch.float32, [rows], 48, 24)
             h13, g = x.contiguous(), dy[:, :24].contiguous()
             act_scaled, dh1, dh3, d_score = swiglu_backward_reference(h13, g, score)
-            d_score_blocks = swiglu_backward_(h13, g, score)
+            # Written into a slice of a wider buffer (the ring's per-pair score gradients), the rest untouched.
+            ds_P = torch.full((rows + 7,), -1.0)
+            out = ds_P[3 : 3 + rows]
+            d_score_blocks = swiglu_backward_(h13, g, score, d_score_out=out)
+            self.assertIs(d_score_blocks, out)
+            self.assertEqual(ds_P[:3].tolist() + ds_P[3 + rows :].tolist(), [-1.0] * 7)
             for got, want in ((g, act_scaled), (h13[:, :24], dh1), (h13[:, 24:], dh3), (d_score_blocks, d_score)):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -197,7 +202,12 @@ class FusedSwiGLUBackward(unittest.TestCase):
         x, counts, w1, w2, w3, dy, score = _case("cuda", torch.bfloat16, [500, 0, 1000, 548], 256, 128)
         h13, g = x.contiguous(), dy[:, :128].contiguous()
         act_scaled, dh1, dh3, d_score = swiglu_backward_reference(h13, g, score)
-        d_score_triton = swiglu_backward_(h13, g, score)  # in place: h13 -> [dh1, dh3], g -> score * act
+        ds_P = torch.full((2048 + 5,), -1.0, device="cuda")
+        # in place: h13 -> [dh1, dh3], g -> score * act, d_score into its slice of ds_P
+        out = ds_P[5:]
+        d_score_triton = swiglu_backward_(h13, g, score, d_score_out=out)
+        self.assertIs(d_score_triton, out)
+        self.assertEqual(ds_P[:5].tolist(), [-1.0] * 5)
         for got, want in ((g, act_scaled), (h13[:, :128], dh1), (h13[:, 128:], dh3), (d_score_triton, d_score)):
             self.assertLess(_rel(got, want), 2e-3)
         dx, d_score, (dw1, dw2, dw3) = expert_ffn_swiglu_vjp(x, counts, w1, w2, w3, dy, score)

@@ -38,30 +38,40 @@ def reference(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> tuple[Tensor, Te
     return (act * score).to(out), dh1.to(out), dh3.to(out), d_score_S
 
 
-def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
+def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor, d_score_out: Tensor | None = None) -> Tensor:
     """In place (see the module docstring): ``h13`` becomes ``[dh1, dh3]``, ``g`` becomes ``score * act``.
 
+    ``d_score_out``: an fp32 ``(S,)`` tensor (a slice of the ring's per-pair score gradients) to write
+    ``d_score`` into, instead of a fresh one.
+
     Returns:
-        ``d_score (S,)`` fp32.
+        ``d_score (S,)`` fp32 (``d_score_out`` where given).
     """
     assert h13_SG.shape[-1] == 2 * g_SF.shape[-1] and h13_SG.shape[0] == g_SF.shape[0] == score_S.shape[0]
+    assert d_score_out is None or (d_score_out.shape == score_S.shape and d_score_out.dtype == torch.float32
+                                   and d_score_out.is_contiguous()), "swiglu_backward_: d_score_out is (S,) fp32"
     kernel = _triton_kernel() if _eager_cuda(h13_SG, g_SF, score_S) else None
     if kernel is None:
         if torch.compiler.is_compiling() or not isinstance(h13_SG.shape[0], int):
-            return _reference_in_place(h13_SG, g_SF, score_S)  # a traced graph: one block of any size
+            d_score_S = _reference_in_place(h13_SG, g_SF, score_S)  # a traced graph: one block of any size
+            return d_score_S if d_score_out is None else d_score_out.copy_(d_score_S)
         # Blocks of rows (each row is independent): the eager form's fp32 temporaries, about ten (rows, F)
         # buffers, would otherwise outweigh the in-place buffers themselves.
-        d_score_S = torch.empty(h13_SG.shape[0], dtype=torch.float32, device=h13_SG.device)
+        d_score_S = _d_score_buffer(g_SF, d_score_out)
         for lo in range(0, h13_SG.shape[0], _EAGER_BLOCK_ROWS):
             hi = lo + _EAGER_BLOCK_ROWS
             d_score_S[lo:hi] = _reference_in_place(h13_SG[lo:hi], g_SF[lo:hi], score_S[lo:hi])
         return d_score_S
     rows, ffn = g_SF.shape
-    d_score_S = torch.empty(rows, dtype=torch.float32, device=g_SF.device)
+    d_score_S = _d_score_buffer(g_SF, d_score_out)
     if rows:
         kernel[(rows,)](h13_SG, g_SF, score_S, d_score_S, ffn, h13_SG.stride(0), g_SF.stride(0),
                         BLOCK_F=_BLOCK_F, num_warps=4)
     return d_score_S
+
+
+def _d_score_buffer(g_SF: Tensor, d_score_out: Tensor | None) -> Tensor:
+    return torch.empty(g_SF.shape[0], dtype=torch.float32, device=g_SF.device) if d_score_out is None else d_score_out
 
 
 def _reference_in_place(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:

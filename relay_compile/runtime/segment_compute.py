@@ -243,18 +243,22 @@ def segment_backward(
             continue
         c0, c1 = chunk.start, chunk.end
         tok_C = rows.routing.tokens_P[c0:c1]
+        ds_C = ds_S[c0:c1]
         if grouped is not None:
             chunk_weights = _chunk_weights(cfg, weights, chunk)
-            dx_CH, ds_C, dws = grouped.vjp_rows(
+            # The score gradients are written in place into the step's (no buffer and copy per chunk).
+            dx_CH, ds_out, dws = grouped.vjp_rows(
                 x_TH, tok_C, chunk.offsets_G, chunk.rows, chunk_weights, dy_TH, rows.scores_S[c0:c1],
                 grad_dtype=cfg.sum_dtype(chunk_weights[0]), grad_into=functools.partial(dw.sink, chunk),
+                d_score_out=ds_C,
             )
         else:
-            dx_CH, ds_C, dws = fused(
+            dx_CH, ds_out, dws = fused(
                 x_TH[tok_C], _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src), weights,
                 dy_TH[tok_C], rows.scores_S[c0:c1],
             )
-        ds_S[c0:c1] = ds_C
+        if ds_out is not ds_C:
+            ds_C.copy_(ds_out)
         dx.add_(tok_C, dx_CH)
         if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
             dw.add(dws, chunk if grouped is not None else None)
