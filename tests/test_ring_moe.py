@@ -18,13 +18,15 @@ from relay_compile.reference import a2a_moe, dense_moe, moe_weights
 from tests.distributed import DistributedTestCase
 
 H, F, K = 16, 8, 3
-ROUTINGS = ("random", "one_expert", "one_rank", "duplicates", "uneven")
+ROUTINGS = ("random", "one_expert", "one_rank", "duplicates", "uneven", "halves")
 
 
 def routed_inputs(case: str, rank: int, world: int, num_experts: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     """``x (T, H)``, ``topk_ids (T, K)``, ``topk_scores (T, K)`` of one routing case on one rank."""
     gen = torch.Generator().manual_seed(seed * 97 + rank)
     tokens = 7 + 5 * rank if case == "uneven" else 12
+    if case == "halves":  # equal counts within each half of the ranks: token routing's neighbours differ in sizes
+        tokens = 12 if rank < world // 2 else 7
     x = torch.randn(tokens, H, generator=gen)
     scores = torch.rand(tokens, K, generator=gen)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:K] for _ in range(tokens)])

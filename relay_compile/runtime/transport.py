@@ -264,9 +264,12 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
     if ring.size == 1:
         return RingTransfer(sent=[], received=sent)
     send_spans, recv_spans = _spans(sent), _spans(receive)
+    # Decided by structure only, never by sizes: each rank decides for its own sends and receives, and sizes
+    # differ across ranks (token routing receives another source's partition than it sends), while the
+    # program's structure is every rank's. Across one link the sizes agree: both sides lay out the same specs.
     pairs = (
         [(s, r) for (_, s), (_, r) in zip(send_spans, recv_spans)]
-        if [(n, s.nbytes) for n, s in send_spans] == [(n, r.nbytes) for n, r in recv_spans]
+        if [n for n, _ in send_spans] == [n for n, _ in recv_spans]
         else zip(sent, receive, strict=True)
     )
     ops: list[tuple[bool, Tensor, int]] = []

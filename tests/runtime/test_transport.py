@@ -169,6 +169,15 @@ class OpsOfALargerRing(unittest.TestCase):
                          [(torch.bfloat16, 22, 128), (torch.bfloat16, 22, 128), (torch.float32, 40, 129),
                           (torch.float32, 40, 129)])
 
+    def test_whether_groups_travel_as_buffers_is_decided_by_structure_never_by_sizes(self) -> None:
+        """Token routing sends one source's partition and receives another's: the sizes differ on one rank and
+        may agree on its neighbour, so a size test would split a link's two sides differently (a hang)."""
+        arrived = receive_buffers([((5, 4), torch.bfloat16), ((5,), torch.int64)], "cpu")
+        receive = receive_buffers([((3, 4), torch.bfloat16), ((3,), torch.int64)], "cpu")
+        ops = self._ops(arrived, receive)
+        self.assertEqual([(op[0], op[3]) for op in ops], [("send", 128), ("recv", 128)])
+        self.assertEqual((ops[0][1].nbytes, ops[1][1].nbytes), (88, 56))  # 40 + 40 and 24 + 24, 16-aligned
+
     def test_fresh_tensors_a_partial_mix_or_separate_receive_buffers_go_per_tensor(self) -> None:
         specs = [((4,), torch.float32), ((6,), torch.bfloat16)]
         arrived = receive_buffers(specs, torch.device("cpu"))
