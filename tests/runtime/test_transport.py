@@ -146,7 +146,8 @@ class OpsOfALargerRing(unittest.TestCase):
         self.assertEqual(len({b.untyped_storage().data_ptr() for b in separate}), 3)
 
     def test_a_payload_forwarded_as_it_was_received_travels_as_its_buffer(self) -> None:
-        mixed, same = [((3, 5), torch.bfloat16), ((7,), torch.float32)], [((3, 5), torch.float32), ((7,), torch.float32)]
+        mixed = [((3, 5), torch.bfloat16), ((7,), torch.float32)]
+        same = [((3, 5), torch.float32), ((7,), torch.float32)]
         for specs in (mixed, same):
             with self.subTest(dtypes=[d for _, d in specs]):
                 arrived = receive_buffers(specs, torch.device("cpu"))
