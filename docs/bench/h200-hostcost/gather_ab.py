@@ -30,4 +30,5 @@ for rows in (8192, 65536):
             fn()
         e[1].record()
         e[1].synchronize()
-        print(f"rows {rows:6d} {name:13s} host {host_us:6.1f} us/call  gpu {e[0].elapsed_time(e[1]) / 200 * 1e3:7.1f} us/call")
+        gpu_us = e[0].elapsed_time(e[1]) / 200 * 1e3
+        print(f"rows {rows:6d} {name:13s} host {host_us:6.1f} us/call  gpu {gpu_us:7.1f} us/call")
