@@ -4,8 +4,8 @@ transfers as spans (``transport._runs``) against one P2P operation per tensor, s
     OMP_NUM_THREADS=1 python docs/bench/cpu-hostcost/span_ab.py
 
 It measures session 4's transport (``transport._runs``, replaced in session 5 by groups tagged on their views):
-run it on a checkout of 6d65bb3. Session 4, 2 cores, idle machine, three runs (median ms per forward+backward, spans / per tensor):
-75.2 / 83.3, 77.4 / 72.8, 78.9 / 82.1: no host-time difference this measurement can resolve (EP=8: 24.2 / 24.0).
+run it on a checkout of 6d65bb3. Session 4, 2 cores, idle machine, three runs (median ms per forward+backward,
+spans / per tensor): 75.2 / 83.3, 77.4 / 72.8, 78.9 / 82.1: no host-time difference this measurement can resolve (EP=8: 24.2 / 24.0).
 """
 import statistics
 import time
