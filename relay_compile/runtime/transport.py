@@ -118,7 +118,11 @@ class RingRun:
         # what another rank computes.
         with_status = carries_status and ring.size > 1
         self.heard = torch.zeros(1, dtype=torch.int64, device=device) if with_status else None
-        self.heard_index = -1  # the transfer that brought ``heard``: a later one waited on earlier does not count
+        # Transfers are numbered in the order they are posted (every rank posts in the program's order, which is
+        # not always the order of their indices: remat=False posts the replay ring's first); ``heard`` is from
+        # the latest posted one waited on so far, so one waited on out of order does not count.
+        self.num_posted = 0
+        self.heard_seq = -1
         self.own: Tensor | None = None
         self._token: contextvars.Token | None = None
 
@@ -149,9 +153,9 @@ class RingRun:
         """The status this rank sends on: the maximum of its own and the last one it received.
 
         The last one received is enough: every rank sends a status that never decreases (its own is set once,
-        and by induction what it receives never decreases), so the status of the previous rank's latest transfer
-        (by index, whatever order the program waits in; ranks post in index order) is the highest it sent. No
-        merge runs per transfer unless this rank failed.
+        and by induction what it receives never decreases), so the status of the previous rank's latest posted
+        transfer (``seq``, whatever order the program waits in) is the highest it sent. No merge runs per
+        transfer unless this rank failed.
         """
         if self.heard is None or self.own is None:
             return self.heard
@@ -221,6 +225,7 @@ class RingTransfer:
     received: list[Tensor]
     works: list[dist.Work] = field(default_factory=list)
     index: int = 0
+    seq: int = 0  # the run's count of transfers posted before this one (``RingRun.heard``)
     ring: RingGroup | None = None
     run: RingRun | None = None
     status_in: Tensor | None = None
@@ -240,8 +245,8 @@ class RingTransfer:
         except RuntimeError as e:
             raise RingTransportError(self._failed(e)) from e
         self.sent, self.done = [], True
-        if run is not None and self.status_in is not None and self.index > run.heard_index:
-            run.heard, run.heard_index = self.status_in, self.index
+        if run is not None and self.status_in is not None and self.seq > run.heard_seq:
+            run.heard, run.heard_seq = self.status_in, self.seq
         return tuple(self.received)
 
     def _failed(self, e: Exception) -> str:
@@ -287,6 +292,7 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
     xfer = RingTransfer(sent=sent, received=receive, works=_post(ring, receive[0].device, ops), index=index,
                         ring=ring, run=run, status_in=status_in)
     if run is not None:
+        xfer.seq, run.num_posted = run.num_posted, run.num_posted + 1
         run.posted.append(xfer)
     return xfer
 

@@ -179,6 +179,35 @@ class FailingFFN:
         return plain_ffn(x_SH, counts_NL, splits_N, weights)
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward counts its calls on ``ffn`` and raises at ``ffn.fail_at_backward``."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, ffn: FailingBackwardFFN) -> Tensor:
+        ctx.ffn = ffn
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        ffn = ctx.ffn
+        ffn.backward_calls += 1
+        if ffn.backward_calls == ffn.fail_at_backward:
+            raise SimulatedOOM(f"simulated failure at backward call {ffn.backward_calls}")
+        return grad, None
+
+
+class FailingBackwardFFN:
+    """``plain_ffn`` whose vector-Jacobian product raises at its ``fail_at_backward``-th call on this rank: a
+    failure inside the backward's gradient ring (with ``remat=False``, after its replay ring posted its own
+    transfers)."""
+
+    def __init__(self, fail_at_backward: int | None) -> None:
+        self.backward_calls, self.fail_at_backward = 0, fail_at_backward
+
+    def __call__(self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights) -> Tensor:
+        return _RaiseInBackward.apply(plain_ffn(x_SH, counts_NL, splits_N, weights), self)
+
+
 class FailuresInsideTheRing(ShortTimeoutCase):
     e_l = 1
 
@@ -242,6 +271,26 @@ class FailuresInsideTheRing(ShortTimeoutCase):
                 self.raises_promptly(call, RingPeerError,
                                      f"rank {fault} of the EP group failed inside this backward")
             dist.barrier()
+        self.assert_group_usable()
+
+    def test_a_failure_in_the_gradient_ring_after_the_replay_ring_reaches_every_dependent_rank(self) -> None:
+        # remat=False posts the replay ring's transfers before the gradient ring's, whose indices are lower: the
+        # status a rank sends on must be the one of the latest transfer posted, not of the highest index.
+        self.init_pg()
+        fault = 1
+        x, ids, scores, weights = self.inputs(seed=4)
+        fn = FailingBackwardFFN(1 if self.rank == fault else None)
+
+        def ring(x_, ids_, scores_, *weights_) -> Tensor:
+            return ring_moe_experts(x_, ids_, scores_, weights_, expert_fn=fn, experts_per_rank=self.e_l,
+                                    name="failing_backward_ffn", routing="expert", remat=False)
+
+        call = functools.partial(forward_backward, ring, x, ids, scores, weights, 0)
+        if self.rank == fault:
+            self.raises_promptly(call, SimulatedOOM, "simulated failure at backward call 1")
+        else:
+            self.raises_promptly(call, RingPeerError, f"rank {fault} of the EP group failed inside this backward")
+        dist.barrier()
         self.assert_group_usable()
 
     def test_where_the_status_is_not_read_at_once_every_rank_raises_at_the_next_exchange(self) -> None:
