@@ -113,7 +113,7 @@ class RingRun:
         self.posted: list[RingTransfer] = []
         self.failure: HopFailure | None = None
         # Failure status, (1,) int64: 0, or 1 + the highest failing rank heard of. ``heard`` is the status the
-        # last completed transfer brought, ``own`` this rank's (None until it fails); the run's status is their
+        # latest posted transfer waited on brought, ``own`` this rank's (None until it fails); the run's status is their
         # maximum (``status``). Both None: a ring of one, or a schedule in which no rank's results depend on
         # what another rank computes.
         with_status = carries_status and ring.size > 1
