@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 10 on one H200 (torch 2.11), session 5: the EP=64 ring's host time after the transport and stand-in cuts.
-# Usage (device tool, carry .whl, .whl-titan, and for "ab" a baseline tree as .ab_old):
+# Usage (device tool, carry .whl, .whl-titan, and for "ab" a baseline tree as .ab_old, ignored by git:
+#   mkdir .ab_old && git archive 6d65bb3 relay_compile | tar -x -C .ab_old):
 #   bash docs/bench/h200-ep64-host/run.sh "$OUT" [parts...]
 # Parts (default all): tests ab census rows titan. Everything lands in $OUT/raw.tar.gz and $OUT/log.txt.
 set -uo pipefail
