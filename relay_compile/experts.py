@@ -114,18 +114,22 @@ def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
     return aligned and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
 
 
-def _grouped_linear(x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, counts_E: list[int] | None) -> Tensor:
+def _grouped_linear(
+    x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
+) -> Tensor:
     """``y[s] = x[s] @ w[e(s)].T`` for rows sorted by expert: one grouped GEMM, or a loop over experts."""
     return _grouped_matmul(x_SD, w_EOD.transpose(-2, -1), offsets_E, counts_E)
 
 
-def _grouped_matmul(x_SD: Tensor, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: list[int] | None) -> Tensor:
+def _grouped_matmul(
+    x_SD: Tensor, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
+) -> Tensor:
     """``y[s] = x[s] @ w[e(s)]`` for rows sorted by expert (the backward's products with the weights as they
     are stored: no transposed views made per call, each a dispatch on the host path of a hop)."""
     if offsets_E is not None:
         return torch._grouped_mm(x_SD, w_EDO, offs=offsets_E)
     assert counts_E is not None
-    chunks = torch.split(x_SD, counts_E)
+    chunks = torch.split(x_SD, list(counts_E))
     return torch.cat([c @ w_EDO[e] for e, c in enumerate(chunks)], dim=0)
 
 
@@ -199,7 +203,8 @@ def _grouped_weight_grad(
         if offsets_E is not None:
             return torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E)
         assert counts_E is not None
-        return torch.stack([d.t() @ x for d, x in zip(torch.split(dy_SO, counts_E), torch.split(x_SI, counts_E))])
+        counts = list(counts_E)
+        return torch.stack([d.t() @ x for d, x in zip(torch.split(dy_SO, counts), torch.split(x_SI, counts))])
     assert counts_E is not None, "a weight gradient wider than its rows needs the host counts"
     dw_EOI = dy_SO.new_empty((len(counts_E), dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype)
     for d_OS, x_SI_e, dw_OI in _per_expert(dy_SO, x_SI, counts_E, dw_EOI, skip_empty=False):
