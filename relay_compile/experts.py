@@ -505,8 +505,9 @@ class GroupedFFN:
         self, x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights: Sequence[Tensor], dy_SH: Tensor,
         score_S: Tensor,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        w1, w2, w3 = weights
         return expert_ffn_swiglu_vjp(
-            x_SH, counts_NL.sum(0), *weights, dy_SH, score_S, use_grouped_mm=self.use_grouped_mm
+            x_SH, counts_NL.sum(0), w1, w2, w3, dy_SH, score_S, use_grouped_mm=self.use_grouped_mm
         )
 
     def num_packed(self, num_weights: int) -> int:
