@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._prims_common import make_contiguous_strides_for
 
 # Tags of one transfer are ``index * TAGS_PER_TRANSFER + position``: room for every tensor of a payload.
 TAGS_PER_TRANSFER = 64
@@ -290,9 +291,9 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
         sent.append(status_out)
         ops += [(True, status_out, STATUS_TAG + index), (False, status_in, STATUS_TAG + index)]
     xfer = RingTransfer(sent=sent, received=receive, works=_post(ring, receive[0].device, ops), index=index,
-                        ring=ring, run=run, status_in=status_in)
+                        seq=run.num_posted if run is not None else 0, ring=ring, run=run, status_in=status_in)
     if run is not None:
-        xfer.seq, run.num_posted = run.num_posted, run.num_posted + 1
+        run.num_posted += 1
         run.posted.append(xfer)
     return xfer
 
@@ -349,18 +350,10 @@ def _buffer_plan(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> _Buf
     dtypes = {dtype for _, dtype in specs}
     unit = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
     views = tuple(
-        (tuple(shape), _contiguous_strides(shape), off // unit.itemsize, dtype)
+        (tuple(shape), tuple(make_contiguous_strides_for(shape)), off // unit.itemsize, dtype)
         for (shape, dtype), off in zip(specs, offsets, strict=True)
     )
     return _BufferPlan(dtype=unit, numel=nbytes // unit.itemsize, views=views)
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class _Group:
