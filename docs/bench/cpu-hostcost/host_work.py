@@ -5,7 +5,7 @@ backward of ``ring_moe`` on the stand-in group (CPU, tiny shapes, default option
     OMP_NUM_THREADS=1 python docs/bench/cpu-hostcost/host_work.py [--ep 64] [--top 15]
 
 Session 5 (2026-12-01), EP=64: session 4's final code (6d65bb3) 27170 Python calls, 30202 C calls, 10058 top-level
-aten ops per step; after this session's transport, stand-in and backward cuts 14798 / 15956 / 7865 (the GPU
+aten ops per step; after this session's transport, stand-in and backward cuts 14774 / 15908 / 7865 (the GPU
 measurement of the same change: docs/bench/h200-ep64-host/, host time per step 74-111 ms -> 57-77 ms). Counts
 on the CPU include the eager kernels' reference paths (``scatter_add_rows``, ``swiglu_backward``), which CUDA
 runs as one Triton launch.
