@@ -7,10 +7,7 @@ set -uo pipefail
 OUT=$1; shift
 PARTS=${*:-tests spread rows numerics titan train final}
 RAW=/tmp/raw; mkdir -p $RAW
-python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-titan/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site
-python -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source docs/bench/device_env.sh
 for part in $PARTS; do
   echo "== $part $(date +%T)"
   case $part in

@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # Session 5 host-cost probes (device tool, carry .whl with py-spy): bash docs/bench/h200-hostcost/run.sh
 
-python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-python -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1
-git log --oneline -1 2>&1 | head -2
+source docs/bench/device_env.sh
+export PATH=/tmp/site/bin:$PATH  # py-spy
 [ -n "${GATHER:-}" ] && python docs/bench/h200-hostcost/gather_ab.py 2>&1 | grep -v Warn
 [ -n "${SPY:-}" ] && timeout 200 py-spy record --nonblocking -r 250 -f raw -o /tmp/spy_gpu.txt -- python docs/bench/h200-hostcost/steps.py 2>&1 | grep -v Warn | tail -1
 [ -n "${SPY:-}" ] && python docs/bench/h200-hostcost/spy_summary.py /tmp/spy_gpu.txt --top 70 > $OUT/spy_gpu_summary.txt
