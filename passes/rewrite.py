@@ -47,7 +47,7 @@ from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import RefusedRegion
 from relay_compile.runtime.ops import RING_MOE
-from relay_compile.runtime.ring_options import HopRows, RingOptions
+from relay_compile.runtime.ring_options import ChunkGraphs, HopRows, RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ def rewrite_moe_region(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
+    chunk_graphs: ChunkGraphs = "auto",
     inner_compiler: str = "eager",
 ) -> fx.Node:
     """Replace ``region`` of ``gm`` by one ``relaymoe::ring_moe`` call; returns the new node.
@@ -145,10 +146,11 @@ def rewrite_moe_region(
         x_TH = ...; ids_TK = ...; scores_TK = ...
         y_TH = torch.ops.relaymoe.ring_moe.default(
             x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
-            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1")
+            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=auto")
 
     Args:
-        routing, overlap, remat, max_hop_rows, fp32_accumulation: the ring's options (``relay_compile.ring_moe``).
+        routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs: the ring's options
+            (``relay_compile.ring_moe``).
         inner_compiler: what compiles an F that is not lowered onto grouped experts (``"inductor"``,
             ``"aot_eager"``; ``"eager"``: F runs as it is).
 
@@ -158,7 +160,7 @@ def rewrite_moe_region(
     # Step 1: options and record.
     options = RingOptions.checked(
         "rewrite", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-        fp32_accumulation=fp32_accumulation,
+        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs,
     )
     _check_record(gm, region)
 
@@ -227,13 +229,15 @@ def moe_ring_pass(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
+    chunk_graphs: ChunkGraphs = "auto",
     inner_compiler: str = "eager",
 ) -> tuple[list[fx.Node], list[RefusedRegion]]:
     """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""
     regions, refused = find_moe_regions(gm)
     rings = [
         rewrite_moe_region(gm, r, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-                           fp32_accumulation=fp32_accumulation, inner_compiler=inner_compiler)
+                           fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs,
+                           inner_compiler=inner_compiler)
         for r in regions
     ]
     return rings, refused

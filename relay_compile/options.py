@@ -1,6 +1,6 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
-The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation) become a ``RingOptions``,
+The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs) become a ``RingOptions``,
 which validates them; this module adds the backend's (inner compiler, dumps, verify, activation memory budget)
 and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop rows").
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_compile import config
-from relay_compile.runtime.ring_options import HopRows, InvalidRingOption, RingOptions
+from relay_compile.runtime.ring_options import ChunkGraphs, HopRows, InvalidRingOption, RingOptions
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
@@ -94,6 +94,13 @@ def _hop_bound(value: Any, parse: bool) -> HopRows:
     return number or None
 
 
+def _graphs(value: Any, parse: bool) -> ChunkGraphs:
+    """``chunk_graphs``: a bool or ``"auto"`` (from the environment also true/false/1/0)."""
+    if value == "auto":
+        return "auto"
+    return _bool("chunk_graphs", value, parse)
+
+
 def _dump_dir(value: Any, parse: bool) -> str:
     """A directory (``""`` or None: no dumps); from the environment, never a switch such as 0 or False."""
     path = os.fspath(value) if isinstance(value, os.PathLike) else value
@@ -160,6 +167,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
             routing=_str("routing", *pick("routing")), overlap=_bool("overlap", *pick("overlap")),
             remat=_bool("remat", *pick("remat")), max_hop_rows=_hop_bound(*pick("max_hop_rows")),
             fp32_accumulation=_bool("fp32_accumulation", *pick("fp32_accumulation")),
+            chunk_graphs=_graphs(*pick("chunk_graphs")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None

@@ -24,7 +24,7 @@ from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_
 from relay_compile.runtime.agreement import BadArgument, fail_together
 from relay_compile.runtime.fn_identity import describe
 from relay_compile.runtime.ops import check_routing_args, ring_moe_op
-from relay_compile.runtime.ring_options import HopRows, RingOptions
+from relay_compile.runtime.ring_options import ChunkGraphs, HopRows, RingOptions
 from relay_compile.runtime.specs import SCORES_APPLIED, RingSpec, ScoresApplied, register_spec
 from relay_compile.runtime.transport import RingGroup
 
@@ -122,6 +122,7 @@ def ring_moe_experts(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
+    chunk_graphs: ChunkGraphs = "auto",
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -146,7 +147,7 @@ def ring_moe_experts(
         # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
         key = _register(expert_fn, experts_per_rank, group_name, dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-            fp32_accumulation=fp32_accumulation), name, scores_applied, torch.compiler.is_compiling())
+            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs), name, scores_applied, torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
@@ -182,6 +183,7 @@ def ring_moe(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
+    chunk_graphs: ChunkGraphs = "auto",
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -204,6 +206,10 @@ def ring_moe(
         fp32_accumulation: sum what the ring accumulates across hops (weight gradients; token routing's
             travelling outputs and input gradients) in fp32, like the all-to-all layer's fp32-accumulating
             GEMMs; False: in the summands' dtype (in bf16 half the bytes of those transfers, one rounding per hop).
+        chunk_graphs: chunks whose experts' rows pad to equal groups (within 1/8) run at static shapes, as CUDA
+            graphs captured once and replayed per hop (``runtime.chunk_graphs``); ``"auto"``: on CUDA. A per-rank
+            knob (may differ across ranks); the graphs' buffers stay allocated between calls
+            (``relay_compile.runtime.chunk_graphs.held_bytes``, ``clear``).
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
         scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
@@ -237,6 +243,6 @@ def ring_moe(
         # The name ("" only without torch.distributed: a ring of one, which None says again).
         x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-        fp32_accumulation=fp32_accumulation, name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
+        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
         scores_applied=scores_applied,
     )

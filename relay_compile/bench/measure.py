@@ -30,6 +30,7 @@ from relay_compile.bench.progress import Progress, fmt_bytes, fmt_ms
 from relay_compile.bench.rows import A2A_EAGER, LayerFn, RowSkipped, RowSpec, default_rows
 from relay_compile.bench.standin_group import drop_pending_messages, standin_group
 from relay_compile.memory import PeakMemory
+from relay_compile.runtime import chunk_graphs
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,16 @@ def peak_step(fn: LayerFn, inp: LayerInputs, device: str) -> int:
     """Peak bytes above the resident inputs and weights during one forward+backward (``relay_compile.memory``).
 
     Everything allocated inside the step counts: the ring's transfer buffers (allocated inside its op), weight
-    gradients, ``dx``, ``d_scores``.
+    gradients, ``dx``, ``d_scores``; and the memory the ring's chunk graphs hold (``runtime.chunk_graphs``):
+    dropped before the step, so that their buffers are allocated inside it, and their graphs' pools added (the
+    allocator counts pool memory as free once a capture ends, though the replays use it).
     """
     clear_grads(fn, inp)
+    chunk_graphs.clear()
     with PeakMemory(device) as mem:
         y = forward_backward(fn, inp)
         del y
-    return mem.peak_bytes
+    return mem.peak_bytes + chunk_graphs.pool_bytes()
 
 
 def free_cached(device: str) -> None:

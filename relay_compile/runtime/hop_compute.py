@@ -33,6 +33,7 @@ from torch import Tensor
 
 from relay_compile.routing import PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
+from relay_compile.runtime.chunk_graphs import PaddedChunks
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.segment_compute import (
     ACC_DTYPE,
@@ -177,13 +178,17 @@ class ExpertRoutingStep:
             for owner in range(cfg.ring.size)
         ], e_l, x_TH.device)
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
+        self.padded = (PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if cfg.pads_chunks
+                       else None)
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
         else:
             self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
-            # Every pair meets its expert on exactly one hop, so every entry is written.
-            self.ds_S = torch.empty(self.scores_S.shape, dtype=ACC_DTYPE, device=x_TH.device)
+            # Every pair meets its expert on exactly one hop, so every entry is written (padded chunks write
+            # their padding rows' one slot past the pairs).
+            pairs = self.scores_S.shape[0]
+            self.ds_S = torch.empty(pairs + (self.padded is not None), dtype=ACC_DTYPE, device=x_TH.device)
 
     def initial_circulating(self) -> list[Tensor]:
         return self.weights
@@ -196,7 +201,7 @@ class ExpertRoutingStep:
     def _rows(self, hop: int) -> HopRows:
         owner = (self.cfg.ring.rank - hop) % self.cfg.ring.size
         return HopRows(routing=self.routing, chunks=self.chunks[owner], src=self.cfg.ring.rank,
-                       scores_S=self.scores_S)
+                       scores_S=self.scores_S, padded=self.padded)
 
     @_drains(_no_partials)
     def forward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
@@ -252,7 +257,8 @@ class ExpertRoutingStep:
         dtype = self.x_TH.dtype
         if self.grad_y_TH is None:
             return (self.y.finish(dtype),)
-        ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
+        ds_S = self.ds_S[: self.scores_S.shape[0]]
+        ds_P = torch.empty_like(ds_S).index_copy_(0, self.routing.order_P, ds_S)
         return (self.dx.finish(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
                 *unpack_grads(self.cfg.grouped, trailing, self.weights, self.given_weights))
 

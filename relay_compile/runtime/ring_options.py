@@ -16,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from relay_compile.routing import ROUTINGS
 
 HopRows = int | None | Literal["auto"]
+ChunkGraphs = bool | Literal["auto"]
 # ``max_hop_rows="auto"``: a chunk holds at most this fraction of the rank's tokens (its gathered rows, their
 # gradients and the expert activations then stay below the token-sized sums the step holds anyway), and never
 # fewer than AUTO_MIN_HOP_ROWS rows: each chunk costs a fixed host time (~0.5 ms per chunk and pass on the
@@ -56,6 +59,10 @@ class RingOptions:
     - ``max_hop_rows``: rows of one expert call; hops with more pairs run in chunks (None: whole hops;
       ``"auto"``: ``hop_row_bound``, a quarter of the rank's tokens and at least 16384 rows). A per-rank
       memory knob: nothing that travels depends on it.
+    - ``chunk_graphs``: chunks whose experts' rows pad to equal groups within 1/8 run at static shapes, as
+      CUDA graphs captured once and replayed per hop (``runtime.chunk_graphs``: a hop's host work becomes a few
+      ops); ``"auto"``: on CUDA. True off CUDA runs the same static-shape path eagerly. A per-rank knob like
+      ``max_hop_rows``: nothing that travels depends on it.
     - ``fp32_accumulation``: what the ring sums across hops (weight gradients, and token routing's travelling
       outputs and input gradients) is summed and sent in fp32, as an fp32-accumulating GEMM of the
       all-to-all layer would sum it; False sums in the dtype of the summands (bf16: half the bytes of those
@@ -67,6 +74,7 @@ class RingOptions:
     remat: bool = True
     max_hop_rows: HopRows = "auto"
     fp32_accumulation: bool = True
+    chunk_graphs: ChunkGraphs = "auto"
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -75,6 +83,9 @@ class RingOptions:
         if bound is not None and bound != "auto" and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
             raise InvalidRingOption(f"max_hop_rows must be a positive row count, 'auto' or None, got {bound!r}",
                                     "max_hop_rows")
+        if self.chunk_graphs != "auto" and not isinstance(self.chunk_graphs, bool):
+            raise InvalidRingOption(f"chunk_graphs must be True, False or 'auto', got {self.chunk_graphs!r}",
+                                    "chunk_graphs")
         for name in ("overlap", "remat", "fp32_accumulation"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRingOption(f"{name} must be a bool, got {getattr(self, name)!r}", name)
@@ -82,12 +93,12 @@ class RingOptions:
     @classmethod
     def checked(
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
-        max_hop_rows: HopRows = "auto", fp32_accumulation: bool = True,
+        max_hop_rows: HopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = "auto",
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""
         try:
             return cls(routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-                       fp32_accumulation=fp32_accumulation)
+                       fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs)
         except InvalidRingOption as e:
             raise InvalidRingOption(f"{caller}: {e.problem}", e.argument) from None
 
@@ -96,4 +107,9 @@ class RingOptions:
         return (
             f"routing={self.routing}|overlap={int(self.overlap)}|remat={int(self.remat)}"
             f"|max_hop_rows={self.max_hop_rows}|fp32_accumulation={int(self.fp32_accumulation)}"
+            f"|chunk_graphs={self.chunk_graphs if self.chunk_graphs == 'auto' else int(self.chunk_graphs)}"
         )
+
+    def graphs_on(self, device: torch.device) -> bool:
+        """Whether ``chunk_graphs`` runs padded chunks as static-shape programs on ``device``."""
+        return device.type == "cuda" if self.chunk_graphs == "auto" else bool(self.chunk_graphs)

@@ -33,6 +33,8 @@ from torch import Tensor
 
 from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts
 from relay_compile.routing import Chunk, PairRouting
+from relay_compile.runtime import chunk_graphs
+from relay_compile.runtime.chunk_graphs import PaddedChunks
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.transport import RingGroup
 from relay_compile.runtime.weight_grads import WeightGrads
@@ -53,11 +55,22 @@ class RingStepConfig:
     acc_dtype: torch.dtype | None = None
     # Scores scale F's input rows (``F(s x)``) instead of its output (``s F(x)``).
     scores_before: bool = False
+    # Chunks that pad to equal groups run as static-shape programs (``runtime.chunk_graphs``), captured as CUDA
+    # graphs where ``capture_graphs`` (the tokens are on a CUDA device).
+    chunk_graphs: bool = False
+    capture_graphs: bool = False
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
     grouped: GroupedExperts | None = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grouped", self.expert_fn if isinstance(self.expert_fn, GroupedExperts) else None)
+
+    @property
+    def pads_chunks(self) -> bool:
+        """Whether a step plans padded chunks: ``chunk_graphs`` on, for an expert function with grouped entry
+        points and a fused backward, scores applied after it (the static programs' contract)."""
+        grouped = self.grouped
+        return self.chunk_graphs and grouped is not None and grouped.has_fused_backward and not self.scores_before
 
     @property
     def experts_per_rank(self) -> int:
@@ -87,6 +100,8 @@ class HopRows:
     chunks: list[Chunk]
     src: int
     scores_S: Tensor
+    # The step's padded chunks (``chunk_graphs``), or None.
+    padded: PaddedChunks | None = None
 
 
 def _chunk_weights(cfg: RingStepConfig, weights: Sequence[Tensor], chunk: Chunk) -> list[Tensor]:
@@ -142,6 +157,12 @@ def segment_forward(
     """``y[t] += scores[p] * F_owner(x[t])`` (or ``F_owner(scores[p] * x[t])``) for the pairs ``p = (t, k)`` of
     the hop's chunks."""
     for chunk in rows.chunks:
+        padded = rows.padded.of(chunk) if rows.padded is not None else None
+        if padded is not None:
+            assert cfg.grouped is not None and rows.padded is not None
+            chunk_graphs.forward(cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), y.add_,
+                                 cfg.capture_graphs)
+            continue
         tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
         score_C1 = rows.scores_S[chunk.start : chunk.end, None]
         x_CH = _gathered_scaled_rows(x_TH, tok_C, score_C1) if cfg.scores_before else x_TH[tok_C]
@@ -241,6 +262,10 @@ def segment_backward(
         if cfg.scores_before:
             _scores_before_fused_vjp(cfg, rows, chunk, x_TH, weights, dy_TH, dx, ds_S, dw, fused)
             continue
+        padded = rows.padded.of(chunk) if rows.padded is not None else None
+        if padded is not None:
+            _padded_vjp(cfg, rows, chunk, padded, x_TH, weights, dy_TH, dx, ds_S, dw)
+            continue
         c0, c1 = chunk.start, chunk.end
         tok_C = rows.routing.tokens_P[c0:c1]
         ds_C = ds_S[c0:c1]
@@ -262,6 +287,29 @@ def segment_backward(
         dx.add_(tok_C, dx_CH)
         if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
             dw.add(dws, chunk if grouped is not None else None)
+
+
+def _padded_vjp(
+    cfg: RingStepConfig, rows: HopRows, chunk: Chunk, padded: chunk_graphs.PaddedChunk, x_TH: Tensor,
+    weights: Sequence[Tensor], dy_TH: Tensor, dx: RowSum, ds_S: Tensor, dw: WeightGrads,
+) -> None:
+    """One padded chunk's backward through its static program (``chunk_graphs.backward``): ``dx`` scattered,
+    score gradients written at the rows' sorted positions (padding rows' into the slot past the pairs), weight
+    gradients added (a replayed graph's are copied where they are kept as they are: its next replay overwrites
+    them)."""
+    assert cfg.grouped is not None and rows.padded is not None
+    chunk_weights = _chunk_weights(cfg, weights, chunk)
+    tok_C, dx_CH, ds_C, dws, replayed = chunk_graphs.backward(
+        cfg.grouped, rows.padded, padded, x_TH, chunk_weights, dy_TH, cfg.sum_dtype(chunk_weights[0]),
+        cfg.capture_graphs)
+    ds_S.index_copy_(0, rows.padded.pos_Q[padded.start : padded.end], ds_C)
+    dx.add_(tok_C, dx_CH)
+    sinks = dw.sink(chunk)  # may wait for the ring's incoming sums: after the chunk's compute
+    if sinks is None:
+        dw.add([g.clone() for g in dws] if replayed else dws, chunk)
+        return
+    for acc, g in zip(sinks, dws, strict=True):
+        acc.add_(g)
 
 
 def _scores_before_fused_vjp(
