@@ -130,7 +130,9 @@ def uniform_rows(counts_E: Sequence[int] | None) -> int:
     time at two experts: ``docs/bench/h200-uniform/gemm_host.py``). The ring pads chunks to equal groups
     (``runtime.chunk_graphs``); an expert function may also be given equal groups by its caller.
     """
-    if not counts_E:
+    # Not while torch.compile traces: there the counts are SymInts of a ``.tolist()``, and the loop does not
+    # branch on their values.
+    if not counts_E or torch.compiler.is_compiling():
         return 0
     first = counts_E[0]
     return first if first > 0 and all(c == first for c in counts_E) else 0

@@ -15,6 +15,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 from relay_compile import RingInputError, ring_moe, ring_moe_experts
 from relay_compile.experts import expert_ffn
 from relay_compile.reference import a2a_moe, dense_moe, moe_weights
+from relay_compile.runtime import chunk_graphs
 from tests.distributed import DistributedTestCase
 
 H, F, K = 16, 8, 3
@@ -37,6 +38,9 @@ def routed_inputs(case: str, rank: int, world: int, num_experts: int, seed: int)
         ids = torch.randint(0, e_l, (tokens, K), generator=gen)
     elif case == "duplicates":  # all K slots on one expert: a token repeats inside one segment
         ids = torch.full((tokens, K), num_experts // 2)
+    elif case == "near_equal":  # round robin over 13 tokens: experts' counts differ by one, chunks pad a row
+        x, scores = x[:1].expand(13, H) + torch.randn(13, H, generator=gen), torch.rand(13, K, generator=gen)
+        ids = ((torch.arange(13 * K) + rank) % num_experts).view(13, K)
     return x, ids, scores
 
 
@@ -98,6 +102,18 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
                 self.assert_matches_a2a(case, ring=ring_with_plain_ffn, routing=routing, max_hop_rows=5)
         self.check_sgd_steps_track_a2a()
         self.check_bf16_matches_a2a_to_bf16_rounding()
+
+    def test_padded_chunks_through_chunk_programs_match_a2a(self) -> None:
+        # chunk_graphs=True on the CPU: padded chunks run their static-shape programs eagerly (no capture).
+        self.init_pg()
+        before = chunk_graphs.runs()
+        for case in ("near_equal", "random", "one_expert", "one_rank", "uneven"):
+            for overlap in (True, False):
+                self.assert_matches_a2a(case, routing="expert", overlap=overlap, chunk_graphs=True)
+        self.assertGreater(chunk_graphs.runs(), before, "no chunk ran padded")
+        self.assert_matches_a2a("near_equal", routing="expert", chunk_graphs=True, max_hop_rows=5)
+        self.assert_matches_a2a("near_equal", routing="expert", chunk_graphs=True, remat=False)
+        self.assert_matches_a2a("near_equal", routing="token", chunk_graphs=True)
 
     def check_sgd_steps_track_a2a(self) -> None:
         # Weights updated from the ring's gradients stay with those updated from a2a's, step after step.

@@ -78,16 +78,16 @@ def peak_step(fn: LayerFn, inp: LayerInputs, device: str) -> int:
     """Peak bytes above the resident inputs and weights during one forward+backward (``relay_compile.memory``).
 
     Everything allocated inside the step counts: the ring's transfer buffers (allocated inside its op), weight
-    gradients, ``dx``, ``d_scores``; and the memory the ring's chunk graphs hold (``runtime.chunk_graphs``):
-    dropped before the step, so that their buffers are allocated inside it, and their graphs' pools added (the
-    allocator counts pool memory as free once a capture ends, though the replays use it).
+    gradients, ``dx``, ``d_scores``; and, for a step that ran chunk programs (``runtime.chunk_graphs``), all
+    the memory they hold: allocated before the step (warm-up steps made them) and their graphs' pools, which the
+    allocator counts as free once a capture ends though the replays use them (``held_bytes``).
     """
     clear_grads(fn, inp)
-    chunk_graphs.clear()
+    runs = chunk_graphs.runs()
     with PeakMemory(device) as mem:
         y = forward_backward(fn, inp)
         del y
-    return mem.peak_bytes + chunk_graphs.pool_bytes()
+    return mem.peak_bytes + (chunk_graphs.held_bytes() if chunk_graphs.runs() > runs else 0)
 
 
 def free_cached(device: str) -> None:
@@ -203,6 +203,7 @@ def measure_layer(
     A row that raises ``RowSkipped``, runs out of memory or fails keeps its place with the reason in ``skipped``.
     """
     progress = progress or Progress()
+    chunk_graphs.clear()  # what another configuration's rows left held is not this one's
     specs = list(rows if rows is not None else default_rows(opts)) + list(extra_rows)
     group = standin_group(cfg.ep)
     inp = make_inputs(cfg, weights)

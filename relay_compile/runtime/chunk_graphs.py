@@ -12,18 +12,25 @@ What makes a chunk's shape static:
   gradients (their score-scaled rows are zero), and their score gradients go to a slot that is dropped. A chunk
   whose padding would exceed 1/``PAD_LIMIT`` of its rows (skewed routing) runs as before. Equal groups are also
   batched GEMMs (``experts.uniform_rows``).
-- **Static buffers.** The graph reads only buffers of its own: the gathered ``x`` rows (and ``dy`` rows, the
-  scores), the G experts' weights; outside it, per hop, the rows are gathered into them and the weights copied
-  (one op each), and its outputs are scattered into ``y``/``dx`` and added into the weight-gradient sums. So a
-  graph depends on no step's tensors and is kept across steps (``MAX_PROGRAMS`` shapes, least recently used go).
+- **Static buffers.** A graph reads and writes only an *arena*, buffers shared by every shape of one layout:
+  inputs (the gathered ``x`` rows, and ``dy`` rows and scores, the G experts' weights) and outputs (the output
+  or ``dx`` rows, the score gradients, the weight gradients). Outside the graph, per hop, the rows are gathered
+  into it and the weights copied (one op each), and the outputs are scattered into ``y``/``dx``, written at the
+  pairs' positions and added into the weight-gradient sums. So a graph depends on no step's tensors and is kept
+  across steps, and across MoE layers of the same shapes (``MAX_PROGRAMS`` shapes, least recently used go).
 
-A shape's first chunk runs its body eagerly (warming up Triton and cuBLAS) and is then captured on a side
-stream into a memory pool shared by the shape programs of one arena (they replay one after another on one
-stream). Off CUDA, or where ``capture`` is off, the same static-buffer program runs eagerly: CPU tests run the
-whole path but the capture.
+A shape's first chunk runs its body eagerly (warming up Triton and cuBLAS), then the body is captured on a side
+stream into the arena's memory pool, where its intermediates live: every graph of the arena shares it, as they
+replay one after another on one stream and keep nothing in it (their outputs are the arena's). Off CUDA, or
+where ``capture`` is off, the same static-shape program runs eagerly: CPU tests run the whole path but the
+capture.
 
-Memory: what the cache holds between steps (the arena and the pool: one chunk's rows and intermediates) is
-``held_bytes()``; the benchmarks add it to the ring's peak. ``clear()`` drops it.
+Cost and memory: the graph path adds GPU work per hop (the weight copies, the output rows copied out, the weight
+gradients added into the travelling sums instead of accumulated there by the GEMMs); a ring that waits for the
+GPU is a few percent slower with it, a ring that waits for the host is as fast as its GPU work
+(docs/BENCHMARKS.md, "Chunk graphs"). What the cache holds between steps, about one chunk's working set per
+layout (the arena and its pool), is ``held_bytes()``; the benchmarks add it to the ring's peak. ``clear()``
+drops it.
 
 Legend: P sorted pairs of a step, Q padded rows of a step, G experts of a chunk, C rows per group, H hidden.
 """
@@ -142,75 +149,103 @@ class _Layout:
 
 
 class _Arena:
-    """Static input buffers shared by the shape programs of one layout (views of their prefixes), and the memory
-    pool their graphs capture into. Grown (and its programs dropped) when a chunk needs more rows or experts."""
+    """The static buffers of one layout's programs (each program views their prefixes), and the memory pool
+    their graphs capture into. Grown (and its programs dropped) when a chunk needs more rows or experts."""
 
     def __init__(self, layout: _Layout, rows: int, groups: int) -> None:
         self.layout, self.rows, self.groups = layout, rows, groups
         dev = layout.device
         self.x_QH = torch.empty((rows, layout.hidden), dtype=layout.dtype, device=dev)
-        self.dy_QH = torch.empty((rows, layout.hidden), dtype=layout.dtype, device=dev)
-        self.score_Q = torch.empty(rows, dtype=layout.score_dtype, device=dev)
+        self.out_QH = torch.empty((rows, layout.hidden), dtype=layout.dtype, device=dev)
         self.weights = [torch.empty((groups, *shape), dtype=dtype, device=dev) for shape, dtype in layout.weights]
+        # Backward only, made at its first program: dy rows, scores, score gradients, weight gradients by dtype.
+        self.dy_QH: Tensor | None = None
+        self.score_Q: Tensor | None = None
+        self.ds_Q: Tensor | None = None
+        self.dws: dict[torch.dtype, list[Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self.pool_bytes = 0
+
+    def backward_buffers(self, grad_dtype: torch.dtype) -> list[Tensor]:
+        """Make the backward's buffers (once); its weight gradients in ``grad_dtype``."""
+        if self.dy_QH is None:
+            self.dy_QH = torch.empty_like(self.x_QH)
+            self.score_Q = torch.empty(self.rows, dtype=self.layout.score_dtype, device=self.x_QH.device)
+            self.ds_Q = torch.empty(self.rows, dtype=torch.float32, device=self.x_QH.device)
+        if grad_dtype not in self.dws:
+            self.dws[grad_dtype] = [torch.empty_like(w, dtype=grad_dtype) for w in self.weights]
+        return self.dws[grad_dtype]
 
     def fits(self, rows: int, groups: int) -> bool:
         return rows <= self.rows and groups <= self.groups
 
     def nbytes(self) -> int:
-        bufs = [self.x_QH, self.dy_QH, self.score_Q, *self.weights]
+        bufs = [self.x_QH, self.out_QH, *self.weights, *(t for ts in self.dws.values() for t in ts)]
+        bufs += [t for t in (self.dy_QH, self.score_Q, self.ds_Q) if t is not None]
         return sum(t.numel() * t.element_size() for t in bufs) + self.pool_bytes
 
 
-Body = Callable[["_Program"], tuple[Tensor, ...]]
+Body = Callable[["_Program"], None]
 
 
 class _Program:
-    """One pass's chunk body at one shape: reads the arena's prefixes, returns its outputs. Run eagerly once,
-    then (``capture``) captured and replayed: a replay's outputs are the graph's own tensors, valid until the
-    next replay."""
+    """One pass's chunk body at one shape (G groups of C rows): reads and writes its arena's prefixes. Run
+    eagerly once, then (``capture``) captured, and replayed from then on."""
 
-    def __init__(self, arena: _Arena, groups: int, rows: int, body: Body, owner: object, capture: bool) -> None:
+    def __init__(
+        self, arena: _Arena, groups: int, rows: int, body: Body, owner: object, capture: bool,
+        grad_dtype: torch.dtype | None = None,
+    ) -> None:
         self.arena, self.groups, self.rows, self.body, self.capture = arena, groups, rows, body, capture
         self.owner = owner  # what the body calls: keeps its ``id`` in the program's key valid
         n = groups * rows
-        self.x_QH, self.dy_QH, self.score_Q = arena.x_QH[:n], arena.dy_QH[:n], arena.score_Q[:n]
+        self.x_QH, self.out_QH = arena.x_QH[:n], arena.out_QH[:n]
         self.weights = [w[:groups] for w in arena.weights]
+        self.dws: list[Tensor] = []
+        if grad_dtype is not None:
+            self.dws = [g[:groups] for g in arena.backward_buffers(grad_dtype)]
+            assert arena.dy_QH is not None and arena.score_Q is not None and arena.ds_Q is not None
+            self.dy_QH, self.score_Q, self.ds_Q = arena.dy_QH[:n], arena.score_Q[:n], arena.ds_Q[:n]
         dev = arena.layout.device
         self.offsets_G = torch.arange(1, groups + 1, dtype=torch.int32, device=dev) * rows
         self.rows_G = (rows,) * groups
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[Tensor, ...] = ()
 
-    def run(self) -> tuple[tuple[Tensor, ...], bool]:
-        """The body's outputs for the inputs now in the buffers, and whether they are the graph's (replayed)."""
+    def run(self) -> None:
+        """The body on what is now in the buffers: replayed where captured, else run (and then captured)."""
+        _CACHE.runs += 1
         if self.graph is not None:
             self.graph.replay()
-            return self.outputs, True
-        outputs = self.body(self)
+            return
+        self.body(self)
         if self.capture:
             self._capture()
-        return outputs, False
 
     def _capture(self) -> None:
-        # Captured on a side stream (capture needs a non-default one), ordered after the work queued so far; the
-        # eager run above warmed up what initializes lazily. torch.cuda.graph would also synchronize, collect
-        # garbage and empty the allocator's cache at every capture.
+        # On a side stream (capture needs a non-default one), ordered after the work queued so far; the eager
+        # run above warmed up what initializes lazily. (torch.cuda.graph would also synchronize the device,
+        # collect garbage and empty the allocator's cache at every capture.)
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(current)
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=self.arena.pool, capture_error_mode="thread_local")
-            try:
-                outputs = self.body(self)
-            finally:
-                graph.capture_end()
-        current.wait_stream(side)
-        self.arena.pool_bytes += max(0, torch.cuda.memory_reserved() - before)
-        self.graph, self.outputs = graph, outputs
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.arena.pool, capture_error_mode="thread_local")
+                try:
+                    self.body(self)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:  # an op that cannot be captured: this shape stays eager
+            log.warning("chunk_graphs: capturing a %d x %d chunk failed, it runs eagerly: %s", self.groups,
+                        self.rows, e)
+            self.capture = False
+            return
+        finally:
+            current.wait_stream(side)
+            self.arena.pool_bytes += max(0, torch.cuda.memory_reserved() - before)
+        self.graph = graph
         log.debug("chunk_graphs: captured a %d x %d chunk program", self.groups, self.rows)
 
 
@@ -220,9 +255,11 @@ class _Cache:
     def __init__(self) -> None:
         self.arenas: dict[_Layout, _Arena] = {}
         self.programs: collections.OrderedDict[tuple, _Program] = collections.OrderedDict()
+        self.runs = 0  # program runs so far (the benchmarks tell which rows used the cache)
 
     def program(
-        self, key: tuple, layout: _Layout, groups: int, rows: int, body: Body, owner: object, capture: bool
+        self, key: tuple, layout: _Layout, groups: int, rows: int, body: Body, owner: object, capture: bool,
+        grad_dtype: torch.dtype | None = None,
     ) -> _Program:
         prog = self.programs.get(key)
         if prog is not None:
@@ -237,7 +274,7 @@ class _Cache:
             arena = _Arena(layout, max(groups * rows * 9 // 8, arena.rows if arena else 0),
                            max(groups, arena.groups if arena else 0))
             self.arenas[layout] = arena
-        prog = self.programs[key] = _Program(arena, groups, rows, body, owner, capture)
+        prog = self.programs[key] = _Program(arena, groups, rows, body, owner, capture, grad_dtype)
         while len(self.programs) > MAX_PROGRAMS:
             self.programs.popitem(last=False)
         return prog
@@ -254,6 +291,11 @@ def held_bytes() -> int:
 def pool_bytes() -> int:
     """The part of ``held_bytes`` in graph pools (memory the caching allocator counts as free, not allocated)."""
     return sum(a.pool_bytes for a in _CACHE.arenas.values())
+
+
+def runs() -> int:
+    """How many chunk programs ran in this process so far."""
+    return _CACHE.runs
 
 
 def clear() -> None:
@@ -282,38 +324,45 @@ def forward(
     tok_C, score_C = padded.tok_Q[pc.start : pc.end], padded.score_Q[pc.start : pc.end]
     layout = _layout(x_TH, score_C, weights)
 
-    def body(p: _Program) -> tuple[Tensor, ...]:
-        return (fn.forward_rows(p.x_QH, p.offsets_G, p.rows_G, p.weights),)
+    def body(p: _Program) -> None:
+        p.out_QH.copy_(fn.forward_rows(p.x_QH, p.offsets_G, p.rows_G, p.weights))
 
     prog = _CACHE.program(("forward", id(fn), layout, pc.groups, pc.rows), layout, pc.groups, pc.rows, body, fn,
                           capture)
     _fill(prog, x_TH, tok_C, weights)
-    (out_CH,), _ = prog.run()
-    add_rows(tok_C, out_CH, score_C[:, None])
+    prog.run()
+    add_rows(tok_C, prog.out_QH, score_C[:, None])
+
+
+def _zeroed(grads: list[Tensor]) -> list[Tensor]:
+    for g in grads:
+        g.zero_()
+    return grads
 
 
 def backward(
     fn: GroupedExperts, padded: PaddedChunks, pc: PaddedChunk, x_TH: Tensor, weights: Sequence[Tensor],
-    dy_TH: Tensor, grad_dtype: torch.dtype | None, capture: bool,
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor], bool]:
+    dy_TH: Tensor, grad_dtype: torch.dtype, capture: bool,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """One padded chunk's fused backward (``GroupedExperts.vjp_rows`` on the gathered rows).
 
-    Returns ``(tok, dx rows, d_score rows, weight gradients, replayed)``: the caller scatters ``dx``, writes the
-    score gradients at ``padded.pos_Q[pc.start:pc.end]`` and adds the weight gradients; where ``replayed``,
-    they are the graph's tensors, overwritten by its next replay (copy what must outlive that).
+    Returns ``(tok, dx rows, d_score rows, weight gradients in grad_dtype)``, all but ``tok`` the arena's
+    buffers: the caller scatters ``dx``, writes the score gradients at ``padded.pos_Q[pc.start:pc.end]`` and
+    adds the weight gradients (copying what it keeps: the next chunk overwrites them).
     """
     tok_C, score_C = padded.tok_Q[pc.start : pc.end], padded.score_Q[pc.start : pc.end]
     layout = _layout(x_TH, score_C, weights)
 
-    def body(p: _Program) -> tuple[Tensor, ...]:
-        dx_CH, ds_C, dws = fn.vjp_rows(p.x_QH, None, p.offsets_G, p.rows_G, p.weights, p.dy_QH, p.score_Q,
-                                       grad_dtype=grad_dtype)
-        return (dx_CH, ds_C, *dws)
+    def body(p: _Program) -> None:
+        # The weight-gradient GEMMs accumulate into the arena's buffers, zeroed right before them.
+        dx_CH, _, _ = fn.vjp_rows(p.x_QH, None, p.offsets_G, p.rows_G, p.weights, p.dy_QH, p.score_Q,
+                                  grad_dtype=grad_dtype, grad_into=lambda: _zeroed(p.dws), d_score_out=p.ds_Q)
+        p.out_QH.copy_(dx_CH)
 
     prog = _CACHE.program(("backward", id(fn), layout, pc.groups, pc.rows, grad_dtype), layout, pc.groups,
-                          pc.rows, body, fn, capture)
+                          pc.rows, body, fn, capture, grad_dtype)
     _fill(prog, x_TH, tok_C, weights)
     torch.index_select(dy_TH, 0, tok_C, out=prog.dy_QH)
     prog.score_Q.copy_(score_C)
-    (dx_CH, ds_C, *dws), replayed = prog.run()
-    return tok_C, dx_CH, ds_C, list(dws), replayed
+    prog.run()
+    return tok_C, prog.out_QH, prog.ds_Q, prog.dws

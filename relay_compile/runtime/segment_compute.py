@@ -295,18 +295,17 @@ def _padded_vjp(
 ) -> None:
     """One padded chunk's backward through its static program (``chunk_graphs.backward``): ``dx`` scattered,
     score gradients written at the rows' sorted positions (padding rows' into the slot past the pairs), weight
-    gradients added (a replayed graph's are copied where they are kept as they are: its next replay overwrites
-    them)."""
+    gradients added (copied where the step keeps them as they are: the next chunk's program overwrites them)."""
     assert cfg.grouped is not None and rows.padded is not None
     chunk_weights = _chunk_weights(cfg, weights, chunk)
-    tok_C, dx_CH, ds_C, dws, replayed = chunk_graphs.backward(
+    tok_C, dx_CH, ds_C, dws = chunk_graphs.backward(
         cfg.grouped, rows.padded, padded, x_TH, chunk_weights, dy_TH, cfg.sum_dtype(chunk_weights[0]),
         cfg.capture_graphs)
     ds_S.index_copy_(0, rows.padded.pos_Q[padded.start : padded.end], ds_C)
     dx.add_(tok_C, dx_CH)
     sinks = dw.sink(chunk)  # may wait for the ring's incoming sums: after the chunk's compute
     if sinks is None:
-        dw.add([g.clone() for g in dws] if replayed else dws, chunk)
+        dw.add([g.clone() for g in dws], chunk)
         return
     for acc, g in zip(sinks, dws, strict=True):
         acc.add_(g)
