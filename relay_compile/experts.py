@@ -51,7 +51,9 @@ GradSink = Callable[[], Sequence[Tensor] | None]
 class GroupedExperts(Protocol):
     """Expert functions over rows grouped by expert, weights ``(G, ...)`` for the G experts of the rows.
 
-    ``offsets_G``: int32 prefix sums of ``rows_G`` on the device; ``rows_G``: rows per expert (host ints).
+    ``offsets_G``: int32 prefix sums of ``rows_G`` on the device; ``rows_G``: rows per expert (host ints), or
+    empty where the offsets alone group the rows (the ring's chunk graphs: a captured program serves any rows per
+    expert; only where ``torch._grouped_mm`` runs, and the weight gradients then come in the rows' dtype).
     ``vjp_rows`` is ``ExpertVJP`` on the rows ``x_TH[tok_S]``, ``dy_TH[tok_S]`` (it gathers them itself, so it
     can release each after its last use; ``tok_S=None``: ``x_TH`` and ``dy_TH`` are the rows themselves, as the
     ring passes rows it scaled) and is called only when ``has_fused_backward``; otherwise the ring
@@ -588,6 +590,8 @@ class GroupedFFN:
     def _grouping(
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
     ) -> tuple[Tensor | None, Sequence[int] | None]:
+        if not rows_G:  # the offsets alone (the ring's chunk graphs, on dtypes the grouped GEMM runs)
+            return offsets_G, None
         if uniform_rows(rows_G):  # equal groups: batched GEMMs on the host counts
             return None, rows_G
         grouped = self.use_grouped_mm

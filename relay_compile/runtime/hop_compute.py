@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from relay_compile.experts import grouped_mm_supported
 from relay_compile.routing import PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.chunk_graphs import PaddedChunks
@@ -178,17 +179,15 @@ class ExpertRoutingStep:
             for owner in range(cfg.ring.size)
         ], e_l, x_TH.device)
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
-        self.padded = (PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if cfg.pads_chunks
-                       else None)
+        graphs = cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
+        self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
         else:
             self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
-            # Every pair meets its expert on exactly one hop, so every entry is written (padded chunks write
-            # their padding rows' one slot past the pairs).
-            pairs = self.scores_S.shape[0]
-            self.ds_S = torch.empty(pairs + (self.padded is not None), dtype=ACC_DTYPE, device=x_TH.device)
+            # Every pair meets its expert on exactly one hop, so every entry is written.
+            self.ds_S = torch.empty(self.scores_S.shape, dtype=ACC_DTYPE, device=x_TH.device)
 
     def initial_circulating(self) -> list[Tensor]:
         return self.weights
@@ -257,8 +256,7 @@ class ExpertRoutingStep:
         dtype = self.x_TH.dtype
         if self.grad_y_TH is None:
             return (self.y.finish(dtype),)
-        ds_S = self.ds_S[: self.scores_S.shape[0]]
-        ds_P = torch.empty_like(ds_S).index_copy_(0, self.routing.order_P, ds_S)
+        ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
         return (self.dx.finish(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
                 *unpack_grads(self.cfg.grouped, trailing, self.weights, self.given_weights))
 

@@ -294,18 +294,16 @@ def _padded_vjp(
     weights: Sequence[Tensor], dy_TH: Tensor, dx: RowSum, ds_S: Tensor, dw: WeightGrads,
 ) -> None:
     """One padded chunk's backward through its static program (``chunk_graphs.backward``): ``dx`` scattered,
-    score gradients written at the rows' sorted positions (padding rows' into the slot past the pairs), weight
-    gradients added (copied where the step keeps them as they are: the next chunk's program overwrites them)."""
+    the pairs' score gradients copied, the weight gradients added into the sums (in their dtype), or kept as a
+    copy in it where they start them (the next chunk's program overwrites its buffers)."""
     assert cfg.grouped is not None and rows.padded is not None
-    chunk_weights = _chunk_weights(cfg, weights, chunk)
     tok_C, dx_CH, ds_C, dws = chunk_graphs.backward(
-        cfg.grouped, rows.padded, padded, x_TH, chunk_weights, dy_TH, cfg.sum_dtype(chunk_weights[0]),
-        cfg.capture_graphs)
-    ds_S.index_copy_(0, rows.padded.pos_Q[padded.start : padded.end], ds_C)
+        cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), dy_TH, cfg.capture_graphs)
+    ds_S[padded.first : padded.first + padded.real] = ds_C[: padded.real]
     dx.add_(tok_C, dx_CH)
     sinks = dw.sink(chunk)  # may wait for the ring's incoming sums: after the chunk's compute
     if sinks is None:
-        dw.add([g.clone() for g in dws], chunk)
+        dw.add([g.to(cfg.sum_dtype(g), copy=True) for g in dws], chunk)
         return
     for acc, g in zip(sinks, dws, strict=True):
         acc.add_(g)
