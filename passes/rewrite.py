@@ -119,7 +119,7 @@ def rewrite_moe_region(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
-    chunk_graphs: ChunkGraphs = "auto",
+    chunk_graphs: ChunkGraphs = False,
     inner_compiler: str = "eager",
 ) -> fx.Node:
     """Replace ``region`` of ``gm`` by one ``relaymoe::ring_moe`` call; returns the new node.
@@ -146,7 +146,7 @@ def rewrite_moe_region(
         x_TH = ...; ids_TK = ...; scores_TK = ...
         y_TH = torch.ops.relaymoe.ring_moe.default(
             x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
-            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=auto")
+            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0")
 
     Args:
         routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs: the ring's options
@@ -229,7 +229,7 @@ def moe_ring_pass(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
-    chunk_graphs: ChunkGraphs = "auto",
+    chunk_graphs: ChunkGraphs = False,
     inner_compiler: str = "eager",
 ) -> tuple[list[fx.Node], list[RefusedRegion]]:
     """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""

@@ -41,10 +41,10 @@ max_hop_rows: int | str = "auto"
 # half the bytes of those transfers in bf16, one rounding per hop (docs/BENCHMARKS.md, "bf16 numerics").
 fp32_accumulation: bool = Config(default=True, env_name_default="RELAYMOE_FP32_ACCUMULATION")
 
-# Chunks whose experts' rows pad to equal groups (within 1/8) run at static shapes, as CUDA graphs captured once
-# and replayed per hop (``runtime.chunk_graphs``): a hop's host work becomes a few ops. "auto": on CUDA; true or
-# false. The graphs' buffers stay allocated between steps (``runtime.chunk_graphs.held_bytes``).
-chunk_graphs: str = Config(default="auto", env_name_default="RELAYMOE_CHUNK_GRAPHS")
+# Run a hop's chunks at bucketed row counts as CUDA graphs captured once and replayed (``runtime.chunk_graphs``):
+# less host work per hop for a host-bound ring, for about one chunk's working set held between steps and a few
+# percent more GPU work. "auto": on CUDA; true or false. Off by default (docs/BENCHMARKS.md, "Chunk graphs").
+chunk_graphs: str = Config(default="false", env_name_default="RELAYMOE_CHUNK_GRAPHS")
 
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).

@@ -129,8 +129,9 @@ def uniform_rows(counts_E: Sequence[int] | None) -> int:
     Equal groups run as batched GEMMs (``torch.bmm`` on the rows viewed ``(E, C, D)``): on the H200 as fast on
     the host as one ``torch._grouped_mm`` and 7% faster on the GPU at a ring chunk's shapes, and the fp32
     weight-gradient sums become one ``baddbmm`` instead of an ``addmm`` per expert (less than half the host
-    time at two experts: ``docs/bench/h200-uniform/gemm_host.py``). The ring pads chunks to equal groups
-    (``runtime.chunk_graphs``); an expert function may also be given equal groups by its caller.
+    time at two experts: ``docs/bench/h200-uniform/gemm_host.py``). Capacity-based dispatch gives every expert
+    the same rows. On CUDA only (``_batched_rows``): on the CPU nothing is gained, and the grouped GEMM's sums
+    stay what they were (a capacity layer trained through the ring tracks eager to 1e-5 with them).
     """
     # Not while torch.compile traces: there the counts are SymInts of a ``.tolist()``, and the loop does not
     # branch on their values.
@@ -140,12 +141,17 @@ def uniform_rows(counts_E: Sequence[int] | None) -> int:
     return first if first > 0 and all(c == first for c in counts_E) else 0
 
 
+def _batched_rows(x: Tensor, counts_E: Sequence[int] | None) -> int:
+    """``uniform_rows`` where batched GEMMs run them (CUDA), else 0."""
+    return uniform_rows(counts_E) if x.is_cuda else 0
+
+
 def _grouped_matmul(
     x_SD: Tensor, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
 ) -> Tensor:
     """``y[s] = x[s] @ w[e(s)]`` for rows sorted by expert (the backward's products with the weights as they
     are stored: no transposed views made per call, each a dispatch on the host path of a hop)."""
-    rows = uniform_rows(counts_E)
+    rows = _batched_rows(x_SD, counts_E)
     if rows:
         return torch.bmm(x_SD.view(w_EDO.shape[0], rows, -1), w_EDO).view(x_SD.shape[0], -1)
     if offsets_E is not None:
@@ -215,7 +221,7 @@ def _grouped_weight_grad(
     the GEMMs themselves (``addmm`` with an output dtype), so no partial of the chunk is ever allocated.
     Equal groups (``uniform_rows``): one batched GEMM, whatever the dtypes.
     """
-    rows = uniform_rows(counts_E)
+    rows = _batched_rows(dy_SO, counts_E)
     if rows:
         groups = len(counts_E)  # type: ignore[arg-type]
         dy_EOS, x_ESI = dy_SO.view(groups, rows, -1).transpose(1, 2), x_SI.view(groups, rows, -1)
@@ -592,7 +598,7 @@ class GroupedFFN:
     ) -> tuple[Tensor | None, Sequence[int] | None]:
         if not rows_G:  # the offsets alone (the ring's chunk graphs, on dtypes the grouped GEMM runs)
             return offsets_G, None
-        if uniform_rows(rows_G):  # equal groups: batched GEMMs on the host counts
+        if _batched_rows(x_SH, rows_G):  # equal groups: batched GEMMs on the host counts
             return None, rows_G
         grouped = self.use_grouped_mm
         if grouped is None:

@@ -1,8 +1,9 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
-The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs) become a ``RingOptions``,
-which validates them; this module adds the backend's (inner compiler, dumps, verify, activation memory budget)
-and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop rows").
+The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs) become a
+``RingOptions``, which validates them; this module adds the backend's (inner compiler, dumps, verify, activation
+memory budget) and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop
+rows").
 
 Two sources, two parsers. ``options={...}`` is Python: a value must have its option's type (``max_hop_rows``
 an int, never ``2.7`` or ``True``; ``overlap`` a bool, never ``"false"``). A config value may come from the

@@ -122,7 +122,7 @@ def ring_moe_experts(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
-    chunk_graphs: ChunkGraphs = "auto",
+    chunk_graphs: ChunkGraphs = False,
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -147,7 +147,8 @@ def ring_moe_experts(
         # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
         key = _register(expert_fn, experts_per_rank, group_name, dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs), name, scores_applied, torch.compiler.is_compiling())
+            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs), name, scores_applied,
+            torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
@@ -183,7 +184,7 @@ def ring_moe(
     remat: bool = True,
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
-    chunk_graphs: ChunkGraphs = "auto",
+    chunk_graphs: ChunkGraphs = False,
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -206,10 +207,11 @@ def ring_moe(
         fp32_accumulation: sum what the ring accumulates across hops (weight gradients; token routing's
             travelling outputs and input gradients) in fp32, like the all-to-all layer's fp32-accumulating
             GEMMs; False: in the summands' dtype (in bf16 half the bytes of those transfers, one rounding per hop).
-        chunk_graphs: chunks whose experts' rows pad to equal groups (within 1/8) run at static shapes, as CUDA
-            graphs captured once and replayed per hop (``runtime.chunk_graphs``); ``"auto"``: on CUDA. A per-rank
-            knob (may differ across ranks); the graphs' buffers stay allocated between calls
-            (``relay_compile.runtime.chunk_graphs.held_bytes``, ``clear``).
+        chunk_graphs: run a hop's chunks at bucketed row counts as CUDA graphs captured once and replayed
+            (``runtime.chunk_graphs``): less host work per hop for a host-bound ring, for about one chunk's
+            working set held between calls (``relay_compile.runtime.chunk_graphs.held_bytes``, ``clear``) and a
+            few percent more GPU work; ``"auto"``: on CUDA. Off by default (docs/BENCHMARKS.md, "Chunk
+            graphs"). A per-rank knob: it may differ across ranks.
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
         scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
@@ -243,6 +245,7 @@ def ring_moe(
         # The name ("" only without torch.distributed: a ring of one, which None says again).
         x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
+        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs,
+        name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
         scores_applied=scores_applied,
     )

@@ -13,25 +13,26 @@ What makes a chunk's shape static:
   (their score-scaled rows are zero), and their score gradients are dropped.
 - **Static buffers.** A graph reads and writes only an *arena*, buffers shared by every shape of one layout:
   inputs (the gathered ``x`` rows, and ``dy`` rows and scores, the experts' offsets and weights) and outputs
-  (the output or ``dx`` rows, the score gradients, the weight gradients). Outside the graph, per hop, the rows are gathered
-  into it and the weights copied (one op each), and the outputs are scattered into ``y``/``dx``, written at the
-  pairs' positions and added into the weight-gradient sums. So a graph depends on no step's tensors and is kept
-  across steps, and across MoE layers of the same shapes (``MAX_PROGRAMS`` shapes, least recently used go).
+  (the output or ``dx`` rows, the score gradients, the weight gradients). Outside the graph, per hop, the rows
+  are gathered into it and the offsets and weights copied (one op each), and the outputs are scattered into
+  ``y``/``dx``, copied into the pairs' score gradients and added into the weight-gradient sums. So a graph
+  depends on no step's tensors and is kept across steps, and across MoE layers of the same shapes
+  (``MAX_PROGRAMS`` shapes, least recently used go; about 20 at EP=64 and 40 at EP=8 under the Qwen3 router).
 
-A shape's first chunk runs its body eagerly (warming up Triton and cuBLAS), then the body is captured on a side
-stream into the arena's memory pool, where its intermediates live: every graph of the arena shares it, as they
-replay one after another on one stream and keep nothing in it (their outputs are the arena's). Off CUDA, or
-where ``capture`` is off, the same static-shape program runs eagerly: CPU tests run the whole path but the
+A shape's first chunk runs its body eagerly (warming up Triton and cuBLAS), then the body is captured on the
+arena's stream into the arena's memory pool, where its intermediates live: every graph of the arena shares it,
+as they replay one after another on one stream and keep nothing in it (their outputs are the arena's). Off CUDA,
+or where ``capture`` is off, the same static-shape program runs eagerly: CPU tests run the whole path but the
 capture.
 
 Numerics: a chunk's weight gradients come from ``torch._grouped_mm`` (fp32 accumulation, bf16 output for bf16
 weights: rounded once per chunk) and are added into the ring's sums, which stay fp32 (``fp32_accumulation``).
-Cost and memory: the graph path adds GPU work per hop (the weight copies, the output rows copied out, the weight
-gradients added into the travelling sums instead of accumulated there by the GEMMs, the padding rows); a ring
-that waits for the GPU is a few percent slower with it, a ring that waits for the host is as fast as its GPU work
-(docs/BENCHMARKS.md, "Chunk graphs"). What the cache holds between steps, about one chunk's working set per
-layout (the arena and its pool), is ``held_bytes()``; the benchmarks add it to the ring's peak. ``clear()``
-drops it.
+
+Cost (H200, Qwen3 layer, docs/BENCHMARKS.md "Chunk graphs"): at EP=64 the host time per step drops by a quarter
+to a third, but the path adds GPU work (the weight copies, the output rows copied out, bf16 weight-gradient
+partials added into the sums instead of fp32 GEMMs into them, the padding rows: ~14 ms a step), and the cache
+holds about one chunk's working set per layout between steps (the arena and its pool, ``held_bytes()``; the
+benchmarks add it to the ring's peak; ``clear()`` drops it). Hence opt-in (``RingOptions.chunk_graphs``).
 
 Legend: P sorted pairs of a step, Q padded rows of a step, G experts of a chunk, C padded rows of a chunk,
 H hidden.
@@ -52,8 +53,9 @@ from relay_compile.routing import Chunk
 
 log = logging.getLogger(__name__)
 
-# Shape programs kept (each a captured graph); the least recently used is dropped beyond this.
-MAX_PROGRAMS = 16
+# Shape programs kept (each a captured graph); the least recently used is dropped beyond this. Fewer than a
+# step uses recapture every step (16 did at EP=8 and EP=64: docs/bench/h200-chunk-graphs/raw-4).
+MAX_PROGRAMS = 64
 
 
 def bucket_rows(rows: int) -> int:
@@ -97,7 +99,10 @@ class PaddedChunks:
     def plan(cls, hops: Sequence[Sequence[Chunk]], tokens_P: Tensor, scores_S: Tensor) -> PaddedChunks | None:
         """The padded layout of every chunk with rows; None if there is none."""
         chunks: dict[int, PaddedChunk] = {}
-        seg_first, seg_real, seg_rows, offsets = [], [], [], []
+        seg_first: list[int] = []
+        seg_real: list[int] = []
+        seg_rows: list[int] = []
+        offsets: list[int] = []  # per chunk its G grouped-GEMM offsets
         total = 0
         for hop in hops:
             for chunk in hop:

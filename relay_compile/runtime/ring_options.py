@@ -59,10 +59,12 @@ class RingOptions:
     - ``max_hop_rows``: rows of one expert call; hops with more pairs run in chunks (None: whole hops;
       ``"auto"``: ``hop_row_bound``, a quarter of the rank's tokens and at least 16384 rows). A per-rank
       memory knob: nothing that travels depends on it.
-    - ``chunk_graphs``: chunks whose experts' rows pad to equal groups within 1/8 run at static shapes, as
-      CUDA graphs captured once and replayed per hop (``runtime.chunk_graphs``: a hop's host work becomes a few
-      ops); ``"auto"``: on CUDA. True off CUDA runs the same static-shape path eagerly. A per-rank knob like
-      ``max_hop_rows``: nothing that travels depends on it.
+    - ``chunk_graphs``: a hop's chunks run at bucketed row counts as CUDA graphs captured once and replayed
+      (``runtime.chunk_graphs``): less host work per hop, for about one chunk's working set held between steps
+      and a few percent more GPU work; ``"auto"``: on CUDA; True off CUDA runs the same static-shape path
+      eagerly. Off by default: on the H200 it cut the host-bound EP=64 ring's time by a tenth and cost the peak
+      a fifth (docs/BENCHMARKS.md, "Chunk graphs"). A per-rank knob like ``max_hop_rows``: nothing that
+      travels depends on it.
     - ``fp32_accumulation``: what the ring sums across hops (weight gradients, and token routing's travelling
       outputs and input gradients) is summed and sent in fp32, as an fp32-accumulating GEMM of the
       all-to-all layer would sum it; False sums in the dtype of the summands (bf16: half the bytes of those
@@ -74,7 +76,7 @@ class RingOptions:
     remat: bool = True
     max_hop_rows: HopRows = "auto"
     fp32_accumulation: bool = True
-    chunk_graphs: ChunkGraphs = "auto"
+    chunk_graphs: ChunkGraphs = False
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -93,7 +95,7 @@ class RingOptions:
     @classmethod
     def checked(
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
-        max_hop_rows: HopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = "auto",
+        max_hop_rows: HopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""
         try:

@@ -20,6 +20,7 @@ from relay_compile.experts import ffn_expert_fn, uniform_rows
 from relay_compile.routing import PairRouting, plan_chunks, split_experts
 from relay_compile.runtime import chunk_graphs
 from relay_compile.runtime.chunk_graphs import PaddedChunks, bucket_rows
+from tests.bench.standin_case import StandinTestCase
 
 
 def _experts_by_hand(x_SH: Tensor, rows_G: list[int], w13: Tensor, w2: Tensor) -> Tensor:
@@ -71,30 +72,41 @@ class EqualGroups(TestCase):
     def test_uniform_rows(self) -> None:
         self.assertEqual([uniform_rows(c) for c in ([3, 3], [3], [3, 2], [0, 0], [], None)], [3, 3, 0, 0, 0, 0])
 
-    def test_equal_groups_run_batched_and_match_the_experts_one_by_one_forward_and_backward(self) -> None:
+    def _check_equal_groups(self, device: str, dtype: torch.dtype, rel: float) -> None:
         torch.manual_seed(0)
         fn = ffn_expert_fn("swiglu")
-        groups, rows, hidden, ffn = 3, 5, 8, 4
-        x = torch.randn(groups * rows, hidden)
-        w13, w2 = torch.randn(groups, 2 * ffn, hidden), torch.randn(groups, hidden, ffn)
-        offsets = torch.arange(1, groups + 1, dtype=torch.int32) * rows
+        groups, rows, hidden, ffn = 3, 16, 32, 16
+
+        def make(*shape: int) -> Tensor:
+            return (torch.randn(*shape) * 0.5).to(device, dtype)
+
+        def close(got: Tensor, want: Tensor) -> None:
+            torch.testing.assert_close(got.float(), want.float(), rtol=rel, atol=rel * want.abs().max().item())
+
+        x, w13, w2 = make(groups * rows, hidden), make(groups, 2 * ffn, hidden), make(groups, hidden, ffn)
+        offsets = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * rows
         rows_G = [rows] * groups
-        torch.testing.assert_close(fn.forward_rows(x, offsets, rows_G, [w13, w2]),
-                                   _experts_by_hand(x, rows_G, w13, w2))
-        dy, score = torch.randn(groups * rows, hidden), torch.rand(groups * rows)
-        leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        close(fn.forward_rows(x, offsets, rows_G, [w13, w2]), _experts_by_hand(x, rows_G, w13, w2))
+        dy, score = make(groups * rows, hidden), torch.rand(groups * rows).to(device, dtype)
+        leaves = [t.float().requires_grad_() for t in (x, w13, w2)]
         out = _experts_by_hand(leaves[0], rows_G, leaves[1], leaves[2])
-        want = torch.autograd.grad(out, leaves, dy * score[:, None])
-        for grad_dtype in (None, torch.float64):
-            dx, ds, (dw13, dw2) = fn.vjp_rows(x, None, offsets, rows_G, [w13, w2], dy, score, grad_dtype=grad_dtype)
-            torch.testing.assert_close(ds, (dy * out.detach()).sum(-1))
-            torch.testing.assert_close(dx, want[0])
-            torch.testing.assert_close(dw13.float(), want[1])
-            torch.testing.assert_close(dw2.float(), want[2])
-        into = [torch.ones_like(w13), torch.ones_like(w2)]
+        want = torch.autograd.grad(out, leaves, dy.float() * score.float()[:, None])
+        dx, ds, (dw13, dw2) = fn.vjp_rows(x, None, offsets, rows_G, [w13, w2], dy, score, grad_dtype=torch.float32)
+        close(ds, (dy.float() * out.detach()).sum(-1))
+        close(dx, want[0])
+        close(dw13, want[1])
+        close(dw2, want[2])
+        into = [torch.ones_like(w13, dtype=torch.float32), torch.ones_like(w2, dtype=torch.float32)]
         fn.vjp_rows(x, None, offsets, rows_G, [w13, w2], dy, score, grad_into=lambda: into)
-        torch.testing.assert_close(into[0], want[1] + 1)
-        torch.testing.assert_close(into[1], want[2] + 1)
+        close(into[0], want[1] + 1)
+        close(into[1], want[2] + 1)
+
+    def test_equal_groups_match_the_experts_one_by_one_forward_and_backward(self) -> None:
+        self._check_equal_groups("cpu", torch.float32, 1e-5)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "batched GEMMs run equal groups on CUDA only")
+    def test_equal_groups_run_as_batched_gemms_on_cuda(self) -> None:
+        self._check_equal_groups("cuda", torch.bfloat16, 2e-2)
 
 
 def _step(x: Tensor, ids: Tensor, scores: Tensor, weights: list[Tensor], group, grad_y: Tensor, **kw) -> list[Tensor]:
@@ -108,8 +120,9 @@ def _random_ids(tokens: int, top_k: int, experts: int, gen: torch.Generator) -> 
     return torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
 
 
-class StaticProgramsOnTheStandinGroup(TestCase):
-    """EP=8 on the stand-in group (peers are copies of this rank): chunk graphs on against off, several steps."""
+class StaticProgramsOnTheStandinGroup(StandinTestCase):
+    """EP=8 on the stand-in group (peers are copies of this rank): chunk graphs on against off, several steps.
+    (The stand-in world is torn down after the class: later tests must not find torch.distributed running.)"""
 
     def _compare(self, device: str, dtype: torch.dtype, tokens: int, hidden: int, ffn: int, rel: float) -> None:
         chunk_graphs.clear()

@@ -54,8 +54,23 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
         self.assertEqual(hop_row_bound(64, 1 << 20), 64)
 
     def test_the_key_spells_every_field(self) -> None:
-        key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False).key()
-        self.assertEqual(key, "routing=token|overlap=0|remat=1|max_hop_rows=64|fp32_accumulation=0")
+        key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False,
+                          chunk_graphs="auto").key()
+        self.assertEqual(key, "routing=token|overlap=0|remat=1|max_hop_rows=64|fp32_accumulation=0|chunk_graphs=auto")
+        self.assertTrue(RingOptions(chunk_graphs=True).key().endswith("|chunk_graphs=1"))
+
+    def test_chunk_graphs_takes_a_bool_or_auto_and_auto_means_cuda(self) -> None:
+        with self.assertRaisesRegex(InvalidRingOption, "chunk_graphs must be True, False or 'auto'"):
+            RingOptions(chunk_graphs="yes")  # type: ignore[arg-type]
+        self.assertTrue(RingOptions(chunk_graphs="auto").graphs_on(torch.device("cuda")))
+        self.assertFalse(RingOptions(chunk_graphs="auto").graphs_on(torch.device("cpu")))
+        self.assertTrue(RingOptions(chunk_graphs=True).graphs_on(torch.device("cpu")))
+        self.assertFalse(RingOptions().graphs_on(torch.device("cuda")))
+        self.assertEqual(resolve({"chunk_graphs": "auto"}).ring.chunk_graphs, "auto")
+        with config.patch(chunk_graphs="true"):  # as RELAYMOE_CHUNK_GRAPHS=true reads
+            self.assertIs(resolve().ring.chunk_graphs, True)
+        with self.assertRaisesRegex(ValueError, "chunk_graphs='on' must be a bool"):
+            resolve({"chunk_graphs": "on"})
 
 
 SWIGLU = ffn_expert_fn("swiglu")
@@ -68,7 +83,7 @@ class RingSpecsAreKeyedByTheirContents(unittest.TestCase):
 
     def test_equal_specs_share_one_key_and_one_registration(self) -> None:
         key = register_spec(self.spec(max_hop_rows=7), "ffn_test")
-        self.assertEqual(key, "ffn_test|group=|E_l=2|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=7|fp32_accumulation=1")
+        self.assertEqual(key, "ffn_test|group=|E_l=2|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=7|fp32_accumulation=1|chunk_graphs=0")
         self.assertEqual(register_spec(self.spec(max_hop_rows=7), "ffn_test"), key)
         self.assertEqual(spec_state(key).ring.size, 1)
 

@@ -1,4 +1,4 @@
-"""Device run (issue 10, session 6): the ring with chunk graphs (the default on CUDA) beside the ring without them,
+"""Device run (issue 10, session 6): the ring with chunk graphs (``chunk_graphs=True``) beside the ring without them,
 a2a eager and the backend; Qwen3 layer, simulated EP 64 / 8, 65536 tokens per rank, steps interleaved.
 
     python docs/bench/h200-chunk-graphs/rows.py OUT_DIR [--ep 64 8] [--repeats 10]
@@ -24,22 +24,23 @@ results = {}
 for ep in args.ep:
     rows = [
         RowSpec(name=A2A_EAGER, build=build_eager_a2a, kind="a2a"),
-        RowSpec(name="ring (defaults: chunk graphs)", build=ring_builder(routing="expert"), kind="ring"),
-        RowSpec(name="ring chunk_graphs=False", build=ring_builder(routing="expert", chunk_graphs=False), kind="ring"),
-        RowSpec(name="ring sequential (defaults)", build=ring_builder(routing="expert", overlap=False), kind="ring",
-                overlap=False),
+        RowSpec(name="ring chunk_graphs=True", build=ring_builder(routing="expert", chunk_graphs=True), kind="ring"),
+        RowSpec(name="ring (defaults)", build=ring_builder(routing="expert"), kind="ring"),
+        RowSpec(name="ring sequential chunk_graphs=True", build=ring_builder(routing="expert", overlap=False,
+                chunk_graphs=True), kind="ring", overlap=False),
     ]
     if not args.no_backend:
         rows.append(RowSpec(name="relaymoe backend (defaults)", build=compiled_a2a_builder("relaymoe"), kind="ring",
-                            compiles=True))
+                            compiles=True))  # (in raw-2..5, when graphs were the default on CUDA, with them)
     cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=ep, tokens=65536)
     t0 = time.perf_counter()
     res = measure_layer(cfg, opts, rows)
-    print(f"EP={ep} took {time.perf_counter() - t0:.1f} s; chunk graphs hold {chunk_graphs.held_bytes() / 2**20:.1f} MiB "
+    held = chunk_graphs.held_bytes() / 2**20
+    print(f"EP={ep} took {time.perf_counter() - t0:.1f} s; chunk graphs hold {held:.1f} MiB "
           f"({len(chunk_graphs._CACHE.programs)} programs)")
     results[ep] = dataclasses.asdict(res)
     for r in res.rows:
         inv = 1 / r.peak_ratio if r.peak_ratio else float("nan")
-        print(f"  {r.row:40s} total {r.total_ms:8.2f} ms  time x{r.time_ratio:.3f}  peak {r.peak_bytes / 2**30:6.3f} GiB"
-              f"  a2a/peak {inv:6.2f}  {r.skipped}", flush=True)
+        print(f"  {r.row:40s} total {r.total_ms:8.2f} ms  time x{r.time_ratio:.3f}  "
+              f"peak {r.peak_bytes / 2**30:6.3f} GiB  a2a/peak {inv:6.2f}  {r.skipped}", flush=True)
     json.dump({str(k): v for k, v in results.items()}, open(f"{args.out}/rows.json", "w"), indent=1, default=str)
