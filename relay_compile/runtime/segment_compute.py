@@ -18,6 +18,9 @@ routing), and the ``y``/``dx`` accumulators (travelling in token routing, local 
 in fp32, so a sum over hops is rounded to bf16 once, as an fp32-accumulating GEMM (or the CPU's index_add)
 of the all-to-all layer rounds it, not once per hop. The per-pair score gradients are reduced in fp32.
 
+Opt-in (``chunk_graphs``): expert routing's chunks run padded to bucketed row counts through static-shape
+programs, replayed as CUDA graphs (``runtime.chunk_graphs``; ``HopRows.padded`` says which).
+
 Legend: T tokens, H hidden, K top-k, C rows of a chunk, N ranks, E experts, E_l = E / N.
 """
 
@@ -55,8 +58,8 @@ class RingStepConfig:
     acc_dtype: torch.dtype | None = None
     # Scores scale F's input rows (``F(s x)``) instead of its output (``s F(x)``).
     scores_before: bool = False
-    # Chunks that pad to equal groups run as static-shape programs (``runtime.chunk_graphs``), captured as CUDA
-    # graphs where ``capture_graphs`` (the tokens are on a CUDA device).
+    # Chunks run padded to bucketed row counts as static-shape programs (``runtime.chunk_graphs``, the option
+    # ``chunk_graphs``), captured as CUDA graphs where ``capture_graphs`` (the tokens are on a CUDA device).
     chunk_graphs: bool = False
     capture_graphs: bool = False
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
