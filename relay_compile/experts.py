@@ -33,6 +33,18 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor
 
+from relay_compile.grouped_gemm import (
+    add_bias,
+    batched_rows,
+    bias_score_term,
+    expert_of_rows,
+    grouped_bias_grad,
+    grouped_linear,
+    grouped_matmul,
+    grouped_mm_supported,
+    grouped_weight_grad,
+    offsets_or_counts,
+)
 from relay_compile.kernels.swiglu_backward import swiglu_backward_
 
 ExpertFn = Callable[[Tensor, Tensor, list[int], Sequence[Tensor]], Tensor]
@@ -110,207 +122,6 @@ def activation_fn(activation: str) -> Callable[[Tensor], Tensor]:
     raise ValueError(f"expert_ffn: unknown activation {activation!r}; use one of {ACTIVATIONS}")
 
 
-def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
-    """``torch._grouped_mm`` runs bf16 on CUDA and any float dtype in eager on CPU, on 16-byte-aligned rows."""
-    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, *weights))
-    return aligned and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
-
-
-def _grouped_linear(
-    x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
-) -> Tensor:
-    """``y[s] = x[s] @ w[e(s)].T`` for rows sorted by expert: one grouped GEMM, or a loop over experts."""
-    return _grouped_matmul(x_SD, w_EOD.transpose(-2, -1), offsets_E, counts_E)
-
-
-def uniform_rows(counts_E: Sequence[int] | None) -> int:
-    """The rows of each group where every one of ``counts_E`` is the same positive count, else 0.
-
-    Equal groups run as batched GEMMs (``torch.bmm`` on the rows viewed ``(E, C, D)``): on the H200 as fast on
-    the host as one ``torch._grouped_mm`` and 7% faster on the GPU at a ring chunk's shapes, and the fp32
-    weight-gradient sums become one ``baddbmm`` instead of an ``addmm`` per expert (less than half the host
-    time at two experts: ``docs/bench/h200-uniform/gemm_host.py``). Capacity-based dispatch gives every expert
-    the same rows. On CUDA only (``_batched_rows``): on the CPU nothing is gained, and the grouped GEMM's sums
-    stay what they were (a capacity layer trained through the ring tracks eager to 1e-5 with them).
-    """
-    # Not while torch.compile traces: there the counts are SymInts of a ``.tolist()``, and the loop does not
-    # branch on their values.
-    if not counts_E or torch.compiler.is_compiling():
-        return 0
-    first = counts_E[0]
-    return first if first > 0 and all(c == first for c in counts_E) else 0
-
-
-def _batched_rows(x: Tensor, counts_E: Sequence[int] | None) -> int:
-    """``uniform_rows`` where batched GEMMs run them (CUDA), else 0."""
-    return uniform_rows(counts_E) if x.is_cuda else 0
-
-
-def _grouped_matmul(
-    x_SD: Tensor, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
-) -> Tensor:
-    """``y[s] = x[s] @ w[e(s)]`` for rows sorted by expert (the backward's products with the weights as they
-    are stored: no transposed views made per call, each a dispatch on the host path of a hop)."""
-    rows = _batched_rows(x_SD, counts_E)
-    if rows:
-        return torch.bmm(x_SD.view(w_EDO.shape[0], rows, -1), w_EDO).view(x_SD.shape[0], -1)
-    if offsets_E is not None:
-        return torch._grouped_mm(x_SD, w_EDO, offs=offsets_E)
-    assert counts_E is not None
-    chunks = torch.split(x_SD, list(counts_E))
-    return torch.cat([c @ w_EDO[e] for e, c in enumerate(chunks)], dim=0)
-
-
-def expert_of_rows(offsets_G: Tensor, rows: int) -> Tensor:
-    """The group (local expert of a chunk) of each of ``rows`` rows sorted by group, from the groups' int32
-    prefix sums ``offsets_G`` ``(G,)``: int64 ``(rows,)``, on the device, no host sync. Computed once per chunk,
-    it expands per-expert bias rows over their rows (forward) and sums each expert's rows (bias gradients)."""
-    row_S = torch.arange(rows, device=offsets_G.device, dtype=offsets_G.dtype)
-    return torch.searchsorted(offsets_G, row_S, right=True)
-
-
-def _add_bias(h_SO: Tensor, b_GO: Tensor | None, expert_S: Tensor | None) -> Tensor:
-    """``h[s] + b[e(s)]``: in place unless autograd records ``h`` (the forward differentiated by the ring)."""
-    if b_GO is None:
-        return h_SO
-    assert expert_S is not None, "a bias needs each row's expert"
-    bias_SO = b_GO.index_select(0, expert_S)
-    return h_SO + bias_SO if h_SO.requires_grad or b_GO.requires_grad else h_SO.add_(bias_SO)
-
-
-def _grouped_bias_grad(
-    d_SO: Tensor, expert_S: Tensor, groups: int, grad_dtype: torch.dtype | None = None,
-    into_GO: Tensor | None = None, scale_S: Tensor | None = None,
-) -> Tensor:
-    """``db[e] = sum of d * scale`` over the rows of expert ``e`` ``(G, O)``: the bias gradient of ``_add_bias``.
-
-    One GEMM, ``sel @ d`` with ``sel[e(s), s] = scale[s]`` (1 without ``scale_S``; in ``d``'s dtype, as the ring
-    rounds the scores it multiplies ``dy`` by): deterministic (no atomics), no ``(S, O)`` product of the rows,
-    summed in ``grad_dtype`` (the ring's fp32 sums) or added into ``into_GO`` in its dtype, as the weight
-    gradients are (``_mm_widened`` / ``_addmm_widened``).
-    """
-    sel_GS = d_SO.new_zeros((groups, d_SO.shape[0]))
-    scale = scale_S.to(d_SO.dtype) if scale_S is not None else sel_GS.new_ones(d_SO.shape[0])
-    sel_GS.scatter_(0, expert_S[None, :], scale[None, :])
-    if into_GO is not None:
-        _addmm_widened(sel_GS, d_SO, into_GO)
-        return into_GO
-    db_GO = d_SO.new_empty((groups, d_SO.shape[1]), dtype=grad_dtype or d_SO.dtype)
-    _mm_widened(sel_GS, d_SO, db_GO)
-    return db_GO
-
-
-def _bias_score_term(dy_SH: Tensor, b2_GH: Tensor, expert_S: Tensor | None) -> Tensor:
-    """``<dy[s], b2[e(s)]>`` in fp32 ``(S,)``: the down bias's part of ``d_score = <dy, out>``."""
-    assert expert_S is not None, "a bias needs each row's expert"
-    dots_SG = dy_SH.new_empty((dy_SH.shape[0], b2_GH.shape[0]), dtype=torch.float32)
-    _mm_widened(dy_SH, b2_GH.t(), dots_SG)
-    return dots_SG.gather(1, expert_S[:, None]).squeeze(1)
-
-
-def _grouped_weight_grad(
-    dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
-    grad_dtype: torch.dtype | None = None, into_EOI: Tensor | None = None,
-) -> Tensor:
-    """``dw[e] = dy_e.T @ x_e`` over the row groups ``(E, O, I)``: the weight gradient of ``_grouped_linear``.
-
-    ``grad_dtype`` wider than the rows' (fp32 for bf16 rows): each GEMM returns its fp32 accumulator
-    unrounded (``torch._grouped_mm`` has no output dtype: one GEMM per expert, on the host counts
-    ``counts_E``), so a partial summed across hops is rounded to the rows' dtype once, at the end.
-    ``into_EOI``: add ``dw`` into it in place (in its dtype) and return it; a wider accumulator is written by
-    the GEMMs themselves (``addmm`` with an output dtype), so no partial of the chunk is ever allocated.
-    Equal groups (``uniform_rows``): one batched GEMM, whatever the dtypes.
-    """
-    rows = _batched_rows(dy_SO, counts_E)
-    if rows:
-        groups = len(counts_E)  # type: ignore[arg-type]
-        dy_EOS, x_ESI = dy_SO.view(groups, rows, -1).transpose(1, 2), x_SI.view(groups, rows, -1)
-        if into_EOI is not None:
-            _baddbmm_widened(dy_EOS, x_ESI, into_EOI)
-            return into_EOI
-        dw_EOI = dy_SO.new_empty((groups, dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype or dy_SO.dtype)
-        _bmm_widened(dy_EOS, x_ESI, dw_EOI)
-        return dw_EOI
-    if into_EOI is not None:
-        if into_EOI.dtype == dy_SO.dtype and offsets_E is not None:
-            return into_EOI.add_(torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E))
-        assert counts_E is not None, "a weight gradient added in place needs the host counts"
-        for d_OS, x_SI_e, into_OI in _per_expert(dy_SO, x_SI, counts_E, into_EOI):
-            _addmm_widened(d_OS, x_SI_e, into_OI)
-        return into_EOI
-    if grad_dtype is None or grad_dtype == dy_SO.dtype:
-        if offsets_E is not None:
-            return torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E)
-        assert counts_E is not None
-        counts = list(counts_E)
-        return torch.stack([d.t() @ x for d, x in zip(torch.split(dy_SO, counts), torch.split(x_SI, counts))])
-    assert counts_E is not None, "a weight gradient wider than its rows needs the host counts"
-    dw_EOI = dy_SO.new_empty((len(counts_E), dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype)
-    for d_OS, x_SI_e, dw_OI in _per_expert(dy_SO, x_SI, counts_E, dw_EOI, skip_empty=False):
-        _mm_widened(d_OS, x_SI_e, dw_OI)
-    return dw_EOI
-
-
-def _per_expert(
-    dy_SO: Tensor, x_SI: Tensor, counts_E: Sequence[int], out_EOI: Tensor, *, skip_empty: bool = True
-) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Each expert's ``(dy_e.T, x_e, out[e])`` for its weight-gradient GEMM: four view ops for all experts (a
-    transposed split, a split, an unbind), not three per expert (a hop's host time is mostly such dispatches).
-    ``skip_empty``: leave out experts without rows (their GEMM would add nothing)."""
-    counts = list(counts_E)
-    parts = zip(dy_SO.t().split(counts, dim=1), x_SI.split(counts), out_EOI.unbind(0), counts, strict=True)
-    return [(d, x, out) for d, x, out, n in parts if n or not skip_empty]
-
-
-def _mm_widened(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """``out = a @ b`` accumulated in ``out``'s dtype: written by the GEMM itself on CUDA (``mm``'s output
-    dtype; no widened copies of the operands); elsewhere (CPU has no ``mm`` with an output dtype) on widened
-    copies."""
-    if a.is_cuda:
-        torch.mm(a, b, out_dtype=out.dtype, out=out)
-    else:
-        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
-
-
-def _addmm_widened(a: Tensor, b: Tensor, acc: Tensor) -> None:
-    """``acc += a @ b`` accumulated in ``acc``'s dtype (``_mm_widened``'s in-place sibling)."""
-    if a.is_cuda and acc.dtype != a.dtype:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    elif acc.dtype != a.dtype:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-    else:
-        acc.addmm_(a, b)
-
-
-def _bmm_widened(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """``out = a @ b`` per batch, accumulated in ``out``'s dtype (``_mm_widened``, batched)."""
-    if a.dtype == out.dtype:
-        torch.bmm(a, b, out=out)
-    elif a.is_cuda:
-        torch.bmm(a, b, out_dtype=out.dtype, out=out)
-    else:
-        torch.bmm(a.to(out.dtype), b.to(out.dtype), out=out)
-
-
-def _baddbmm_widened(a: Tensor, b: Tensor, acc: Tensor) -> None:
-    """``acc += a @ b`` per batch, accumulated in ``acc``'s dtype (``_addmm_widened``, batched)."""
-    if a.is_cuda and acc.dtype != a.dtype:
-        torch.baddbmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    elif acc.dtype != a.dtype:
-        acc.baddbmm_(a.to(acc.dtype), b.to(acc.dtype))
-    else:
-        acc.baddbmm_(a, b)
-
-
-def _offsets(x_SH: Tensor, counts_L: Tensor, use_grouped_mm: bool | None, *weights: Tensor):
-    """Device offsets for ``torch._grouped_mm``, or host counts for the loop over experts."""
-    if use_grouped_mm is None:
-        use_grouped_mm = grouped_mm_supported(x_SH, *weights)
-    if use_grouped_mm:
-        return torch.cumsum(counts_L, 0, dtype=torch.int32), None
-    return None, counts_L.tolist()  # NOTE: device-to-host sync (the loop path only)
-
-
 @dataclass(frozen=True)
 class _Biases:
     """A chunk's packed biases: ``first`` on the first projection (``b13 (G, 2F)`` gated, ``b1 (G, F)``),
@@ -333,9 +144,9 @@ class _Biases:
         sinks = iter(into)
         out = []
         if self.first is not None:
-            out.append(_grouped_bias_grad(dh_SO, self.expert_S, self.first.shape[0], grad_dtype, next(sinks, None)))
+            out.append(grouped_bias_grad(dh_SO, self.expert_S, self.first.shape[0], grad_dtype, next(sinks, None)))
         if self.down is not None:
-            out.append(_grouped_bias_grad(dy_SH, self.expert_S, self.down.shape[0], grad_dtype, next(sinks, None),
+            out.append(grouped_bias_grad(dy_SH, self.expert_S, self.down.shape[0], grad_dtype, next(sinks, None),
                                           score_S))
         return out
 
@@ -353,7 +164,7 @@ def expert_ffn_swiglu_vjp(
     Returns:
         ``dx (S, H)``, ``d_score (S,)`` fp32, ``[dw1, dw2, dw3]`` like the weights.
     """
-    offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
+    offsets_L, counts_host = offsets_or_counts(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
     w13_LGH = torch.cat([w1_LFH, w3_LFH], dim=1)
     dx_SH, d_score_S, (dw13, dw2) = _swiglu_vjp(x_SH, offsets_L, counts_host, w13_LGH, w2_LHF, dy_SH, score_S)
     dw1, dw3 = _split_w13(dw13, w2_LHF.shape[-1])
@@ -375,9 +186,9 @@ def _recompute(
     dy @ w2[e]`` and the recomputed first projection ``h`` (with its bias). Returned, not kept: the caller
     releases each after its last use."""
     dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
-    g_SF = _grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
+    g_SF = grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
     x_SH = x_TH if tok_S is None else x_TH[tok_S]
-    return dy_SH, g_SF, x_SH, _add_bias(_grouped_linear(x_SH, w_first, offsets_L, counts_host), b.first, b.expert_S)
+    return dy_SH, g_SF, x_SH, add_bias(grouped_linear(x_SH, w_first, offsets_L, counts_host), b.first, b.expert_S)
 
 
 def _swiglu_vjp(
@@ -392,7 +203,7 @@ def _swiglu_vjp(
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
     (``kernels.swiglu_backward``). A chunk's transient peak is ``x + dy + h13 + g`` rows. ``grad_dtype``:
-    the weight gradients' dtype (``_grouped_weight_grad``; needs the host row counts ``rows_host``).
+    the weight gradients' dtype (``grouped_weight_grad``; needs the host row counts ``rows_host``).
     ``grad_into`` (``GradSink``): asked right before the first weight-gradient GEMM; where it gives
     accumulators ``[w13, w2]``, the GEMMs add into them and no gradients are returned.
     """
@@ -401,18 +212,18 @@ def _swiglu_vjp(
     dy_SH, g_SF, x_SH, h13_SG = _recompute(x_TH, dy_TH, tok_S, w13_LGH, w2_LHF, offsets_L, counts_host, b)
     d_score_S = swiglu_backward_(h13_SG, g_SF, score_S, d_score_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
-        d_score_S += _bias_score_term(dy_SH, b.down, b.expert_S)
+        d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
     act_scaled_SF, dh13_SG = g_SF, h13_SG
     into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
     into13, into2, *into_b = into if into is not None else (None, None, None, None)
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
-    dw2 = _grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype, into2)
+    dw2 = grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype, into2)
     del act_scaled_SF, g_SF
     db = b.grads(dh13_SG, dy_SH, score_S, grad_dtype, into_b)
     del dy_SH
-    dw13 = _grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
+    dw13 = grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
     del x_SH
-    dx_SH = _grouped_matmul(dh13_SG, w13_LGH, offsets_L, counts_host)
+    dx_SH = grouped_matmul(dh13_SG, w13_LGH, offsets_L, counts_host)
     return dx_SH, d_score_S, [] if into is not None else [dw13, dw2, *db]
 
 
@@ -449,20 +260,20 @@ def _ffn_vjp(
     act_SF = activation_fn(activation)(h_SF)
     d_score_S = torch.sum(g_SF.float() * act_SF.float(), -1, out=d_score_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
-        d_score_S += _bias_score_term(dy_SH, b.down, b.expert_S)
+        d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
     score_S1 = score_S[:, None].to(g_SF.dtype)
     dh_SF = _activation_backward(activation, g_SF.mul_(score_S1), h_SF)
     del g_SF, h_SF
     act_SF.mul_(score_S1)  # dw2[e] = (score * dy)^T act = dy^T (score * act)
     into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
     into1, into2, *into_b = into if into is not None else (None, None, None, None)
-    dw2 = _grouped_weight_grad(dy_SH, act_SF, offsets_L, wgrad_rows, grad_dtype, into2)
+    dw2 = grouped_weight_grad(dy_SH, act_SF, offsets_L, wgrad_rows, grad_dtype, into2)
     del act_SF
     db = b.grads(dh_SF, dy_SH, score_S, grad_dtype, into_b)
     del dy_SH
-    dw1 = _grouped_weight_grad(dh_SF, x_SH, offsets_L, wgrad_rows, grad_dtype, into1)
+    dw1 = grouped_weight_grad(dh_SF, x_SH, offsets_L, wgrad_rows, grad_dtype, into1)
     del x_SH
-    dx_SH = _grouped_matmul(dh_SF, w1_LFH, offsets_L, counts_host)
+    dx_SH = grouped_matmul(dh_SF, w1_LFH, offsets_L, counts_host)
     return dx_SH, d_score_S, [] if into is not None else [dw1, dw2, *db]
 
 
@@ -490,7 +301,7 @@ def expert_ffn(
     Returns:
         ``(S, H)``: ``w2 @ act(w1 @ x) [* (w3 @ x)]`` per row, with its own expert's weights.
     """
-    offsets_L, counts_host = _offsets(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
+    offsets_L, counts_host = offsets_or_counts(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
     return _ffn(x_SH, offsets_L, counts_host, w1_LFH, w2_LHF, w3_LFH, activation)
 
 
@@ -502,11 +313,11 @@ def _ffn(
     (non-gated only): ``b1``, ``b2`` added to each row's projections."""
     b = biases or _Biases()
     act = activation_fn(activation)
-    h_SF = act(_add_bias(_grouped_linear(x_SH, w1_LFH, offsets_L, counts_host), b.first, b.expert_S))
+    h_SF = act(add_bias(grouped_linear(x_SH, w1_LFH, offsets_L, counts_host), b.first, b.expert_S))
     if activation in GATED:
         assert w3_LFH is not None and biases is None, f"{activation} needs w3 (and its biases packed)"
-        h_SF = h_SF * _grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
-    return _add_bias(_grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
+        h_SF = h_SF * grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
+    return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
 
 
 def _gated_packed(
@@ -517,9 +328,9 @@ def _gated_packed(
     ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them)."""
     b = biases or _Biases()
     ffn = w2_LHF.shape[-1]
-    h13_SG = _add_bias(_grouped_linear(x_SH, w13_LGH, offsets_L, counts_host), b.first, b.expert_S)
+    h13_SG = add_bias(grouped_linear(x_SH, w13_LGH, offsets_L, counts_host), b.first, b.expert_S)
     h_SF = activation_fn(activation)(h13_SG[:, :ffn]) * h13_SG[:, ffn:]
-    return _add_bias(_grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
+    return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
 
 
 class GroupedFFN:
@@ -598,7 +409,7 @@ class GroupedFFN:
     ) -> tuple[Tensor | None, Sequence[int] | None]:
         if not rows_G:  # the offsets alone (the ring's chunk graphs, on dtypes the grouped GEMM runs)
             return offsets_G, None
-        if _batched_rows(x_SH, rows_G):  # equal groups: batched GEMMs on the host counts
+        if batched_rows(x_SH, rows_G):  # equal groups: batched GEMMs on the host counts
             return None, rows_G
         grouped = self.use_grouped_mm
         if grouped is None:

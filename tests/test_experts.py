@@ -17,9 +17,9 @@ from relay_compile.experts import (
     activation_fn,
     expert_ffn,
     expert_ffn_swiglu_vjp,
-    expert_of_rows,
     ffn_expert_fn,
 )
+from relay_compile.grouped_gemm import expert_of_rows
 from relay_compile.kernels.swiglu_backward import reference as swiglu_backward_reference
 from relay_compile.kernels.swiglu_backward import swiglu_backward_
 

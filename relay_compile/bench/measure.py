@@ -16,7 +16,7 @@ import logging
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,21 @@ def time_step(fn: LayerFn, inp: LayerInputs, device: str) -> tuple[float, float]
     y.backward(inp.grad_y_TH)
     t2 = time.perf_counter()
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def gpu_us_per_call(fn: Callable[[], object], calls: int = 50, warmup: int = 3) -> float:
+    """GPU time per call of ``fn`` in microseconds: CUDA events around ``calls`` calls issued back to back,
+    after ``warmup`` calls and a drained queue (for probes of single ops; ``time_step`` times a layer)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
 
 
 def peak_step(fn: LayerFn, inp: LayerInputs, device: str) -> int:

@@ -22,7 +22,7 @@ What makes a chunk's shape static:
 A shape's first chunk runs its body eagerly (warming up Triton and cuBLAS), then the body is captured on the
 arena's stream into the arena's memory pool, where its intermediates live: every graph of the arena shares it,
 as they replay one after another on one stream and keep nothing in it (their outputs are the arena's). Off CUDA,
-or where ``capture`` is off, the same static-shape program runs eagerly: CPU tests run the whole path but the
+or where a capture failed, the same static-shape program runs eagerly: CPU tests run the whole path but the
 capture.
 
 Numerics: a chunk's weight gradients come from ``torch._grouped_mm`` (fp32 accumulation, bf16 output for bf16
@@ -30,7 +30,7 @@ weights: rounded once per chunk) and are added into the ring's sums, which stay 
 
 Cost (H200, Qwen3 layer, docs/BENCHMARKS.md "Chunk graphs"): at EP=64 the host time per step drops by a quarter
 to a third, but the path adds GPU work (the weight copies, the output rows copied out, bf16 weight-gradient
-partials added into the sums instead of fp32 GEMMs into them, the padding rows: ~14 ms a step), and the cache
+partials added into the sums instead of fp32 GEMMs into them, the padding rows: 12-14 ms a step), and the cache
 holds about one chunk's working set per layout between steps (the arena and its pool, ``held_bytes()``; the
 benchmarks add it to the ring's peak; ``clear()`` drops it). Hence opt-in (``RingOptions.chunk_graphs``).
 
@@ -197,12 +197,12 @@ Body = Callable[["_Program"], None]
 
 class _Program:
     """One pass's chunk body at one shape (C rows on G experts): reads and writes its arena's prefixes. Run
-    eagerly once, then (``capture``) captured, and replayed from then on."""
+    eagerly once, then (on CUDA) captured, and replayed from then on."""
 
-    def __init__(
-        self, arena: _Arena, groups: int, rows: int, body: Body, owner: object, capture: bool, backward: bool,
-    ) -> None:
-        self.arena, self.groups, self.rows, self.body, self.capture = arena, groups, rows, body, capture
+    def __init__(self, arena: _Arena, groups: int, rows: int, body: Body, owner: object, backward: bool) -> None:
+        self.arena, self.groups, self.rows, self.body = arena, groups, rows, body
+        # Captured where the arena has a graph pool (CUDA); off CUDA the body runs eagerly every time.
+        self.capture = arena.pool is not None
         self.owner = owner  # what the body calls: keeps its ``id`` in the program's key valid
         self.x_QH, self.out_QH, self.offsets_G = arena.x_QH[:rows], arena.out_QH[:rows], arena.offsets_G[:groups]
         self.weights = [w[:groups] for w in arena.weights]
@@ -261,8 +261,7 @@ class _Cache:
         self.runs = 0  # program runs so far (the benchmarks tell which rows used the cache)
 
     def program(
-        self, key: tuple, layout: _Layout, groups: int, rows: int, body: Body, owner: object, capture: bool,
-        backward: bool = False,
+        self, key: tuple, layout: _Layout, groups: int, rows: int, body: Body, owner: object, backward: bool = False,
     ) -> _Program:
         prog = self.programs.get(key)
         if prog is not None:
@@ -277,7 +276,7 @@ class _Cache:
             arena = _Arena(layout, max(rows * 9 // 8, arena.rows if arena else 0),
                            max(groups, arena.groups if arena else 0))
             self.arenas[layout] = arena
-        prog = self.programs[key] = _Program(arena, groups, rows, body, owner, capture, backward)
+        prog = self.programs[key] = _Program(arena, groups, rows, body, owner, backward)
         while len(self.programs) > MAX_PROGRAMS:
             self.programs.popitem(last=False)
         return prog
@@ -328,7 +327,7 @@ _NO_HOST_ROWS: tuple[int, ...] = ()
 
 def forward(
     fn: GroupedExperts, padded: PaddedChunks, pc: PaddedChunk, x_TH: Tensor, weights: Sequence[Tensor],
-    add_rows: Callable[[Tensor, Tensor, Tensor], None], capture: bool,
+    add_rows: Callable[[Tensor, Tensor, Tensor], None],
 ) -> None:
     """One padded chunk's forward: ``add_rows(tok, F(x[tok]), score)`` (the caller's scaled scatter into ``y``)."""
     score_C = padded.score_Q[pc.start : pc.end]
@@ -337,8 +336,7 @@ def forward(
     def body(p: _Program) -> None:
         p.out_QH.copy_(fn.forward_rows(p.x_QH, p.offsets_G, _NO_HOST_ROWS, p.weights))
 
-    prog = _CACHE.program(("forward", id(fn), layout, pc.groups, pc.rows), layout, pc.groups, pc.rows, body, fn,
-                          capture)
+    prog = _CACHE.program(("forward", id(fn), layout, pc.groups, pc.rows), layout, pc.groups, pc.rows, body, fn)
     tok_C = _fill(prog, padded, pc, x_TH, weights)
     prog.run()
     add_rows(tok_C, prog.out_QH, score_C[:, None])
@@ -346,7 +344,7 @@ def forward(
 
 def backward(
     fn: GroupedExperts, padded: PaddedChunks, pc: PaddedChunk, x_TH: Tensor, weights: Sequence[Tensor],
-    dy_TH: Tensor, capture: bool,
+    dy_TH: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """One padded chunk's fused backward (``GroupedExperts.vjp_rows`` on the gathered rows).
 
@@ -365,7 +363,7 @@ def backward(
             static.copy_(g)
 
     prog = _CACHE.program(("backward", id(fn), layout, pc.groups, pc.rows), layout, pc.groups, pc.rows, body, fn,
-                          capture, backward=True)
+                          backward=True)
     tok_C = _fill(prog, padded, pc, x_TH, weights)
     torch.index_select(dy_TH, 0, tok_C, out=prog.dy_QH)
     prog.score_Q.copy_(score_C)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from relay_compile.experts import grouped_mm_supported
+from relay_compile.grouped_gemm import grouped_mm_supported
 from relay_compile.routing import PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.chunk_graphs import PaddedChunks

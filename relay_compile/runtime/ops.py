@@ -125,7 +125,6 @@ def _run(
         expert_fn=spec.expert_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
         max_hop_rows=hop_row_bound(spec.options.max_hop_rows, x.shape[0]), acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
         scores_before=spec.scores_applied == "before", chunk_graphs=spec.options.graphs_on(x.device),
-        capture_graphs=x.is_cuda,
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
     fp32 = spec.options.fp32_accumulation

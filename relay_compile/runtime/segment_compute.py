@@ -59,9 +59,8 @@ class RingStepConfig:
     # Scores scale F's input rows (``F(s x)``) instead of its output (``s F(x)``).
     scores_before: bool = False
     # Chunks run padded to bucketed row counts as static-shape programs (``runtime.chunk_graphs``, the option
-    # ``chunk_graphs``), captured as CUDA graphs where ``capture_graphs`` (the tokens are on a CUDA device).
+    # ``chunk_graphs``), captured as CUDA graphs where the tokens are on a CUDA device.
     chunk_graphs: bool = False
-    capture_graphs: bool = False
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
     grouped: GroupedExperts | None = field(init=False)
 
@@ -163,8 +162,7 @@ def segment_forward(
         padded = rows.padded.of(chunk) if rows.padded is not None else None
         if padded is not None:
             assert cfg.grouped is not None and rows.padded is not None
-            chunk_graphs.forward(cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), y.add_,
-                                 cfg.capture_graphs)
+            chunk_graphs.forward(cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), y.add_)
             continue
         tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
         score_C1 = rows.scores_S[chunk.start : chunk.end, None]
@@ -301,7 +299,7 @@ def _padded_vjp(
     copy in it where they start them (the next chunk's program overwrites its buffers)."""
     assert cfg.grouped is not None and rows.padded is not None
     tok_C, dx_CH, ds_C, dws = chunk_graphs.backward(
-        cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), dy_TH, cfg.capture_graphs)
+        cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), dy_TH)
     ds_S[padded.first : padded.first + padded.real] = ds_C[: padded.real]
     dx.add_(tok_C, dx_CH)
     sinks = dw.sink(chunk)  # may wait for the ring's incoming sums: after the chunk's compute

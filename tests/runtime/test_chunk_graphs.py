@@ -16,7 +16,8 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 from relay_compile import ring_moe
 from relay_compile.bench.standin_group import standin_group
-from relay_compile.experts import ffn_expert_fn, uniform_rows
+from relay_compile.experts import ffn_expert_fn
+from relay_compile.grouped_gemm import uniform_rows
 from relay_compile.routing import PairRouting, plan_chunks, split_experts
 from relay_compile.runtime import chunk_graphs
 from relay_compile.runtime.chunk_graphs import PaddedChunks, bucket_rows

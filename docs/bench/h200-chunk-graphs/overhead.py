@@ -9,6 +9,7 @@ then the pieces the graph path adds around it.
 """
 import torch
 
+from relay_compile.bench.measure import gpu_us_per_call
 from relay_compile.experts import ffn_expert_fn
 
 torch.manual_seed(0)
@@ -75,19 +76,6 @@ def wgrad_fp32():  # dw13 as the ring without graphs computes it: into the fp32 
         torch.addmm(a, d, xe, out_dtype=torch.float32, out=a)
 
 
-def gpu_us(f, reps=50):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        f()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps * 1e3
-
-
 print(f"torch {torch.__version__}; chunk of {n} rows padded to {C}")
 print("| piece | GPU us |")
 print("|---|---:|")
@@ -98,4 +86,4 @@ for name, f in [("backward, ring without graphs (fp32 sums by the GEMMs)", eager
                 ("dx rows copied out (alone)", dx_copy),
                 ("dw13: one bf16 K-grouped _grouped_mm (padded rows)", wgrad_bf16),
                 ("dw13: fp32-out addmm per expert into the sum", wgrad_fp32)]:
-    print(f"| {name} | {gpu_us(f):.1f} |")
+    print(f"| {name} | {gpu_us_per_call(f):.1f} |")

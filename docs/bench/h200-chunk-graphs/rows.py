@@ -10,6 +10,7 @@ import time
 
 from relay_compile.bench.configs import QWEN3_30B, BenchOptions
 from relay_compile.bench.measure import measure_layer
+from relay_compile.bench.results import layer_table
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a, compiled_a2a_builder, ring_builder
 from relay_compile.runtime import chunk_graphs
 
@@ -39,8 +40,5 @@ for ep in args.ep:
     print(f"EP={ep} took {time.perf_counter() - t0:.1f} s; chunk graphs hold {held:.1f} MiB "
           f"({len(chunk_graphs._CACHE.programs)} programs)")
     results[ep] = dataclasses.asdict(res)
-    for r in res.rows:
-        inv = 1 / r.peak_ratio if r.peak_ratio else float("nan")
-        print(f"  {r.row:40s} total {r.total_ms:8.2f} ms  time x{r.time_ratio:.3f}  "
-              f"peak {r.peak_bytes / 2**30:6.3f} GiB  a2a/peak {inv:6.2f}  {r.skipped}", flush=True)
+    print(layer_table(res, opts), flush=True)
     json.dump({str(k): v for k, v in results.items()}, open(f"{args.out}/rows.json", "w"), indent=1, default=str)

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from relay_compile.bench.measure import gpu_us_per_call
+
 torch.manual_seed(0)
 dev = "cuda"
 G, C, H, F = 2, 4096, 2048, 768
@@ -52,17 +54,6 @@ def host_us(fn, n=200):
     return dt
 
 
-def gpu_us(fn, n=50):
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n * 1e3
-
-
 ref = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs).float()
 got = torch.bmm(x.view(G, C, H), w13.transpose(-2, -1)).view(G * C, 2 * F).float()
 print(f"torch {torch.__version__}; bmm vs grouped_mm max |diff| {float((ref - got).abs().max()):.3g}")
@@ -77,4 +68,4 @@ print("|---|---:|---:|")
 for name, fn in [("_grouped_mm, 2 groups", grouped), ("bmm (G, C, H)", batched),
                  ("2x addmm fp32-out (per expert)", wgrad_per_expert), ("baddbmm fp32-out", wgrad_batched)]:
     hs = sorted(host_us(fn) for _ in range(5))
-    print(f"| {name} | {hs[2]:.1f} (min {hs[0]:.1f}) | {gpu_us(fn):.1f} |")
+    print(f"| {name} | {hs[2]:.1f} (min {hs[0]:.1f}) | {gpu_us_per_call(fn, warmup=0):.1f} |")
