@@ -39,12 +39,13 @@ import torch.fx as fx
 from torch._logging import trace_structured
 
 from relay_compile.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
+from relay_compile.experts import GroupedExperts
 from relay_compile.options import Options, resolve
 from relay_compile.passes import CapacityRegion, MoERegion, find_moe_regions, rewrite_moe_region
 from relay_compile.passes.rewrite import region_experts
 from relay_compile.passes.scopes import find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
-from relay_compile.runtime.programs.pipeline import program_for
+from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.specs import spec_state
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,15 @@ def _ring_programs_text(region: MoERegion | CapacityRegion, key: str) -> dict[st
     """Readable code of the ring programs the region's spec runs, for the routings it may take."""
     spec = spec_state(key).spec
     asked = spec.options.routing
+    # Owners per forward hop as a call with this rank's shape decides them (every rank's tokens alike).
+    shape, grouped = region.block_shape(), isinstance(spec.expert_fn, GroupedExperts)
     out = {}
     for mode in ("expert", "token"):
         if asked not in ("auto", mode):
             continue
         for direction in ("forward", "backward"):
-            program = program_for(spec, direction, mode, region.group_size, len(region.weights))
+            owners = forward_owners(direction, mode, region.group_size, grouped, shape.tokens, shape.top_k)
+            program = program_for(spec, direction, mode, region.group_size, len(region.weights), owners)
             out[f"ring_{mode}_{direction}.py"] = program.code
     return out
 

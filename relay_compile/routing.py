@@ -20,6 +20,7 @@ Also here: ``choose_routing``, the paper's Table 2 rule for ``routing="auto"``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -129,6 +130,27 @@ def split_experts(rows_L: list[int], base: int, max_rows: int | None) -> list[Ch
     return chunks
 
 
+def split_owners(routing: PairRouting, owners: Sequence[int], max_rows: int | None) -> list[ChunkBounds]:
+    """Expert-aligned chunks of a hop that holds several owners' weights stacked in ``owners``' order (slot ``s``:
+    experts ``[s E_l, (s + 1) E_l)`` of the stack), for a grouped forward hop (``hop_compute``).
+
+    Each run of consecutive owners is one sorted range, cut by ``split_experts``; a group that wraps around the
+    ring (owner ``N - 1`` then ``0``) is two ranges. ``lo``/``hi`` index the stack.
+    """
+    e_l = routing.experts_per_rank
+    bounds: list[ChunkBounds] = []
+    s = 0
+    while s < len(owners):
+        t = s + 1
+        while t < len(owners) and owners[t] == owners[t - 1] + 1:
+            t += 1
+        rows_L = [r for owner in owners[s:t] for r in routing.rows_per_expert(owner)]
+        for start, end, lo, hi, rows in split_experts(rows_L, routing.starts_host[owners[s] * e_l], max_rows):
+            bounds.append((start, end, lo + s * e_l, hi + s * e_l, rows))
+        s = t
+    return bounds
+
+
 @dataclass(frozen=True, kw_only=True)
 class Chunk:
     """One chunk of a hop: sorted pairs ``[start, end)`` on the owner's local experts ``[lo, hi)``.
@@ -154,11 +176,18 @@ class Chunk:
 _OFFSET_ALIGN = 4
 
 
-def plan_chunks(bounds: list[list[ChunkBounds]], experts_per_rank: int, device: torch.device) -> list[list[Chunk]]:
-    """Device tables for every chunk of a step (one list per hop), in one host-to-device copy."""
+def plan_chunks(
+    bounds: list[list[ChunkBounds]], experts: int | Sequence[int], device: torch.device
+) -> list[list[Chunk]]:
+    """Device tables for every chunk of a step (one list per hop), in one host-to-device copy.
+
+    ``experts``: the experts a hop's weights hold (``E_l``; a grouped forward hop holds several owners'), one
+    for every hop or one per hop: the length of a chunk's ``counts_L``, and what a ``whole`` chunk spans.
+    """
+    experts_H = [experts] * len(bounds) if isinstance(experts, int) else list(experts)
     flat: list[int] = []
     placed = []
-    for hop_bounds in bounds:
+    for hop_bounds, experts_per_rank in zip(bounds, experts_H, strict=True):
         for start, end, lo, hi, rows in hop_bounds:
             at_offsets = len(flat)
             total = 0
@@ -175,7 +204,7 @@ def plan_chunks(bounds: list[list[ChunkBounds]], experts_per_rank: int, device: 
     table = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     table32 = table.to(torch.int32)
     plans, i = [], 0
-    for hop_bounds in bounds:
+    for hop_bounds, experts_per_rank in zip(bounds, experts_H, strict=True):
         chunks = []
         for start, end, lo, hi, rows in hop_bounds:
             at_offsets, at_counts = placed[i]

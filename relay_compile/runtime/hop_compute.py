@@ -4,7 +4,10 @@ A ``RingStep`` binds one call of the ring (one forward or one backward of one Mo
 programs: the programs say *when* (hop order, transfers), the step says *what* (which pairs, which rows).
 
 - ``ExpertRoutingStep``: tokens stay; at hop ``h`` rank ``r`` holds the weights of owner ``(r - h) mod N`` and
-  computes its own pairs for that owner. Backward sums the owner's weight gradients one hop behind the
+  computes its own pairs for that owner. A grouped forward (``owners_per_hop = g > 1``, ``programs.build``)
+  holds ``g`` owners per hop after its first ``g`` hops: stack ``j`` is owners ``r - g j - g + 1 .. r - g j``,
+  one weight tensor per packed weight with ``g E_l`` experts, computed as one segment where their sorted rows
+  are contiguous. Backward sums the owner's weight gradients one hop behind the
   weights: hop 0 starts the sum, every later hop's GEMMs add into the sum arriving from the previous rank
   (``backward_hop_into``; the program pass ``sum_in_place``), so no hop holds a partial beside it.
 - ``TokenRoutingStep``: experts stay; at hop ``h`` rank ``r`` holds the tokens of source ``(r - h) mod N`` and
@@ -32,7 +35,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.grouped_gemm import grouped_mm_supported
-from relay_compile.routing import PairRouting, plan_chunks, split_experts
+from relay_compile.routing import PairRouting, plan_chunks, split_experts, split_owners
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.chunk_graphs import PaddedChunks
 from relay_compile.runtime.row_sum import RowSum
@@ -159,25 +162,42 @@ class ExpertRoutingStep:
     def __init__(
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
-        packed: list[Tensor] | None = None,
+        packed: list[Tensor] | None = None, owners_per_hop: int = 1,
     ) -> None:
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
         self.grad_y_TH = grad_y_TH
         self.backward = grad_y_TH is not None
         self.topk_shape = topk_scores_TK.shape
+        assert owners_per_hop == 1 or (not self.backward and cfg.grouped is not None), (
+            "ring_moe: only the forward of a grouped expert function holds several owners per hop")
+        self.owners_per_hop = owners_per_hop
+        self.stack: list[Tensor] = []  # the grouped forward's first owner stack (``receive_buffers``)
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
         _setup(self, ExpertRoutingStep._plan, topk_ids_TK, topk_scores_TK, counts)
 
+    def _group_owners(self, group: int) -> list[int]:
+        """The owners of stack ``group`` in slot order (ascending, as their experts sort, unless they wrap)."""
+        g, n, r = self.owners_per_hop, self.cfg.ring.size, self.cfg.ring.rank
+        return [(r - g * group - g + 1 + s) % n for s in range(g)]
+
     def _plan(self, topk_ids_TK: Tensor, topk_scores_TK: Tensor, counts: StepCounts) -> None:
-        cfg, e_l, x_TH = self.cfg, self.cfg.experts_per_rank, self.x_TH
+        cfg, e_l, x_TH, g = self.cfg, self.cfg.experts_per_rank, self.x_TH, self.owners_per_hop
         own = counts.counts_NE[cfg.ring.rank]
         assert own is not None, "ring_moe: the agreement gave no counts of this rank"
         self.routing = routing = PairRouting.build(topk_ids_TK, own, e_l)
-        self.chunks = plan_chunks([
+        # Owners met alone: all of them, or a grouped forward's first g (hops 0..g-1).
+        alone = {(cfg.ring.rank - h) % cfg.ring.size for h in range(g if g > 1 else cfg.ring.size)}
+        bounds = [
             split_experts(routing.rows_per_expert(owner), routing.starts_host[owner * e_l], cfg.max_hop_rows)
+            if owner in alone else []
             for owner in range(cfg.ring.size)
-        ], e_l, x_TH.device)
+        ]
+        # Stack j >= 1 of a grouped forward (stack 0's owners are met alone).
+        groups = [split_owners(routing, self._group_owners(j), cfg.max_hop_rows) if j else []
+                  for j in range(cfg.ring.size // g)] if g > 1 else []
+        chunks = plan_chunks(bounds + groups, [e_l] * len(bounds) + [g * e_l] * len(groups), x_TH.device)
+        self.chunks, self.group_chunks = chunks[: len(bounds)], chunks[len(bounds):]
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
         graphs = cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
@@ -192,10 +212,27 @@ class ExpertRoutingStep:
     def initial_circulating(self) -> list[Tensor]:
         return self.weights
 
-    def receive_buffers(self, hop: int, num_circulating: int, payload: Sequence[Tensor]) -> list[Tensor]:
-        # Every partition (and its gradient) has the shapes of the local one: agreed at every call.
+    def receive_buffers(
+        self, hop: int, num_circulating: int, payload: Sequence[Tensor], slot: int | None = None
+    ) -> list[Tensor]:
+        """Where a transfer sent at ``hop`` arrives; ``slot``: that slot of the first owner stack (grouped forward).
+        Every partition (and its gradient, and a stack) has the shapes of the local one's: agreed at every call."""
+        if slot is not None:
+            e_l = self.cfg.experts_per_rank
+            if not self.stack:
+                self.stack = [w.new_empty((self.owners_per_hop * e_l, *w.shape[1:])) for w in self.weights]
+            return [t[slot * e_l : (slot + 1) * e_l] for t in self.stack]
         return _grouped_receive_buffers(self.cfg, hop, num_circulating, [(t.shape, t.dtype) for t in payload],
                                         payload[0].device)
+
+    def stack_owners(self) -> tuple[Tensor, ...]:
+        """The first owner stack (owners ``r - g + 1 .. r``): the earlier slots arrived, this rank's own weights
+        go into the last."""
+        e_l, g = self.cfg.experts_per_rank, self.owners_per_hop
+        for t, w in zip(self.stack, self.weights, strict=True):
+            t[(g - 1) * e_l :].copy_(w)
+        stack, self.stack = tuple(self.stack), []
+        return stack
 
     def _rows(self, hop: int) -> HopRows:
         owner = (self.cfg.ring.rank - hop) % self.cfg.ring.size
@@ -205,6 +242,14 @@ class ExpertRoutingStep:
     @_drains(_no_partials)
     def forward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
         segment_forward(self.cfg, self._rows(hop), self.x_TH, weights, self.y)
+        return ()
+
+    @_drains(_no_partials)
+    def forward_group(self, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+        """The pairs of this rank that meet owner stack ``group`` (``stacked``: the owners' weights, stacked)."""
+        rows = HopRows(routing=self.routing, chunks=self.group_chunks[group], src=self.cfg.ring.rank,
+                       scores_S=self.scores_S)
+        segment_forward(self.cfg, rows, self.x_TH, stacked, self.y)
         return ()
 
     @staticmethod
@@ -270,8 +315,9 @@ class TokenRoutingStep:
     def __init__(
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
-        packed: list[Tensor] | None = None,
+        packed: list[Tensor] | None = None, owners_per_hop: int = 1,
     ) -> None:
+        assert owners_per_hop == 1, "ring_moe: token routing holds one source's tokens per hop"
         self.cfg, self.given_weights = cfg, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
@@ -301,7 +347,10 @@ class TokenRoutingStep:
     def _source(self, hop: int) -> int:
         return (self.cfg.ring.rank - hop) % self.cfg.ring.size
 
-    def receive_buffers(self, hop: int, num_circulating: int, payload: Sequence[Tensor]) -> list[Tensor]:
+    def receive_buffers(
+        self, hop: int, num_circulating: int, payload: Sequence[Tensor], slot: int | None = None
+    ) -> list[Tensor]:
+        assert slot is None, "ring_moe: token routing has no owner stacks"
         # The transfer sent at ``hop`` brings the tokens of hop ``hop + 1`` and the accumulators of ``hop``.
         rows_next = self.rows_N[self._source(hop + 1)]
         rows_acc = self.rows_N[self._source(hop)]

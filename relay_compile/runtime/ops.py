@@ -38,7 +38,7 @@ from relay_compile.runtime.hop_compute import (
     clamped_ids,
 )
 from relay_compile.runtime.programs.build import run_program
-from relay_compile.runtime.programs.pipeline import program_for
+from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
 from relay_compile.runtime.ring_options import hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
@@ -123,7 +123,8 @@ def _run(
     spec = state.spec
     cfg = RingStepConfig(
         expert_fn=spec.expert_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
-        max_hop_rows=hop_row_bound(spec.options.max_hop_rows, x.shape[0]), acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
+        max_hop_rows=hop_row_bound(spec.options.max_hop_rows, x.shape[0], forward=direction == "forward"),
+        acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
         scores_before=spec.scores_applied == "before", chunk_graphs=spec.options.graphs_on(x.device),
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
@@ -136,12 +137,15 @@ def _run(
         log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", agreed.routing, spec.options.routing,
                  agreed.volumes)
     state.resolved, state.volumes = agreed.routing, agreed.volumes
-    program = program_for(spec, direction, agreed.routing, ring.size, len(weights))
+    owners = forward_owners(direction, agreed.routing, ring.size, cfg.grouped is not None,
+                            max(agreed.counts.tokens_N), topk_ids.shape[1])
+    program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
     # Failure status travels only where results depend on other ranks' hops (trailing accumulators).
     sched: RingSchedule = program.meta["schedule"]
     with RingRun(ring, x.device, direction, carries_status=sched.num_trailing > 0) as run:
-        step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed)
+        step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed,
+                        owners_per_hop=owners)
         out = run_program(program, step, step.initial_circulating())
     remember_status(ring, run.outcome())  # raises this rank's failure, or a peer's where reading it is free
     return out

@@ -30,13 +30,38 @@ ChunkGraphs = bool | Literal["auto"]
 # 16384-row chunks 8.2x at 0.86x, 8192-row chunks 8.6x at 1.38x.
 AUTO_HOP_ROWS_FRACTION = 4
 AUTO_MIN_HOP_ROWS = 16384
+# A forward chunk under ``"auto"`` may hold this many times a backward chunk's rows: a forward row keeps its
+# gathered row, the expert's input projections, activation and output alive (2H + 3F values for SwiGLU), a
+# backward row also the output gradient, the input gradient and the projections' gradients (3H + 5F), and the
+# forward runs before the backward's gradient sums exist, so twice the rows stay below the backward's peak.
+AUTO_FORWARD_ROWS_FACTOR = 2
 
 
-def hop_row_bound(max_hop_rows: HopRows, tokens: int) -> int | None:
-    """The rows of one expert call for a rank with ``tokens`` tokens (None: whole hops)."""
+def hop_row_bound(max_hop_rows: HopRows, tokens: int, *, forward: bool = False) -> int | None:
+    """The rows of one expert call for a rank with ``tokens`` tokens (None: whole hops); ``forward``: in the
+    forward ring (``"auto"`` allows it ``AUTO_FORWARD_ROWS_FACTOR`` times the rows; an explicit bound holds in
+    both directions)."""
     if max_hop_rows == "auto":
-        return max(tokens // AUTO_HOP_ROWS_FRACTION, AUTO_MIN_HOP_ROWS)
+        bound = max(tokens // AUTO_HOP_ROWS_FRACTION, AUTO_MIN_HOP_ROWS)
+        return bound * AUTO_FORWARD_ROWS_FACTOR if forward else bound
     return max_hop_rows
+
+
+def owners_per_hop(group_size: int, max_tokens: int, top_k: int) -> int:
+    """How many owners' weights one forward hop of expert routing holds (``programs.build``: the grouped forward).
+
+    A hop's fixed host cost (transfer, planning, kernel launches: ~0.5 ms on the H200) outweighs its compute
+    below ``AUTO_MIN_HOP_ROWS`` rows. A hop expects ``max_tokens * top_k / N`` rows under balanced routing
+    (``max_tokens``: the most tokens of any rank, from the agreed table, so every rank decides alike); ``g``
+    owners per hop run ``g + N / g - 1`` forward hops instead of ``N``. ``g`` is the largest power of two with
+    ``g`` times a hop's rows at most ``AUTO_MIN_HOP_ROWS`` that divides ``N`` and is at most ``N / 2`` (1: the
+    plain ring). Qwen3 layer, 65536 tokens: EP=64 -> 2 (8192-row hops), EP=8 -> 1.
+    """
+    hop_rows = max(1, max_tokens * top_k // group_size)
+    g = 1
+    while 2 * g <= group_size // 2 and group_size % (2 * g) == 0 and 2 * g * hop_rows <= AUTO_MIN_HOP_ROWS:
+        g *= 2
+    return g
 
 
 class InvalidRingOption(ValueError):

@@ -231,6 +231,7 @@ class RingTransfer:
     run: RingRun | None = None
     status_in: Tensor | None = None
     done: bool = False
+    stride: int = 1
 
     def wait(self) -> tuple[Tensor, ...]:
         """Block until both sides complete; the receive buffers. Waiting again returns them at once (a hop
@@ -253,15 +254,23 @@ class RingTransfer:
     def _failed(self, e: Exception) -> str:
         r = self.ring
         assert r is not None
+        peers = (
+            f"receiving from global rank {r.prev_global}, sending to global rank {r.next_global}" if self.stride == 1
+            else f"receiving from group rank {(r.rank - self.stride) % r.size}, sending to group rank "
+                 f"{(r.rank + self.stride) % r.size}"
+        )
         return (
-            f"ring_moe: transfer {self.index} of rank {r.rank} (receiving from global rank {r.prev_global}, sending "
-            f"to global rank {r.next_global}) failed: {e}. A neighbour that stopped outside hop compute or died "
-            "leaves this rank here until the backend notices or the process group's timeout"
+            f"ring_moe: transfer {self.index} of rank {r.rank} ({peers}) failed: {e}. A neighbour that stopped "
+            "outside hop compute or died leaves this rank here until the backend notices or the process group's "
+            "timeout"
         )
 
 
-def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: list[Tensor]) -> RingTransfer:
-    """Post ``payload`` to the next rank and ``receive`` (preallocated, contiguous) from the previous.
+def start_transfer(
+    ring: RingGroup, index: int, payload: list[Tensor], receive: list[Tensor], *, stride: int = 1
+) -> RingTransfer:
+    """Post ``payload`` to the rank ``stride`` on and ``receive`` (preallocated, contiguous) from the one ``stride``
+    back (1: the next and the previous rank).
 
     Inside a ``RingRun`` the transfer also carries the run's failure status and is tracked until waited on.
     """
@@ -290,16 +299,19 @@ def start_transfer(ring: RingGroup, index: int, payload: list[Tensor], receive: 
         status_in = torch.empty_like(status_out)
         sent.append(status_out)
         ops += [(True, status_out, STATUS_TAG + index), (False, status_in, STATUS_TAG + index)]
-    xfer = RingTransfer(sent=sent, received=receive, works=_post(ring, receive[0].device, ops), index=index,
-                        seq=run.num_posted if run is not None else 0, ring=ring, run=run, status_in=status_in)
+    xfer = RingTransfer(sent=sent, received=receive, works=_post(ring, receive[0].device, ops, stride), index=index,
+                        seq=run.num_posted if run is not None else 0, ring=ring, run=run, status_in=status_in,
+                        stride=stride)
     if run is not None:
         run.num_posted += 1
         run.posted.append(xfer)
     return xfer
 
 
-def _post(ring: RingGroup, device: torch.device, ops: Sequence[tuple[bool, Tensor, int]]) -> list[dist.Work]:
-    """Post ``(is_send, tensor, tag)`` ops to the next / from the previous rank: what ``dist.batch_isend_irecv``
+def _post(
+    ring: RingGroup, device: torch.device, ops: Sequence[tuple[bool, Tensor, int]], stride: int = 1
+) -> list[dist.Work]:
+    """Post ``(is_send, tensor, tag)`` ops to the rank ``stride`` on / from the one ``stride`` back: what ``dist.batch_isend_irecv``
     posts (the same backend calls in the same order, coalesced into one group where the backend coalesces,
     NCCL), without its per-op Python (``P2POp`` objects, group and rank checks, rank translation): the ring
     posts two transfers per hop, and at EP=64 that Python was a tenth of a step's host time."""
@@ -308,7 +320,7 @@ def _post(ring: RingGroup, device: torch.device, ops: Sequence[tuple[bool, Tenso
     coalesced = _coalesces(group, device)
     if coalesced:
         group._start_coalescing(device)
-    dst, src = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
+    dst, src = (ring.rank + stride) % ring.size, (ring.rank - stride) % ring.size
     works = [group.send([t], dst, tag) if is_send else group.recv([t], src, tag) for is_send, t, tag in ops]
     return [group._end_coalescing(device)] if coalesced else works
 

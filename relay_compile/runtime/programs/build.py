@@ -16,6 +16,19 @@ it one hop behind (expert backward: weight gradients; token routing: the outputs
     after hop N-1:  ring_start/ring_wait of trail_{N-1} only: accumulators return to their owners
     output:         finish(step, *trail)
 
+Expert routing's forward with ``g = sched.owners_per_hop > 1`` (small hops: ``ring_options.owners_per_hop``)
+holds ``g`` owners' weights per hop, stacked in one tensor per weight, and moves them ``g`` ranks per hop:
+
+    hops 0..g-1:    hop_forward(step, k, *circ_k)                 owner r-k alone
+                    ring_start(..., stride=1, slot=g-2-k)         circ_k on; owner r-k-1 into the stack [k < g-1]
+                    stack_g0 = stack_owners(step, *slots)         + own weights: owners r-g+1 .. r  [before hop g-1]
+    hop g-1+j:      ring_start(..., *stack_{j-1}, stride=g)       stack j-1 on, stack j in   [j >= 1]
+                    hop_forward_group(step, j, *stack_j)          owners r-gj-g+1 .. r-gj
+
+``g + N/g - 1`` hops compute instead of ``N`` (EP=64, g=2: 33), one grouped GEMM call over ``g`` owners'
+experts each; every owner is still met exactly once (the stack of rank ``r - g`` at group ``j - 1`` is this
+rank's at group ``j``).
+
 The naive backward is what activation checkpointing of the whole block would do: a *replay* ring first
 recomputes every hop's activations (``hop_recompute``, all kept alive), then the gradient ring consumes them
 (``hop_vjp``). ``remat`` turns it into one ring whose hops recompute, consume and release.
@@ -37,10 +50,12 @@ from relay_compile.runtime.programs.instructions import (
     accumulate,
     finish,
     hop_forward,
+    hop_forward_group,
     hop_recompute,
     hop_vjp,
     ring_start,
     ring_wait,
+    stack_owners,
 )
 from relay_compile.runtime.programs.schedule import RingName, RingNode, RingSchedule
 
@@ -51,8 +66,8 @@ class _Builder:
     def __init__(self, graph: fx.Graph, step: fx.Node, sched: RingSchedule) -> None:
         self.graph, self.step, self.sched = graph, step, sched
 
-    def call(self, fn: Callable[..., object], args: tuple, meta: RingNode) -> fx.Node:
-        node = self.graph.call_function(fn, args)
+    def call(self, fn: Callable[..., object], args: tuple, meta: RingNode, kwargs: dict | None = None) -> fx.Node:
+        node = self.graph.call_function(fn, args, kwargs)
         node.meta["ring"] = meta
         return node
 
@@ -67,10 +82,11 @@ class _Builder:
         return items
 
     def transfer(
-        self, ring: RingName, hop: int, index: int, circ: list[fx.Node], trail: list[fx.Node]
+        self, ring: RingName, hop: int, index: int, circ: list[fx.Node], trail: list[fx.Node], **where: int
     ) -> list[fx.Node]:
+        """``ring_start`` + ``ring_wait``; ``where``: the start's ``stride`` / ``slot`` (grouped forward)."""
         start = self.call(ring_start, (self.step, index, hop, len(circ), *circ, *trail), RingNode(
-            ring=ring, hop=hop, role="start"))
+            ring=ring, hop=hop, role="start"), where or None)
         return self.call_items(ring_wait, (start,), RingNode(ring=ring, hop=hop, role="wait"), len(circ) + len(trail))
 
     def ring(
@@ -101,6 +117,23 @@ class _Builder:
         return trail
 
 
+    def grouped_forward(self, circ0: list[fx.Node]) -> None:
+        """Expert routing's forward, ``owners_per_hop`` owners per hop (module docstring)."""
+        g, n = self.sched.owners_per_hop, self.sched.num_hops
+        circ, slots = circ0, list[fx.Node]()
+        for k in range(g - 1):
+            self.call(hop_forward, (self.step, k, *circ), RingNode(ring="forward", hop=k, role="compute"))
+            circ = self.transfer("forward", k, k, circ, [], stride=1, slot=g - 2 - k)
+            slots += circ
+        stack = self.call_items(stack_owners, (self.step, *slots), RingNode(ring="forward", hop=g - 1, role="stack"),
+                                len(circ0))
+        self.call(hop_forward, (self.step, g - 1, *circ), RingNode(ring="forward", hop=g - 1, role="compute"))
+        for group in range(1, n // g):
+            hop = g - 1 + group
+            stack = self.transfer("forward", hop - 1, hop - 1, stack, [], stride=g)
+            self.call(hop_forward_group, (self.step, group, *stack), RingNode(ring="forward", hop=hop, role="compute"))
+
+
 def build_program(sched: RingSchedule) -> fx.GraphModule:
     """The naive program of a schedule (see the module docstring)."""
     graph = fx.Graph()
@@ -108,7 +141,10 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
     circ0 = [graph.placeholder(f"circ{i}") for i in range(sched.num_circulating)]
     b = _Builder(graph, step, sched)
     n_trail = sched.num_trailing
-    if sched.direction == "forward":
+    if sched.owners_per_hop > 1:
+        b.grouped_forward(circ0)
+        trail = []
+    elif sched.direction == "forward":
         def fwd(hop: int, circ: list[fx.Node]) -> list[fx.Node]:
             return b.call_items(hop_forward, (step, hop, *circ), RingNode(ring="forward", hop=hop, role="compute"),
                                 n_trail)
@@ -128,11 +164,13 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
         b.ring("replay", circ0[: sched.num_replayed], sched.num_hops + 1, replay)
         trail = b.ring("grad", circ0, 0, grad)
     out = graph.call_function(finish, (step, *trail))
-    out.meta["ring"] = RingNode(ring="grad" if sched.direction == "backward" else "forward",
-                                hop=sched.num_hops, role="finish")
+    last = sched.num_hops if sched.owners_per_hop == 1 else sched.owners_per_hop + sched.num_hops // sched.owners_per_hop - 1
+    out.meta["ring"] = RingNode(ring="grad" if sched.direction == "backward" else "forward", hop=last, role="finish")
     graph.output(out)
     graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph, class_name=f"RingProgram_{sched.direction}_{sched.routing}")
+    grouped = f"_{sched.owners_per_hop}owners" if sched.owners_per_hop > 1 else ""
+    return fx.GraphModule(torch.nn.Module(), graph,
+                          class_name=f"RingProgram_{sched.direction}_{sched.routing}{grouped}")
 
 
 def run_program(program: fx.GraphModule, step: RingStep, circulating: Sequence[Tensor]) -> tuple[Tensor, ...]:

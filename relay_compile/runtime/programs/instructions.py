@@ -16,11 +16,15 @@ from relay_compile.runtime.hop_compute import ExpertRoutingStep, HopActivations,
 from relay_compile.runtime.transport import RingTransfer, start_transfer
 
 
-def ring_start(step: RingStep, index: int, hop: int, num_circulating: int, *payload: Tensor) -> RingTransfer:
+def ring_start(
+    step: RingStep, index: int, hop: int, num_circulating: int, *payload: Tensor, stride: int = 1,
+    slot: int | None = None,
+) -> RingTransfer:
     """Post transfer ``index`` (tags), sent at ``hop`` of its ring: ``payload[:num_circulating]`` moves on,
-    the rest are trailing accumulators."""
-    receive = step.receive_buffers(hop, num_circulating, payload)
-    return start_transfer(step.cfg.ring, index, list(payload), receive)
+    the rest are trailing accumulators. ``stride``: sent ``stride`` ranks on (received from as many back);
+    ``slot``: received into that slot of the step's owner stack (the grouped forward's first hops)."""
+    receive = step.receive_buffers(hop, num_circulating, payload, slot=slot)
+    return start_transfer(step.cfg.ring, index, list(payload), receive, stride=stride)
 
 
 def ring_wait(transfer: RingTransfer) -> tuple[Tensor, ...]:
@@ -31,6 +35,19 @@ def ring_wait(transfer: RingTransfer) -> tuple[Tensor, ...]:
 def hop_forward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
     """Forward hop: the pairs that meet here; returns trailing partials (token routing) or ``()``."""
     return step.forward_hop(hop, *circulating)
+
+
+def stack_owners(step: RingStep, *slots: Tensor) -> tuple[Tensor, ...]:
+    """The grouped forward's first owner stack, complete once ``slots`` (what its first transfers received into
+    it) have arrived: this rank's own weights are copied into its last slot."""
+    assert isinstance(step, ExpertRoutingStep), "stack_owners: only expert routing's forward groups owners"
+    return step.stack_owners()
+
+
+def hop_forward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+    """Grouped forward hop: the pairs that meet owner stack ``group`` (``stacked``: the owners' weights)."""
+    assert isinstance(step, ExpertRoutingStep), "hop_forward_group: only expert routing's forward groups owners"
+    return step.forward_group(group, *stacked)
 
 
 def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
@@ -70,10 +87,10 @@ def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
 
 
 INSTRUCTIONS = (
-    ring_start, ring_wait, hop_forward, hop_backward, hop_backward_into, hop_recompute, hop_vjp, accumulate, finish,
+    ring_start, ring_wait, stack_owners, hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_recompute, hop_vjp, accumulate, finish,
 )
 # The hop instructions that compute (``overlap`` schedules transfers around them).
-COMPUTE = (hop_forward, hop_backward, hop_backward_into, hop_vjp)
+COMPUTE = (hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_vjp)
 
 for _fn in INSTRUCTIONS:
     fx.node.has_side_effect(_fn)

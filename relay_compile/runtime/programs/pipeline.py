@@ -1,6 +1,6 @@
 """pipeline: the programs of a ring spec, built once and shaped by the program passes.
 
-    schedule_for(direction, routing, N, circulating weights)   # schedule.py: sizes only
+    schedule_for(direction, routing, N, circulating weights, owners per hop)   # schedule.py: sizes only
       -> build_program                                       # build.py: the naive program
       -> remat_pass (backward, option ``remat``)             # remat.py
       -> sum_in_place_pass (expert routing backward, remat)  # sum_in_place.py
@@ -22,6 +22,7 @@ from relay_compile.runtime.programs.overlap import overlap_pass
 from relay_compile.runtime.programs.remat import remat_pass
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule, schedule_for
 from relay_compile.runtime.programs.sum_in_place import sum_in_place_pass
+from relay_compile.runtime.ring_options import owners_per_hop
 from relay_compile.runtime.specs import RingSpec
 
 
@@ -42,12 +43,24 @@ def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphM
     return gm
 
 
+def forward_owners(
+    direction: Direction, routing: Routing, group_size: int, grouped_experts: bool, max_tokens: int, top_k: int
+) -> int:
+    """Owners per hop of the program (``ring_options.owners_per_hop``): more than one only in expert routing's
+    forward, of an expert function with grouped entry points (a stack of owners' weights is one operand of its
+    grouped GEMMs; any other F takes one partition per call). ``max_tokens``: the most tokens of any rank."""
+    if direction != "forward" or routing != "expert" or not grouped_experts:
+        return 1
+    return owners_per_hop(group_size, max_tokens, top_k)
+
+
 def program_for(
-    spec: RingSpec, direction: Direction, routing: Routing, group_size: int, num_weights: int
+    spec: RingSpec, direction: Direction, routing: Routing, group_size: int, num_weights: int, owners: int = 1
 ) -> fx.GraphModule:
-    """The program ``spec`` runs in ``direction`` with ``routing`` on ``group_size`` ranks.
+    """The program ``spec`` runs in ``direction`` with ``routing`` on ``group_size`` ranks, ``owners`` per hop
+    (``forward_owners``).
 
     ``num_weights``: the weight tensors the op receives (the expert function may pack them into fewer).
     """
-    sched = schedule_for(direction, routing, group_size, spec.circulating_weights(num_weights))
+    sched = schedule_for(direction, routing, group_size, spec.circulating_weights(num_weights), owners)
     return shaped_program(sched, spec.options.overlap, spec.options.remat)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Direction = Literal["forward", "backward"]
-Role = Literal["start", "wait", "compute", "recompute", "accumulate", "finish"]
+Role = Literal["start", "wait", "compute", "recompute", "accumulate", "stack", "finish"]
 RingName = Literal["forward", "replay", "grad"]
 
 
@@ -30,6 +30,8 @@ class RingSchedule:
 
     ``num_circulating``: tensors that move each hop. ``num_trailing``: accumulators one hop behind.
     ``num_replayed``: backward only, the circulating tensors the replay ring needs (a prefix).
+    ``owners_per_hop``: expert routing's forward only, ``g`` owners' weights per hop (``build``: the grouped
+    forward; ``ring_options.owners_per_hop`` decides it); ``num_hops`` stays the ring's size ``N``.
     """
 
     direction: Direction
@@ -38,18 +40,31 @@ class RingSchedule:
     num_circulating: int
     num_trailing: int
     num_replayed: int = 0
+    owners_per_hop: int = 1
+
+    def __post_init__(self) -> None:
+        g = self.owners_per_hop
+        if g > 1 and not (self.direction == "forward" and self.routing == "expert" and self.num_hops % g == 0
+                          and 2 * g <= self.num_hops):
+            raise ValueError(f"RingSchedule: {g} owners per hop needs expert routing's forward on a ring of a "
+                             f"multiple of {g} ranks, at least {2 * g} (got {self.direction} {self.routing} on "
+                             f"{self.num_hops})")
 
 
-def schedule_for(direction: Direction, routing: str, num_hops: int, num_weights: int) -> RingSchedule:
+def schedule_for(
+    direction: Direction, routing: str, num_hops: int, num_weights: int, owners_per_hop: int = 1
+) -> RingSchedule:
     """The schedule of one (direction, routing) pair; ``num_weights``: circulating weight tensors (packed).
 
-    Expert routing circulates the weights (backward: their gradients trail). Token routing circulates
-    ``(x, ids, scores)`` (backward: ``+ dy``); ``y`` (backward: ``dx, d_scores``) trails.
+    Expert routing circulates the weights (backward: their gradients trail); its forward may hold
+    ``owners_per_hop`` owners' weights per hop. Token routing circulates ``(x, ids, scores)`` (backward:
+    ``+ dy``); ``y`` (backward: ``dx, d_scores``) trails.
     """
     if routing == "expert":
         return RingSchedule(
             direction=direction, routing=routing, num_hops=num_hops, num_circulating=num_weights,
             num_trailing=num_weights if direction == "backward" else 0, num_replayed=num_weights,
+            owners_per_hop=owners_per_hop,
         )
     return RingSchedule(
         direction=direction, routing=routing, num_hops=num_hops,
