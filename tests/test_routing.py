@@ -7,7 +7,7 @@ import unittest
 
 import torch
 
-from relay_compile.routing import plan_chunks, split_experts
+from relay_compile.routing import PairRouting, plan_chunks, split_experts, split_owners
 
 
 class SplitExperts(unittest.TestCase):
@@ -46,7 +46,45 @@ class SplitExperts(unittest.TestCase):
             self.assertEqual(per_expert, rows_L)
 
 
+class SplitOwners(unittest.TestCase):
+    """A grouped forward hop's chunks over a stack of owners (E_l = 2, N = 4, rows per expert below)."""
+
+    rows_E = [1, 2, 0, 3, 4, 0, 5, 6]
+
+    def routing(self) -> PairRouting:
+        ids = torch.tensor([e for e, n in enumerate(self.rows_E) for _ in range(n)]).reshape(-1, 1)
+        return PairRouting.build(ids, self.rows_E, 2)
+
+    def test_consecutive_owners_are_one_range_and_lo_hi_index_the_stack(self) -> None:
+        # Owners 1, 2: experts 2..5, sorted pairs [3, 10); one chunk over all four experts of the stack.
+        self.assertEqual(split_owners(self.routing(), [1, 2], None), [(3, 10, 0, 4, (0, 3, 4, 0))])
+        # Bounded: whole experts packed up to 4 rows, each chunk's experts numbered in the stack.
+        self.assertEqual(split_owners(self.routing(), [1, 2], 4), [(3, 6, 0, 2, (0, 3)), (6, 10, 2, 4, (4, 0))])
+
+    def test_a_stack_that_wraps_around_the_ring_is_two_ranges(self) -> None:
+        # Owners 3, 0: experts 6, 7 (pairs [10, 21)) in slot 0, experts 0, 1 (pairs [0, 3)) in slot 1.
+        self.assertEqual(split_owners(self.routing(), [3, 0], None),
+                         [(10, 21, 0, 2, (5, 6)), (0, 3, 2, 4, (1, 2))])
+
+    def test_empty_owners_give_no_chunks(self) -> None:
+        rows_E = self.rows_E
+        self.rows_E = [0, 0, 0, 0, 4, 0, 0, 0]
+        try:
+            self.assertEqual(split_owners(self.routing(), [0, 1], 3), [])
+            self.assertEqual(split_owners(self.routing(), [1, 2], 3), [(0, 2, 2, 3, (2,)), (2, 4, 2, 3, (2,))])
+        finally:
+            self.rows_E = rows_E
+
+
 class PlanChunks(unittest.TestCase):
+    def test_a_hop_holding_several_owners_has_tables_as_long_as_its_experts(self) -> None:
+        plans = plan_chunks([split_experts([1, 2], 0, None), [(3, 10, 0, 4, (0, 3, 4, 0))]], [2, 4],
+                            torch.device("cpu"))
+        self.assertEqual(plans[1][0].counts_L.tolist(), [0, 3, 4, 0])
+        self.assertEqual(plans[1][0].offsets_G.tolist(), [0, 3, 7, 7])
+        self.assertTrue(plans[1][0].whole and plans[0][0].whole)
+
+
     def test_device_tables_hold_offsets_and_counts_of_each_chunk(self) -> None:
         bounds = [split_experts([3, 0, 2, 9], 0, 4), [], split_experts([1, 1, 1, 1], 14, None)]
         plans = plan_chunks(bounds, 4, torch.device("cpu"))

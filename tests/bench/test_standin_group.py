@@ -5,6 +5,7 @@ this rank's own pairs), eager and compiled (``relay_compile.bench.rows.compiled_
 
 from __future__ import annotations
 
+import collections
 import unittest
 import unittest.mock
 
@@ -19,6 +20,8 @@ from relay_compile.bench import StandinError, StandinGroup, destroy_standin_grou
 from relay_compile.bench.configs import LayerConfig
 from relay_compile.bench.rows import compiled_a2a_builder
 from relay_compile.reference import a2a_moe, dense_moe, moe_weights
+from relay_compile.runtime.hop_compute import ExpertRoutingStep
+from relay_compile.runtime.ring_options import owners_per_hop
 from tests.bench.standin_case import StandinTestCase
 
 
@@ -126,6 +129,16 @@ def _dense_tied(world: int):
     return fn
 
 
+def _counting(calls: collections.Counter, name: str):
+    original = getattr(ExpertRoutingStep, name)
+
+    def counted(self, *args):
+        calls[name] += 1
+        return original(self, *args)
+
+    return counted
+
+
 class MoEUnderTheStandinGroup(StandinTestCase):
     def assert_all_close(self, got: list[Tensor], want: list[Tensor], what: str) -> None:
         names = ["y", "dx", "d_scores", "dw1", "dw2", "dw3"]
@@ -143,6 +156,25 @@ class MoEUnderTheStandinGroup(StandinTestCase):
             for options in ({"overlap": True}, {"overlap": False}, {"max_hop_rows": 5}):
                 ring = _forward_backward(ring_moe, x, ids, scores, weights, group=group, routing="expert", **options)
                 self.assert_all_close(ring, a2a, f"ring_moe(expert, {options}) at N={world}")
+
+    def test_grouped_forward_meets_every_owner_once_for_random_and_lopsided_routing(self) -> None:
+        # Tiny hops: g owners per forward hop (ring_options.owners_per_hop), g + N/g - 1 forward computes. Routing:
+        # random; every pair on one expert of owner N/2 (one stack holds them all, the other hops are empty); only
+        # this rank's own experts (met alone at hop 0: every stack empty). (Stacks that wrap around the ring are
+        # other ranks': tests/test_ring_moe.py's world of 4, and test_routing.py's SplitOwners.)
+        for world, e_l, g in ((4, 2, 2), (6, 1, 2), (8, 1, 4), (16, 1, 8)):
+            group = standin_group(world)
+            x, ids, scores, weights = _inputs(world, e_l, seed=world)
+            self.assertEqual(owners_per_hop(world, T, K), g)
+            for case, case_ids in (("random", ids), ("one stack", torch.full_like(ids, world // 2 * e_l)),
+                                   ("own experts", ids % e_l)):
+                dense = _forward_backward(_dense_tied(world), x, case_ids, scores, weights)
+                calls = collections.Counter()
+                spies = {name: _counting(calls, name) for name in ("forward_hop", "forward_group")}
+                with unittest.mock.patch.multiple(ExpertRoutingStep, **spies):
+                    ring = _forward_backward(ring_moe, x, case_ids, scores, weights, group=group, routing="expert")
+                self.assert_all_close(ring, dense, f"grouped forward, {case}, N={world}")
+                self.assertEqual((calls["forward_hop"], calls["forward_group"]), (g, world // g - 1), case)
 
     def test_token_routing_ring_computes_n_times_the_pairs_on_this_ranks_experts(self) -> None:
         # Every hop brings this rank's own tokens back to its own experts (module docstring of standin_group).
@@ -179,8 +211,9 @@ class MoEUnderTheStandinGroup(StandinTestCase):
 
 class RingTransfersOnTheStandinGroup(StandinTestCase):
     def test_forwarded_payloads_take_one_send_per_transfer(self) -> None:
-        # Expert routing, SwiGLU packed to (w13, w2), N = 8. Forward: hop 0 sends the local weights (2 tensors),
-        # hops 1..N-2 forward what they received (1 span each). Backward (+1 status send per transfer): hop 0's
+        # Expert routing, SwiGLU packed to (w13, w2), N = 8. Forward, four owners per hop (8-row hops): the first
+        # three transfers send the local weights and then the slots received (2 tensors each: slots of two stacks),
+        # the one stack transfer the first stack (2 tensors: not a received group). Backward (+1 status send per transfer): hop 0's
         # weights (2), hop 1's weights and the fresh sums of hop 0 (4), hops 2..N-2 forward the weights and the
         # sums they added into (2 spans: weights and sums are separate buffers), hop N-1 the sums (1), the return
         # to the owners (2, separate tensors: they become the op's outputs).
@@ -203,7 +236,8 @@ class RingTransfersOnTheStandinGroup(StandinTestCase):
             y = ring_moe(x, ids, scores, *weights, group=group, routing="expert")
             phase = "backward"
             y.sum().backward()
-        self.assertEqual(sends, {"forward": 2 + (n - 2), "backward": (2 + 4 + 2 * (n - 3) + 1 + 2) + n + 1})
+        self.assertEqual(owners_per_hop(n, tokens, top_k), 4)
+        self.assertEqual(sends, {"forward": 3 * 2 + 2, "backward": (2 + 4 + 2 * (n - 3) + 1 + 2) + n + 1})
 
 
 if __name__ == "__main__":

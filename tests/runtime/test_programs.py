@@ -35,6 +35,7 @@ def schedule_text(gm: fx.GraphModule) -> str:
         if info is None or node.target is operator.getitem:
             continue
         extra = f" xfer={node.args[1]} sends={len(node.args) - 4}" if node.target is ring_start else ""
+        extra += "".join(f" {k}={v}" for k, v in node.kwargs.items())
         lines.append(f"{node.target.__name__} {info.ring} hop={info.hop}{extra}")
     return "\n".join(lines)
 
@@ -159,6 +160,51 @@ class OverlapPass(TestCase):
             order = [n.args[1] for n in naive.graph.nodes if n.target is ring_start]
             shaped = overlap_pass(naive)
             self.assertEqual(order, [n.args[1] for n in shaped.graph.nodes if n.target is ring_start])
+
+    def test_grouped_forward_meets_owners_alone_then_moves_stacks_g_ranks_per_hop(self) -> None:
+        # N=6, two owners per hop: owners r, r-1 alone (the first transfer brings r-1 into slot 0 of the stack),
+        # then stacks of two move two ranks per hop: 3 transfers and 4 computes instead of 5 and 6.
+        gm = build_program(schedule_for("forward", "expert", 6, 2, owners_per_hop=2))
+        self.assertExpectedInline(schedule_text(gm), """\
+hop_forward forward hop=0
+ring_start forward hop=0 xfer=0 sends=2 stride=1 slot=0
+ring_wait forward hop=0
+stack_owners forward hop=1
+hop_forward forward hop=1
+ring_start forward hop=1 xfer=1 sends=2 stride=2
+ring_wait forward hop=1
+hop_forward_group forward hop=2
+ring_start forward hop=2 xfer=2 sends=2 stride=2
+ring_wait forward hop=2
+hop_forward_group forward hop=3
+finish forward hop=4""")
+
+    def test_overlapped_grouped_forward_posts_every_transfer_before_a_compute(self) -> None:
+        # The stack's first transfer goes out before the last owner met alone is computed.
+        gm = ring_program(schedule_for("forward", "expert", 8, 2, owners_per_hop=4), True, True)
+        self.assertExpectedInline(schedule_text(gm), """\
+ring_start forward hop=0 xfer=0 sends=2 stride=1 slot=2
+hop_forward forward hop=0
+ring_wait forward hop=0
+ring_start forward hop=1 xfer=1 sends=2 stride=1 slot=1
+hop_forward forward hop=1
+ring_wait forward hop=1
+ring_start forward hop=2 xfer=2 sends=2 stride=1 slot=0
+hop_forward forward hop=2
+ring_wait forward hop=2
+stack_owners forward hop=3
+ring_start forward hop=3 xfer=3 sends=2 stride=4
+hop_forward forward hop=3
+ring_wait forward hop=3
+hop_forward_group forward hop=4
+finish forward hop=5""")
+        check_overlap(gm)
+
+    def test_owners_per_hop_is_refused_where_the_ring_cannot_group_them(self) -> None:
+        for direction, routing, n, g in (("backward", "expert", 8, 2), ("forward", "token", 8, 2),
+                                         ("forward", "expert", 6, 4), ("forward", "expert", 4, 4)):
+            with self.assertRaisesRegex(ValueError, "owners per hop needs expert routing's forward"):
+                schedule_for(direction, routing, n, 2, owners_per_hop=g)
 
     def test_check_overlap_rejects_a_transfer_posted_after_its_hop(self) -> None:
         gm = build_program(schedule_for("forward", "expert", 3, 1))

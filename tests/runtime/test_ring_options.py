@@ -9,7 +9,13 @@ import torch
 from relay_compile import config
 from relay_compile.experts import ffn_expert_fn
 from relay_compile.options import resolve
-from relay_compile.runtime.ring_options import AUTO_MIN_HOP_ROWS, InvalidRingOption, RingOptions, hop_row_bound
+from relay_compile.runtime.ring_options import (
+    AUTO_MIN_HOP_ROWS,
+    InvalidRingOption,
+    RingOptions,
+    hop_row_bound,
+    owners_per_hop,
+)
 from relay_compile.runtime.specs import RingSpec, register_spec, spec_state
 
 
@@ -52,6 +58,21 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
         self.assertEqual(hop_row_bound("auto", 128), AUTO_MIN_HOP_ROWS)
         self.assertIsNone(hop_row_bound(None, 1 << 20))
         self.assertEqual(hop_row_bound(64, 1 << 20), 64)
+
+    def test_auto_lets_a_forward_chunk_hold_twice_the_rows_and_an_explicit_bound_holds_both_ways(self) -> None:
+        self.assertEqual(hop_row_bound("auto", 65536, forward=True), 2 * hop_row_bound("auto", 65536))
+        self.assertEqual(hop_row_bound(64, 1 << 20, forward=True), 64)
+        self.assertIsNone(hop_row_bound(None, 1 << 20, forward=True))
+
+    def test_owners_per_hop_groups_hops_below_the_minimum_rows_into_powers_of_two_dividing_the_ring(self) -> None:
+        # Qwen3 layer, 65536 tokens, K=8: hops of 8192 rows at EP=64 go in pairs, EP=8's 65536-row hops alone.
+        self.assertEqual(owners_per_hop(64, 65536, 8), 2)
+        self.assertEqual(owners_per_hop(8, 65536, 8), 1)
+        self.assertEqual(owners_per_hop(32, 65536, 8), 1)  # 16384 rows: at the minimum already
+        self.assertEqual(owners_per_hop(128, 65536, 8), 4)
+        # At most half the ring, a divisor of it: tiny hops on 4, 6, 12 ranks; none on 2 or an odd ring.
+        self.assertEqual([owners_per_hop(n, 12, 3) for n in (2, 3, 4, 6, 12, 7)], [1, 1, 2, 2, 4, 1])
+        self.assertLessEqual(owners_per_hop(64, 65536, 8) * 65536 * 8 // 64, AUTO_MIN_HOP_ROWS)
 
     def test_the_key_spells_every_field(self) -> None:
         key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False,

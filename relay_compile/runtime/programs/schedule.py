@@ -69,5 +69,5 @@ def schedule_for(
     return RingSchedule(
         direction=direction, routing=routing, num_hops=num_hops,
         num_circulating=3 if direction == "forward" else 4,
-        num_trailing=1 if direction == "forward" else 2, num_replayed=3,
+        num_trailing=1 if direction == "forward" else 2, num_replayed=3, owners_per_hop=owners_per_hop,
     )
