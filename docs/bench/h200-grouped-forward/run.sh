@@ -7,19 +7,20 @@
 set -uo pipefail
 OUT=$1; shift
 PARTS=${*:-tests ab rows titan}
-RAW=/tmp/raw; mkdir -p $RAW
+RAW=/tmp/raw; mkdir -p $RAW; n=0
 source docs/bench/device_env.sh
 for part in $PARTS; do
   echo "== $part $(date +%T)"
   case $part in
     tests) python -m pytest -q tests/bench/test_standin_group.py tests/test_experts.py tests/runtime/test_transport.py \
              tests/test_routing.py 2>&1 | tail -2 ;;
-    ab) for i in 1 2 3; do  # baseline (.ab_old) and this tree alternating, one process each, medians of 60 steps
+    ab) n=$((n + 1)); for i in 1 2 3; do  # baseline (.ab_old) and this tree alternating, one process each, medians of 60 steps
           echo -n "base: "; PYTHONPATH=.ab_old:/tmp/site python docs/bench/h200-grouped-forward/steps.py 2>&1 \
             | grep -v Warn | tail -1
           echo -n "new:  "; python docs/bench/h200-grouped-forward/steps.py 2>&1 | grep -v Warn | tail -1
-        done | tee $RAW/ab.txt ;;
-    rows) mkdir -p $RAW/rows && python docs/bench/h200-grouped-forward/rows.py $RAW/rows --ep 64 8 2>&1 \
+        done | tee $RAW/ab$n.txt ;;
+    rows) n=$((n + 1)); mkdir -p $RAW/rows$n  # "rows" may be asked more than once: rows1, rows2, ...
+          python docs/bench/h200-grouped-forward/rows.py $RAW/rows$n --ep 64 8 2>&1 \
             | grep -v "Warn\|warn_once\|^\[" ;;
     titan) mkdir -p $RAW/titan && python docs/bench/h200-torchtitan/titan_rows.py $RAW/titan --interleave \
              > $RAW/titan_log.txt 2>&1; tail -22 $RAW/titan_log.txt | grep -v "Warn\|warn_once" ;;
