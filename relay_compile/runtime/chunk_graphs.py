@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.experts import GroupedExperts
-from relay_compile.routing import Chunk
+from relay_compile.routing import Chunk, padded_positions
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +123,10 @@ class PaddedChunks:
                 total += rows
         if not chunks:
             return None
-        device, pairs = tokens_P.device, tokens_P.shape[0]
-        pinned = device.type == "cuda"
-        segs = torch.tensor([seg_first, seg_real, seg_rows], dtype=torch.int64, pin_memory=pinned).to(
+        device = tokens_P.device
+        offsets_dev = torch.tensor(offsets, dtype=torch.int32, pin_memory=device.type == "cuda").to(
             device, non_blocking=True)
-        offsets_dev = torch.tensor(offsets, dtype=torch.int32, pin_memory=pinned).to(device, non_blocking=True)
-        first_S, real_S, rows_S = segs.unbind(0)
-        seg_Q = torch.repeat_interleave(torch.arange(len(seg_rows), device=device), rows_S, output_size=total)
-        local_Q = torch.arange(total, device=device) - (torch.cumsum(rows_S, 0) - rows_S)[seg_Q]
-        pos_Q = torch.where(local_Q < real_S[seg_Q], first_S[seg_Q] + local_Q, pairs)
+        pos_Q = padded_positions(seg_first, seg_real, seg_rows, tokens_P.shape[0], device)
         tok_Q = torch.cat([tokens_P, tokens_P.new_zeros(1)])[pos_Q]
         score_Q = torch.cat([scores_S, scores_S.new_zeros(1)])[pos_Q]
         return cls(chunks, tok_Q, score_Q, offsets_dev)

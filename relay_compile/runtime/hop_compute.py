@@ -38,6 +38,7 @@ from relay_compile.grouped_gemm import grouped_mm_supported
 from relay_compile.routing import PairRouting, plan_chunks, split_experts, split_owners
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.chunk_graphs import PaddedChunks
+from relay_compile.runtime.equal_groups import EqualGroups
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.segment_compute import (
     ACC_DTYPE,
@@ -201,13 +202,17 @@ class ExpertRoutingStep:
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
         graphs = cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
+        self.equal = (EqualGroups.plan(self.chunks, routing.tokens_P, self.scores_S)
+                      if self.backward and self.padded is None and cfg.pads_equal_groups else None)
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
         else:
             self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
-            # Every pair meets its expert on exactly one hop, so every entry is written.
-            self.ds_S = torch.empty(self.scores_S.shape, dtype=ACC_DTYPE, device=x_TH.device)
+            # Every pair meets its expert on exactly one hop, so every entry is written (one past the pairs: the
+            # padding rows' of equal groups, ``finish``).
+            self.ds_S1 = torch.empty(self.scores_S.shape[0] + 1, dtype=ACC_DTYPE, device=x_TH.device)
+            self.ds_S = self.ds_S1[:-1]
 
     def initial_circulating(self) -> list[Tensor]:
         return self.weights
@@ -237,7 +242,7 @@ class ExpertRoutingStep:
     def _rows(self, hop: int) -> HopRows:
         owner = (self.cfg.ring.rank - hop) % self.cfg.ring.size
         return HopRows(routing=self.routing, chunks=self.chunks[owner], src=self.cfg.ring.rank,
-                       scores_S=self.scores_S, padded=self.padded)
+                       scores_S=self.scores_S, padded=self.padded, equal=self.equal)
 
     @_drains(_no_partials)
     def forward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
@@ -301,6 +306,8 @@ class ExpertRoutingStep:
         dtype = self.x_TH.dtype
         if self.grad_y_TH is None:
             return (self.y.finish(dtype),)
+        if self.equal is not None:
+            self.equal.scores_grad_into(self.ds_S1)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
         return (self.dx.finish(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
                 *unpack_grads(self.cfg.grouped, trailing, self.weights, self.given_weights))

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.routing import PairRouting, summed_bytes
+from relay_compile.runtime import equal_groups
 from relay_compile.runtime.agreement import BadArgument, Claims, agree, remember_status
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,
@@ -126,6 +127,7 @@ def _run(
         max_hop_rows=hop_row_bound(spec.options.max_hop_rows, x.shape[0], forward=direction == "forward"),
         acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
         scores_before=spec.scores_applied == "before", chunk_graphs=spec.options.graphs_on(x.device),
+        equal_groups=equal_groups.applies(x.device),
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
     fp32 = spec.options.fp32_accumulation

@@ -18,6 +18,9 @@ routing), and the ``y``/``dx`` accumulators (travelling in token routing, local 
 in fp32, so a sum over hops is rounded to bf16 once, as an fp32-accumulating GEMM (or the CPU's index_add)
 of the all-to-all layer rounds it, not once per hop. The per-pair score gradients are reduced in fp32.
 
+On CUDA, expert routing's backward chunks of near-equal experts run padded to equal rows, as batched GEMMs
+(``runtime.equal_groups``; ``HopRows.equal`` says which).
+
 Opt-in (``chunk_graphs``): expert routing's chunks run padded to bucketed row counts through static-shape
 programs, replayed as CUDA graphs (``runtime.chunk_graphs``; ``HopRows.padded`` says which).
 
@@ -38,6 +41,7 @@ from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts
 from relay_compile.routing import Chunk, PairRouting
 from relay_compile.runtime import chunk_graphs
 from relay_compile.runtime.chunk_graphs import PaddedChunks
+from relay_compile.runtime.equal_groups import EqualGroups
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.transport import RingGroup
 from relay_compile.runtime.weight_grads import WeightGrads
@@ -61,6 +65,9 @@ class RingStepConfig:
     # Chunks run padded to bucketed row counts as static-shape programs (``runtime.chunk_graphs``, the option
     # ``chunk_graphs``), captured as CUDA graphs where the tokens are on a CUDA device.
     chunk_graphs: bool = False
+    # Backward chunks padded to equal rows per expert, run as batched GEMMs (``runtime.equal_groups``): where
+    # the tokens are on CUDA.
+    equal_groups: bool = False
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
     grouped: GroupedExperts | None = field(init=False)
 
@@ -73,6 +80,14 @@ class RingStepConfig:
         points and a fused backward, scores applied after it (the static programs' contract)."""
         grouped = self.grouped
         return self.chunk_graphs and grouped is not None and grouped.has_fused_backward and not self.scores_before
+
+    @property
+    def pads_equal_groups(self) -> bool:
+        """Whether a backward step pads chunks to equal groups: ``equal_groups`` on, for an expert function with
+        grouped entry points and a fused backward, scores applied after it (what ``segment_backward`` pads)."""
+        grouped = self.grouped
+        return (self.equal_groups and grouped is not None and grouped.has_fused_backward
+                and not self.scores_before)
 
     @property
     def experts_per_rank(self) -> int:
@@ -104,6 +119,8 @@ class HopRows:
     scores_S: Tensor
     # The step's padded chunks (``chunk_graphs``), or None.
     padded: PaddedChunks | None = None
+    # The step's chunks padded to equal groups (``equal_groups``, backward), or None.
+    equal: EqualGroups | None = None
 
 
 def _chunk_weights(cfg: RingStepConfig, weights: Sequence[Tensor], chunk: Chunk) -> list[Tensor]:
@@ -267,21 +284,28 @@ def segment_backward(
         if padded is not None:
             _padded_vjp(cfg, rows, chunk, padded, x_TH, weights, dy_TH, dx, ds_S, dw)
             continue
-        c0, c1 = chunk.start, chunk.end
-        tok_C = rows.routing.tokens_P[c0:c1]
-        ds_C = ds_S[c0:c1]
+        equal = rows.equal.of(chunk) if rows.equal is not None else None
+        if equal is not None:  # padded to equal groups: the padded rows' tokens, scores and score gradients
+            assert rows.equal is not None
+            q0, q1 = equal.start, equal.end
+            tok_C, score_C, ds_C = rows.equal.tok_Q[q0:q1], rows.equal.score_Q[q0:q1], rows.equal.ds_Q[q0:q1]
+            offsets_G, rows_G = equal.offsets_G, (equal.rows,) * equal.groups
+        else:
+            c0, c1 = chunk.start, chunk.end
+            tok_C, score_C, ds_C = rows.routing.tokens_P[c0:c1], rows.scores_S[c0:c1], ds_S[c0:c1]
+            offsets_G, rows_G = chunk.offsets_G, chunk.rows
         if grouped is not None:
             chunk_weights = _chunk_weights(cfg, weights, chunk)
             # The score gradients are written in place into the step's (no buffer and copy per chunk).
             dx_CH, ds_out, dws = grouped.vjp_rows(
-                x_TH, tok_C, chunk.offsets_G, chunk.rows, chunk_weights, dy_TH, rows.scores_S[c0:c1],
+                x_TH, tok_C, offsets_G, rows_G, chunk_weights, dy_TH, score_C,
                 grad_dtype=cfg.sum_dtype(chunk_weights[0]), grad_into=functools.partial(dw.sink, chunk),
                 d_score_out=ds_C,
             )
         else:
             dx_CH, ds_out, dws = fused(
                 x_TH[tok_C], _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src), weights,
-                dy_TH[tok_C], rows.scores_S[c0:c1],
+                dy_TH[tok_C], score_C,
             )
         if ds_out is not ds_C:
             ds_C.copy_(ds_out)

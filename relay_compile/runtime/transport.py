@@ -311,10 +311,11 @@ def start_transfer(
 def _post(
     ring: RingGroup, device: torch.device, ops: Sequence[tuple[bool, Tensor, int]], stride: int = 1
 ) -> list[dist.Work]:
-    """Post ``(is_send, tensor, tag)`` ops to the rank ``stride`` on / from the one ``stride`` back: what ``dist.batch_isend_irecv``
-    posts (the same backend calls in the same order, coalesced into one group where the backend coalesces,
-    NCCL), without its per-op Python (``P2POp`` objects, group and rank checks, rank translation): the ring
-    posts two transfers per hop, and at EP=64 that Python was a tenth of a step's host time."""
+    """Post ``(is_send, tensor, tag)`` ops to the rank ``stride`` on / from the one ``stride`` back: what
+    ``dist.batch_isend_irecv`` posts (the same backend calls in the same order, coalesced into one group where the
+    backend coalesces, NCCL), without its per-op Python (``P2POp`` objects, group and rank checks, rank
+    translation): the ring posts two transfers per hop, and at EP=64 that Python was a tenth of a step's host
+    time."""
     group = ring.group
     assert group is not None, "ring transport: a ring of more than one rank has a group"
     coalesced = _coalesces(group, device)

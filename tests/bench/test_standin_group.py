@@ -213,10 +213,10 @@ class RingTransfersOnTheStandinGroup(StandinTestCase):
     def test_forwarded_payloads_take_one_send_per_transfer(self) -> None:
         # Expert routing, SwiGLU packed to (w13, w2), N = 8. Forward, four owners per hop (8-row hops): the first
         # three transfers send the local weights and then the slots received (2 tensors each: slots of two stacks),
-        # the one stack transfer the first stack (2 tensors: not a received group). Backward (+1 status send per transfer): hop 0's
-        # weights (2), hop 1's weights and the fresh sums of hop 0 (4), hops 2..N-2 forward the weights and the
-        # sums they added into (2 spans: weights and sums are separate buffers), hop N-1 the sums (1), the return
-        # to the owners (2, separate tensors: they become the op's outputs).
+        # the one stack transfer the first stack (2 tensors: not a received group). Backward (+1 status send per
+        # transfer): hop 0's weights (2), hop 1's weights and the fresh sums of hop 0 (4), hops 2..N-2 forward the
+        # weights and the sums they added into (2 spans: weights and sums are separate buffers), hop N-1 the sums
+        # (1), the return to the owners (2, separate tensors: they become the op's outputs).
         n, hidden, experts, tokens, top_k = 8, 16, 16, 64, 4
         group = standin_group(n)
         w = moe_weights(0, hidden, 8, experts, experts=range(experts // n))

@@ -2,7 +2,9 @@
 backward call, and median wall ms per step, over 60 steps. Runs against whatever ``relay_compile`` is imported
 (``run.sh ab``: the baseline tree and this one in alternating processes).
 
-    python docs/bench/h200-grouped-forward/steps.py [--ep 64]
+    python docs/bench/h200-grouped-forward/steps.py [--ep 64] [--no-equal-groups]
+
+``--no-equal-groups``: backward chunks not padded to equal groups (``runtime.equal_groups``; this tree only).
 """
 import argparse
 import statistics
@@ -17,7 +19,12 @@ from relay_compile.bench.standin_group import standin_group
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ep", type=int, default=64)
+ap.add_argument("--no-equal-groups", action="store_true")
 args = ap.parse_args()
+if args.no_equal_groups:
+    from relay_compile.runtime import equal_groups
+
+    equal_groups.applies = lambda device: False
 cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=65536)
 group = standin_group(args.ep)
 inp = make_inputs(cfg)
@@ -39,4 +46,5 @@ for _ in range(3):
     step()
 times = [step() for _ in range(60)]
 med = [statistics.median(t[i] for t in times) for i in range(3)]
-print(f"EP={args.ep} host ms forward {med[0]:.1f} backward {med[1]:.1f} wall ms {med[2]:.1f}")
+what = f"EP={args.ep}" + (" no equal groups" if args.no_equal_groups else "")
+print(f"{what} host ms forward {med[0]:.1f} backward {med[1]:.1f} wall ms {med[2]:.1f}")

@@ -164,7 +164,8 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
         b.ring("replay", circ0[: sched.num_replayed], sched.num_hops + 1, replay)
         trail = b.ring("grad", circ0, 0, grad)
     out = graph.call_function(finish, (step, *trail))
-    last = sched.num_hops if sched.owners_per_hop == 1 else sched.owners_per_hop + sched.num_hops // sched.owners_per_hop - 1
+    g = sched.owners_per_hop
+    last = sched.num_hops if g == 1 else g + sched.num_hops // g - 1
     out.meta["ring"] = RingNode(ring="grad" if sched.direction == "backward" else "forward", hop=last, role="finish")
     graph.output(out)
     graph.lint()

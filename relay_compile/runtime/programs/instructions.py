@@ -87,7 +87,8 @@ def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
 
 
 INSTRUCTIONS = (
-    ring_start, ring_wait, stack_owners, hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_recompute, hop_vjp, accumulate, finish,
+    ring_start, ring_wait, stack_owners, hop_forward, hop_forward_group, hop_backward, hop_backward_into,
+    hop_recompute, hop_vjp, accumulate, finish,
 )
 # The hop instructions that compute (``overlap`` schedules transfers around them).
 COMPUTE = (hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_vjp)
