@@ -209,8 +209,8 @@ class ExpertRoutingStep:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
         else:
             self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
-            # Every pair meets its expert on exactly one hop, so every entry is written (one past the pairs: the
-            # padding rows' of equal groups, ``finish``).
+            # Every pair meets its expert on exactly one hop, so every entry is written; one entry past the pairs
+            # takes what the padding rows of equal groups write (``finish``).
             self.ds_S1 = torch.empty(self.scores_S.shape[0] + 1, dtype=ACC_DTYPE, device=x_TH.device)
             self.ds_S = self.ds_S1[:-1]
 
