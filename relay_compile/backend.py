@@ -42,10 +42,12 @@ from relay_compile.dynamo_settings import dynamo_settings, keep_backend_ctx_thro
 from relay_compile.experts import GroupedExperts
 from relay_compile.options import Options, resolve
 from relay_compile.passes import CapacityRegion, MoERegion, find_moe_regions, rewrite_moe_region
+from relay_compile.passes.fx_nodes import node_value, report_size
 from relay_compile.passes.rewrite import region_experts
 from relay_compile.passes.scopes import find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime.programs.pipeline import forward_owners, program_for
+from relay_compile.runtime.ring_options import HopShape
 from relay_compile.runtime.specs import spec_state
 
 log = logging.getLogger(__name__)
@@ -68,14 +70,19 @@ def _ring_programs_text(region: MoERegion | CapacityRegion, key: str) -> dict[st
     """Readable code of the ring programs the region's spec runs, for the routings it may take."""
     spec = spec_state(key).spec
     asked = spec.options.routing
-    # Owners per forward hop as a call with this rank's shape decides them (every rank's tokens alike).
-    shape, grouped = region.block_shape(), isinstance(spec.expert_fn, GroupedExperts)
+    # Owners per forward hop as a call with this rank's shapes decides them (every rank's tokens alike).
+    block = region.block_shape()
+    weights = [node_value(w) for w in region.weights]
+    hop_shape = HopShape.of(region.group_size, [block.tokens], block.top_k,
+                            [(tuple(w.shape), report_size(w.numel()) * w.element_size()) for w in weights],
+                            block.hidden, block.elem_bytes)
+    grouped = isinstance(spec.expert_fn, GroupedExperts)
     out = {}
     for mode in ("expert", "token"):
         if asked not in ("auto", mode):
             continue
         for direction in ("forward", "backward"):
-            owners = forward_owners(direction, mode, region.group_size, grouped, shape.tokens, shape.top_k)
+            owners = forward_owners(direction, mode, grouped, hop_shape)
             program = program_for(spec, direction, mode, region.group_size, len(region.weights), owners)
             out[f"ring_{mode}_{direction}.py"] = program.code
     return out

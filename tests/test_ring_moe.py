@@ -19,7 +19,7 @@ from relay_compile import RingInputError, ring_moe, ring_moe_experts
 from relay_compile.experts import expert_ffn
 from relay_compile.reference import a2a_moe, dense_moe, moe_weights
 from relay_compile.runtime import chunk_graphs, equal_groups
-from relay_compile.runtime.ring_options import owners_per_hop
+from relay_compile.runtime.programs import pipeline
 from tests.distributed import DistributedTestCase
 
 H, F, K = 16, 8, 3
@@ -89,8 +89,6 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
 
     def test_both_routings_match_a2a_for_every_routing_case_overlap_on_and_off(self) -> None:
         self.init_pg()
-        if dist.get_world_size() == 4:  # the expert forward holds two owners per hop (stacks wrap on rank 2)
-            self.assertEqual(owners_per_hop(4, 7 + 5 * 3, K), 2)
         for routing in ("expert", "token"):
             for case in ROUTINGS:
                 for overlap in (True, False):
@@ -283,6 +281,17 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
     @unittest.skip("one expert per rank: a chunk has one expert, nothing to pad to equal groups")
     def test_backward_chunks_padded_to_equal_groups_match_a2a(self) -> None:
         pass
+
+    def test_grouped_forward_matches_a2a_for_every_routing_case(self) -> None:
+        # Two owners per forward hop (the rule keeps one at these tiny shapes: forced here; the rule itself is
+        # tests/runtime/test_ring_options.py's): stacks of distinct ranks' weights, wrapping around on rank 2.
+        self.init_pg()
+        with mock.patch.object(pipeline, "owners_per_hop", return_value=2) as rule:
+            for case in ROUTINGS:
+                for overlap in (True, False):
+                    self.assert_matches_a2a(case, routing="expert", overlap=overlap)
+            self.assert_matches_a2a("random", routing="expert", max_hop_rows=2)
+        self.assertTrue(rule.called)
 
     @property
     def world_size(self) -> int:

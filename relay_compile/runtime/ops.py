@@ -41,7 +41,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
-from relay_compile.runtime.ring_options import hop_row_bound
+from relay_compile.runtime.ring_options import HopShape, hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 from relay_compile.runtime.weight_grads import pack_weights
@@ -139,8 +139,9 @@ def _run(
         log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", agreed.routing, spec.options.routing,
                  agreed.volumes)
     state.resolved, state.volumes = agreed.routing, agreed.volumes
-    owners = forward_owners(direction, agreed.routing, ring.size, cfg.grouped is not None,
-                            max(agreed.counts.tokens_N), topk_ids.shape[1])
+    shape = HopShape.of(ring.size, agreed.counts.tokens_N, topk_ids.shape[1],
+                        [(w.shape, w.numel() * w.element_size()) for w in weights], x.shape[1], x.element_size())
+    owners = forward_owners(direction, agreed.routing, cfg.grouped is not None, shape)
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
     # Failure status travels only where results depend on other ranks' hops (trailing accumulators).

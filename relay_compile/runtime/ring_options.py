@@ -13,6 +13,7 @@ token count (``hop_row_bound``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,19 +48,63 @@ def hop_row_bound(max_hop_rows: HopRows, tokens: int, *, forward: bool = False) 
     return max_hop_rows
 
 
-def owners_per_hop(group_size: int, max_tokens: int, top_k: int) -> int:
+@dataclass(frozen=True, kw_only=True)
+class HopShape:
+    """What ``owners_per_hop`` reads: sizes every rank of a ring shares (the agreed table's), so every rank
+    builds the same program.
+
+    ``row_bytes``: an estimate of a forward row's footprint through the experts, both widths of each expert
+    matrix (``(F + H)`` per matrix: the rows in and out of each GEMM) in the tokens' dtype, whatever the layout;
+    ``partition_bytes``: one rank's expert weights; ``token_bytes``: one token's row (``H`` elements).
+    """
+
+    ranks: int
+    max_tokens: int
+    min_tokens: int
+    top_k: int
+    row_bytes: int
+    partition_bytes: int
+    token_bytes: int
+
+    @staticmethod
+    def of(ranks: int, tokens_N: Sequence[int], top_k: int, weights: Sequence[tuple[Sequence[int], int]],
+           hidden: int, elem_bytes: int) -> HopShape:
+        """From every rank's token count and the expert weights' ``(shape, bytes)``."""
+        matrices = [shape for shape, _ in weights if len(shape) == 3]
+        return HopShape(
+            ranks=ranks, max_tokens=max(tokens_N), min_tokens=min(tokens_N), top_k=top_k,
+            row_bytes=sum(shape[1] + shape[2] for shape in matrices) * elem_bytes,
+            partition_bytes=sum(nbytes for _, nbytes in weights), token_bytes=hidden * elem_bytes,
+        )
+
+
+def owners_per_hop(shape: HopShape) -> int:
     """How many owners' weights one forward hop of expert routing holds (``programs.build``: the grouped forward).
 
-    A hop's fixed host cost (transfer, planning, kernel launches: ~0.5 ms on the H200) outweighs its compute
-    below ``AUTO_MIN_HOP_ROWS`` rows. A hop expects ``max_tokens * top_k / N`` rows under balanced routing
-    (``max_tokens``: the most tokens of any rank, from the agreed table, so every rank decides alike); ``g``
-    owners per hop run ``g + N / g - 1`` forward hops instead of ``N``. ``g`` is the largest power of two with
-    ``g`` times a hop's rows at most ``AUTO_MIN_HOP_ROWS`` that divides ``N`` and is at most ``N / 2`` (1: the
-    plain ring). Qwen3 layer, 65536 tokens: EP=64 -> 2 (8192-row hops), EP=8 -> 1.
+    Time: a hop's fixed host cost (transfer, planning, kernel launches: ~0.5 ms on the H200) outweighs its
+    compute below ``AUTO_MIN_HOP_ROWS`` rows. A hop expects ``R = max_tokens * top_k / N`` rows under balanced
+    routing; ``g`` owners per hop run ``g + N / g - 1`` forward hops instead of ``N``, with ``g R`` at most
+    ``AUTO_MIN_HOP_ROWS`` rows.
+
+    Memory: each owner more in a hop holds ``R`` more rows and two more partitions (the stack computed, the one
+    arriving) through the forward, which must stay within what the backward holds beside its own hop and the
+    forward does not: the output gradient, ``min_tokens`` rows of ``token_bytes``. So the forward's peak stays
+    below the backward's. (Where ``K / N`` is large, as at 4 ranks with top-8 routing, that never holds.)
+
+    ``g``: the largest power of two meeting both that divides ``N`` and is at most ``N / 2`` (1: the plain ring).
+    Qwen3 layer, 65536 tokens, bf16: EP=64 -> 2 (8192-row hops), EP=8 -> 1.
     """
-    hop_rows = max(1, max_tokens * top_k // group_size)
+    n = shape.ranks
+    hop_rows = max(1, shape.max_tokens * shape.top_k // n)
+    per_owner = hop_rows * shape.row_bytes + 2 * shape.partition_bytes
+    budget = shape.min_tokens * shape.token_bytes
+
+    def fits(g: int) -> bool:
+        return (g <= n // 2 and n % g == 0 and g * hop_rows <= AUTO_MIN_HOP_ROWS
+                and (g - 1) * per_owner <= budget)
+
     g = 1
-    while 2 * g <= group_size // 2 and group_size % (2 * g) == 0 and 2 * g * hop_rows <= AUTO_MIN_HOP_ROWS:
+    while fits(2 * g):
         g *= 2
     return g
 

@@ -21,7 +21,7 @@ from relay_compile.bench.configs import LayerConfig
 from relay_compile.bench.rows import compiled_a2a_builder
 from relay_compile.reference import a2a_moe, dense_moe, moe_weights
 from relay_compile.runtime.hop_compute import ExpertRoutingStep
-from relay_compile.runtime.ring_options import owners_per_hop
+from relay_compile.runtime.programs import pipeline
 from tests.bench.standin_case import StandinTestCase
 
 
@@ -158,20 +158,21 @@ class MoEUnderTheStandinGroup(StandinTestCase):
                 self.assert_all_close(ring, a2a, f"ring_moe(expert, {options}) at N={world}")
 
     def test_grouped_forward_meets_every_owner_once_for_random_and_lopsided_routing(self) -> None:
-        # Tiny hops: g owners per forward hop (ring_options.owners_per_hop), g + N/g - 1 forward computes. Routing:
-        # random; every pair on one expert of owner N/2 (one stack holds them all, the other hops are empty); only
-        # this rank's own experts (met alone at hop 0: every stack empty). (Stacks that wrap around the ring are
-        # other ranks': tests/test_ring_moe.py's world of 4, and test_routing.py's SplitOwners.)
+        # g owners per forward hop (the rule, ring_options.owners_per_hop, is tested on its own: at these tiny
+        # shapes it keeps one), g + N/g - 1 forward computes. Routing: random; every pair on one expert of owner
+        # N/2 (one stack holds them all, the other hops are empty); only this rank's own experts (met alone at
+        # hop 0: every stack empty). (Stacks that wrap around the ring are other ranks': tests/test_ring_moe.py's
+        # world of 4, and test_routing.py's SplitOwners.)
         for world, e_l, g in ((4, 2, 2), (6, 1, 2), (8, 1, 4), (16, 1, 8)):
             group = standin_group(world)
             x, ids, scores, weights = _inputs(world, e_l, seed=world)
-            self.assertEqual(owners_per_hop(world, T, K), g)
             for case, case_ids in (("random", ids), ("one stack", torch.full_like(ids, world // 2 * e_l)),
                                    ("own experts", ids % e_l)):
                 dense = _forward_backward(_dense_tied(world), x, case_ids, scores, weights)
                 calls = collections.Counter()
                 spies = {name: _counting(calls, name) for name in ("forward_hop", "forward_group")}
-                with unittest.mock.patch.multiple(ExpertRoutingStep, **spies):
+                with unittest.mock.patch.multiple(ExpertRoutingStep, **spies), \
+                        unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=g):
                     ring = _forward_backward(ring_moe, x, case_ids, scores, weights, group=group, routing="expert")
                 self.assert_all_close(ring, dense, f"grouped forward, {case}, N={world}")
                 self.assertEqual((calls["forward_hop"], calls["forward_group"]), (g, world // g - 1), case)
@@ -211,9 +212,10 @@ class MoEUnderTheStandinGroup(StandinTestCase):
 
 class RingTransfersOnTheStandinGroup(StandinTestCase):
     def test_forwarded_payloads_take_one_send_per_transfer(self) -> None:
-        # Expert routing, SwiGLU packed to (w13, w2), N = 8. Forward, four owners per hop (8-row hops): the first
-        # three transfers send the local weights and then the slots received (2 tensors each: slots of two stacks),
-        # the one stack transfer the first stack (2 tensors: not a received group). Backward (+1 status send per
+        # Expert routing, SwiGLU packed to (w13, w2), N = 8. Forward: hop 0 sends the local weights (2 tensors),
+        # hops 1..N-2 forward what they received (1 span each); with four owners per hop, the first three
+        # transfers send the local weights and then the slots received (2 tensors each: slots of two stacks), the
+        # one stack transfer the first stack (2 tensors: not a received group). Backward (+1 status send per
         # transfer): hop 0's weights (2), hop 1's weights and the fresh sums of hop 0 (4), hops 2..N-2 forward the
         # weights and the sums they added into (2 spans: weights and sums are separate buffers), hop N-1 the sums
         # (1), the return to the owners (2, separate tensors: they become the op's outputs).
@@ -224,21 +226,26 @@ class RingTransfersOnTheStandinGroup(StandinTestCase):
         x = torch.randn(tokens, hidden, requires_grad=True)
         ids = torch.randint(0, experts, (tokens, top_k))
         scores = torch.rand(tokens, top_k, requires_grad=True)
-        sends = {"forward": 0, "backward": 0}
-        phase = "forward"
         original = StandinGroup.send
 
-        def counting_send(self, *args, **kwargs):
-            sends[phase] += 1
-            return original(self, *args, **kwargs)
+        def count_sends() -> dict[str, int]:
+            sends = {"forward": 0, "backward": 0}
+            phase = "forward"
 
-        with unittest.mock.patch.object(StandinGroup, "send", counting_send):
-            y = ring_moe(x, ids, scores, *weights, group=group, routing="expert")
-            phase = "backward"
-            y.sum().backward()
-        self.assertEqual(owners_per_hop(n, tokens, top_k), 4)
-        self.assertEqual(sends, {"forward": 3 * 2 + 2, "backward": (2 + 4 + 2 * (n - 3) + 1 + 2) + n + 1})
+            def counting_send(self, *args, **kwargs):
+                sends[phase] += 1
+                return original(self, *args, **kwargs)
 
+            with unittest.mock.patch.object(StandinGroup, "send", counting_send):
+                y = ring_moe(x, ids, scores, *weights, group=group, routing="expert")
+                phase = "backward"
+                y.sum().backward()
+            return sends
+
+        backward = (2 + 4 + 2 * (n - 3) + 1 + 2) + n + 1
+        for owners, forward in ((1, 2 + (n - 2)), (4, 3 * 2 + 2)):
+            with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=owners):
+                self.assertEqual(count_sends(), {"forward": forward, "backward": backward}, f"{owners} owners")
 
 if __name__ == "__main__":
     unittest.main()

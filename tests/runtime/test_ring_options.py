@@ -13,6 +13,7 @@ from relay_compile.runtime.ring_options import (
     AUTO_MIN_HOP_ROWS,
     InvalidRingOption,
     RingOptions,
+    HopShape,
     hop_row_bound,
     owners_per_hop,
 )
@@ -64,15 +65,30 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
         self.assertEqual(hop_row_bound(64, 1 << 20, forward=True), 64)
         self.assertIsNone(hop_row_bound(None, 1 << 20, forward=True))
 
-    def test_owners_per_hop_groups_hops_below_the_minimum_rows_into_powers_of_two_dividing_the_ring(self) -> None:
-        # Qwen3 layer, 65536 tokens, K=8: hops of 8192 rows at EP=64 go in pairs, EP=8's 65536-row hops alone.
-        self.assertEqual(owners_per_hop(64, 65536, 8), 2)
-        self.assertEqual(owners_per_hop(8, 65536, 8), 1)
-        self.assertEqual(owners_per_hop(32, 65536, 8), 1)  # 16384 rows: at the minimum already
-        self.assertEqual(owners_per_hop(128, 65536, 8), 4)
-        # At most half the ring, a divisor of it: tiny hops on 4, 6, 12 ranks; none on 2 or an odd ring.
-        self.assertEqual([owners_per_hop(n, 12, 3) for n in (2, 3, 4, 6, 12, 7)], [1, 1, 2, 2, 4, 1])
-        self.assertLessEqual(owners_per_hop(64, 65536, 8) * 65536 * 8 // 64, AUTO_MIN_HOP_ROWS)
+    @staticmethod
+    def owners(ranks: int, tokens: int, top_k: int = 8, hidden: int = 2048, ffn: int = 768, experts: int = 128,
+               elem_bytes: int = 2, other_tokens: int | None = None) -> int:
+        """The rule for a SwiGLU layer (w1, w2, w3 of E_l experts), every rank ``tokens`` (one ``other_tokens``)."""
+        e_l = experts // ranks
+        weights = [((e_l, ffn, hidden), e_l * ffn * hidden * elem_bytes), ((e_l, hidden, ffn), e_l * ffn * hidden
+                   * elem_bytes), ((e_l, ffn, hidden), e_l * ffn * hidden * elem_bytes)]
+        tokens_N = [tokens] * (ranks - 1) + [tokens if other_tokens is None else other_tokens]
+        return owners_per_hop(HopShape.of(ranks, tokens_N, top_k, weights, hidden, elem_bytes))
+
+    def test_owners_per_hop_groups_small_hops_where_the_backward_holds_more_than_the_stack_adds(self) -> None:
+        # Qwen3 layer, 65536 tokens, K=8, bf16: hops of 8192 rows at EP=64 go in pairs, 4096 at EP=128 in fours,
+        # EP=8's 65536-row and EP=32's 16384-row hops alone.
+        self.assertEqual([self.owners(n, 65536) for n in (8, 32, 64, 128)], [1, 1, 2, 4])
+        # Memory: the pair's extra 8192 rows and two partitions (~176 MB) must fit in the output gradient
+        # (T*H*2 bytes): not with 16384 tokens on one rank (64 MiB), nor at 4 ranks with top-8 routing (the CPU
+        # three_styles shapes: hops of 2T rows).
+        self.assertEqual(self.owners(64, 65536, other_tokens=16384), 1)
+        self.assertEqual(self.owners(4, 4096, hidden=256, ffn=128, experts=16, elem_bytes=4), 1)
+        # Powers of two dividing the ring, at most half of it (narrow experts, top-1: memory allows any of them).
+        self.assertEqual([self.owners(n, 8192, top_k=1, hidden=256, ffn=16, experts=n) for n in (2, 3, 4, 6, 12, 7)],
+                         [1, 1, 2, 2, 4, 1])
+        hop_rows = 65536 * 8 // 64
+        self.assertLessEqual(self.owners(64, 65536) * hop_rows, AUTO_MIN_HOP_ROWS)
 
     def test_the_key_spells_every_field(self) -> None:
         key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False,

@@ -22,7 +22,7 @@ from relay_compile.runtime.programs.overlap import overlap_pass
 from relay_compile.runtime.programs.remat import remat_pass
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule, schedule_for
 from relay_compile.runtime.programs.sum_in_place import sum_in_place_pass
-from relay_compile.runtime.ring_options import owners_per_hop
+from relay_compile.runtime.ring_options import HopShape, owners_per_hop
 from relay_compile.runtime.specs import RingSpec
 
 
@@ -43,15 +43,13 @@ def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphM
     return gm
 
 
-def forward_owners(
-    direction: Direction, routing: Routing, group_size: int, grouped_experts: bool, max_tokens: int, top_k: int
-) -> int:
+def forward_owners(direction: Direction, routing: Routing, grouped_experts: bool, shape: HopShape) -> int:
     """Owners per hop of the program (``ring_options.owners_per_hop``): more than one only in expert routing's
     forward, of an expert function with grouped entry points (a stack of owners' weights is one operand of its
-    grouped GEMMs; any other F takes one partition per call). ``max_tokens``: the most tokens of any rank."""
+    grouped GEMMs; any other F takes one partition per call)."""
     if direction != "forward" or routing != "expert" or not grouped_experts:
         return 1
-    return owners_per_hop(group_size, max_tokens, top_k)
+    return owners_per_hop(shape)
 
 
 def program_for(
