@@ -49,6 +49,7 @@ from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.ring_options import HopShape
 from relay_compile.runtime.specs import spec_state
+from relay_compile.runtime.weight_grads import pack_weights
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +73,19 @@ def _ring_programs_text(region: MoERegion | CapacityRegion, key: str) -> dict[st
     asked = spec.options.routing
     # Owners per forward hop as a call with this rank's shapes decides them (every rank's tokens alike).
     block = region.block_shape()
-    weights = [node_value(w) for w in region.weights]
+    grouped = spec.expert_fn if isinstance(spec.expert_fn, GroupedExperts) else None
+    # The weights as they circulate (packed), on the meta device: their shapes are what the rule reads.
+    metas = [torch.empty([report_size(n) for n in v.shape], dtype=v.dtype, device="meta")
+             for v in map(node_value, region.weights)]
     hop_shape = HopShape.of(region.group_size, [block.tokens], block.top_k,
-                            [(tuple(w.shape), report_size(w.numel()) * w.element_size()) for w in weights],
+                            [(tuple(w.shape), w.numel() * w.element_size()) for w in pack_weights(grouped, metas)],
                             block.hidden, block.elem_bytes)
-    grouped = isinstance(spec.expert_fn, GroupedExperts)
     out = {}
     for mode in ("expert", "token"):
         if asked not in ("auto", mode):
             continue
         for direction in ("forward", "backward"):
-            owners = forward_owners(direction, mode, grouped, hop_shape)
+            owners = forward_owners(direction, mode, grouped is not None, hop_shape)
             program = program_for(spec, direction, mode, region.group_size, len(region.weights), owners)
             out[f"ring_{mode}_{direction}.py"] = program.code
     return out

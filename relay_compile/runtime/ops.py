@@ -139,8 +139,10 @@ def _run(
         log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", agreed.routing, spec.options.routing,
                  agreed.volumes)
     state.resolved, state.volumes = agreed.routing, agreed.volumes
+    assert local.packed is not None, "ring_moe: an agreed call has its weights packed"
     shape = HopShape.of(ring.size, agreed.counts.tokens_N, topk_ids.shape[1],
-                        [(w.shape, w.numel() * w.element_size()) for w in weights], x.shape[1], x.element_size())
+                        [(w.shape, w.numel() * w.element_size()) for w in local.packed], x.shape[1],
+                        x.element_size())
     owners = forward_owners(direction, agreed.routing, cfg.grouped is not None, shape)
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep

@@ -53,9 +53,9 @@ class HopShape:
     """What ``owners_per_hop`` reads: sizes every rank of a ring shares (the agreed table's), so every rank
     builds the same program.
 
-    ``row_bytes``: an estimate of a forward row's footprint through the experts, both widths of each expert
-    matrix (``(F + H)`` per matrix: the rows in and out of each GEMM) in the tokens' dtype, whatever the layout;
-    ``partition_bytes``: one rank's expert weights; ``token_bytes``: one token's row (``H`` elements).
+    ``row_bytes``: an estimate of a forward row's footprint through the experts, both widths of each stacked
+    expert matrix (``(F + H)`` per matrix: the rows in and out of each GEMM) in the tokens' dtype, whatever the
+    layout; ``partition_bytes``: one rank's expert weights as they circulate; ``token_bytes``: one token's row.
     """
 
     ranks: int
@@ -69,7 +69,8 @@ class HopShape:
     @staticmethod
     def of(ranks: int, tokens_N: Sequence[int], top_k: int, weights: Sequence[tuple[Sequence[int], int]],
            hidden: int, elem_bytes: int) -> HopShape:
-        """From every rank's token count and the expert weights' ``(shape, bytes)``."""
+        """From every rank's token count and the circulating (packed) expert weights' ``(shape, bytes)``: their
+        ``(E_l, out, in)`` matrices (biases and other tensors count in the partition only)."""
         matrices = [shape for shape, _ in weights if len(shape) == 3]
         return HopShape(
             ranks=ranks, max_tokens=max(tokens_N), min_tokens=min(tokens_N), top_k=top_k,

@@ -75,6 +75,12 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
         tokens_N = [tokens] * (ranks - 1) + [tokens if other_tokens is None else other_tokens]
         return owners_per_hop(HopShape.of(ranks, tokens_N, top_k, weights, hidden, elem_bytes))
 
+    def test_hop_shape_reads_the_stacked_matrices_widths_and_counts_everything_in_the_partition(self) -> None:
+        # Packed SwiGLU (w13 (E_l, 2F, H), w2 (E_l, H, F)) and a bias (E_l, 2F): rows 2F+H + H+F wide, in bf16.
+        shape = HopShape.of(64, [100, 300], 8, [((2, 16, 8), 512), ((2, 8, 8), 256), ((2, 16), 64)], 8, 2)
+        self.assertEqual((shape.row_bytes, shape.partition_bytes, shape.token_bytes), ((24 + 16) * 2, 832, 16))
+        self.assertEqual((shape.max_tokens, shape.min_tokens), (300, 100))
+
     def test_owners_per_hop_groups_small_hops_where_the_backward_holds_more_than_the_stack_adds(self) -> None:
         # Qwen3 layer, 65536 tokens, K=8, bf16: hops of 8192 rows at EP=64 go in pairs, 4096 at EP=128 in fours,
         # EP=8's 65536-row and EP=32's 16384-row hops alone.
