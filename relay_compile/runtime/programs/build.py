@@ -116,7 +116,6 @@ class _Builder:
             trail = self.transfer(name, n, first_index + n, [], trail)  # the return to the owners
         return trail
 
-
     def grouped_forward(self, circ0: list[fx.Node]) -> None:
         """Expert routing's forward, ``owners_per_hop`` owners per hop (module docstring)."""
         g, n = self.sched.owners_per_hop, self.sched.num_hops
