@@ -11,9 +11,9 @@ from relay_compile.experts import ffn_expert_fn
 from relay_compile.options import resolve
 from relay_compile.runtime.ring_options import (
     AUTO_MIN_HOP_ROWS,
+    HopShape,
     InvalidRingOption,
     RingOptions,
-    HopShape,
     hop_row_bound,
     owners_per_hop,
 )

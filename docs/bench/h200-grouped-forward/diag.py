@@ -5,15 +5,14 @@ Result (raw-4-diag/): all ring variants agree with each other, and session 6's t
 
     python docs/bench/h200-grouped-forward/diag.py
 """
-import sys, torch
+import relay_compile.runtime.programs.pipeline as pl
+import relay_compile.runtime.ring_options as ro
 from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.reference import a2a_moe
-import relay_compile.runtime.programs.pipeline as pl
-import relay_compile.runtime.ops as ops
-import relay_compile.runtime.ring_options as ro
+
 
 def run(fn, inp, group, **kw):
     inp.clear_grads()
@@ -30,7 +29,10 @@ for ep, tokens in ((8, 8192), (8, 4096), (16, 8192), (8, 65536)):
     inp = make_inputs(cfg)
     for t in inp.leaves(): t.requires_grad_()
     a = run(a2a_moe, inp, group)
-    print(ep, tokens, "g", ro.owners_per_hop(ep, tokens, 8), "default", err(run(ring_moe, inp, group), a), flush=True)
+    # (As run in raw-4-diag, the rule read rows only: owners_per_hop(ep, tokens, 8).)
+    shape = ro.HopShape.of(ep, [tokens], 8, [(w.shape, w.numel() * w.element_size()) for w in inp.weights],
+                           cfg.hidden, 2)
+    print(ep, tokens, "g", ro.owners_per_hop(shape), "default", err(run(ring_moe, inp, group), a), flush=True)
     orig = pl.owners_per_hop
     pl.owners_per_hop = lambda *a: 1
     print("   owners=1", err(run(ring_moe, inp, group), a), flush=True)

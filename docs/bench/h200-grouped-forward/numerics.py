@@ -5,7 +5,6 @@ logic; on CUDA the padded chunks run as batched GEMMs, bmm/baddbmm instead of gr
 
     python docs/bench/h200-grouped-forward/numerics.py
 """
-import torch
 
 from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B
