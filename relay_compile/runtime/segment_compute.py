@@ -75,19 +75,23 @@ class RingStepConfig:
         object.__setattr__(self, "grouped", self.expert_fn if isinstance(self.expert_fn, GroupedExperts) else None)
 
     @property
-    def pads_chunks(self) -> bool:
-        """Whether a step plans padded chunks: ``chunk_graphs`` on, for an expert function with grouped entry
-        points and a fused backward, scores applied after it (the static programs' contract)."""
+    def _paddable(self) -> bool:
+        """Chunks can run padded (padding rows on token 0 with score 0): an expert function with grouped entry
+        points and a fused backward, scores applied after it."""
         grouped = self.grouped
-        return self.chunk_graphs and grouped is not None and grouped.has_fused_backward and not self.scores_before
+        return grouped is not None and grouped.has_fused_backward and not self.scores_before
+
+    @property
+    def pads_chunks(self) -> bool:
+        """Whether a step plans padded chunks: ``chunk_graphs`` on, and ``_paddable`` (the static programs'
+        contract)."""
+        return self.chunk_graphs and self._paddable
 
     @property
     def pads_equal_groups(self) -> bool:
-        """Whether a backward step pads chunks to equal groups: ``equal_groups`` on, for an expert function with
-        grouped entry points and a fused backward, scores applied after it (what ``segment_backward`` pads)."""
-        grouped = self.grouped
-        return (self.equal_groups and grouped is not None and grouped.has_fused_backward
-                and not self.scores_before)
+        """Whether a backward step pads chunks to equal groups: ``equal_groups`` on, and ``_paddable`` (what
+        ``segment_backward`` pads)."""
+        return self.equal_groups and self._paddable
 
     @property
     def experts_per_rank(self) -> int:

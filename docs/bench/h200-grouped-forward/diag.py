@@ -27,7 +27,8 @@ for ep, tokens in ((8, 8192), (8, 4096), (16, 8192), (8, 65536)):
     cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=ep, tokens=tokens)
     group = standin_group(ep)
     inp = make_inputs(cfg)
-    for t in inp.leaves(): t.requires_grad_()
+    for t in inp.leaves():
+        t.requires_grad_()
     a = run(a2a_moe, inp, group)
     # (As run in raw-4-diag, the rule read rows only: owners_per_hop(ep, tokens, 8).)
     shape = ro.HopShape.of(ep, [tokens], 8, [(w.shape, w.numel() * w.element_size()) for w in inp.weights],
