@@ -17,8 +17,11 @@ Spawns ``--world`` gloo processes; on each rank, for each style:
 
 1. Training parity: two copies of the layer from the same seed, one eager (its all-to-alls), one
    ``torch.compile(layer, backend="relaymoe", options={"inner_compiler": "aot_eager"})``, each trained for
-   ``--steps`` SGD steps on the same per-rank data with loss ``mean(layer(x) ** 2)``. Per-step losses side by
-   side; the max relative difference over steps and ranks must be <= 1e-5 (fp32) or 1e-3 (torchtitan: bf16).
+   ``--steps`` SGD steps on the same per-rank data with loss ``mean(layer(x) ** 2)``, in lock step: each
+   compiled step starts from the parameters the eager step started from (``tests.lockstep``: otherwise rounding
+   drift can flip a near-tie routing decision and the two copies compute different things). Per-step losses
+   side by side; the max relative difference over steps and ranks must be <= 1e-5 (fp32) or 1e-3 (torchtitan:
+   bf16).
 2. The token all-to-all no longer runs: one training step (forward + backward) of each copy under
    ``torch.profiler`` (CPU activity); events whose names contain "all_to_all"/"alltoall" are counted as
    all-to-alls, "send"/"recv"/"batch_isend_irecv" as P2P. The backend's report must say every region was
@@ -56,6 +59,7 @@ from relay_compile.backend import compiled_reports  # noqa: E402
 from relay_compile.comm_events import count_comm_events  # noqa: E402
 from relay_compile.memory import PeakMemory, install_counting_cpu_allocator  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
+from tests.lockstep import load_parameters, parameters_of  # noqa: E402
 from tests.models.autograd_a2a import AutogradAllToAllMoE  # noqa: E402
 from tests.models.data_dependent import DataDependentMoE  # noqa: E402
 from tests.models.deepspeed_style import DeepSpeedStyleMoE  # noqa: E402
@@ -190,17 +194,21 @@ def compile_relaymoe(module: nn.Module, dump_dir: str = "", max_hop_rows: int = 
 
 
 def train(fn: Callable[[Tensor], Tensor], module: nn.Module, style: str, s: Sizes, cfg: Config,
-          rank: int) -> list[float]:
-    """``cfg.steps`` SGD steps of ``mean(fn(x) ** 2)``; the per-step losses (before each update)."""
+          rank: int, starts: list[dict[str, Tensor]] | None = None) -> tuple[list[float], list[dict[str, Tensor]]]:
+    """``cfg.steps`` SGD steps of ``mean(fn(x) ** 2)``: the per-step losses (before each update) and the
+    parameters each step started from; ``starts``: start each step from these instead (``tests.lockstep``)."""
     opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
-    losses = []
+    losses, started = [], []
     for step in range(cfg.steps):
+        if starts is not None:
+            load_parameters(module, starts[step])
+        started.append(parameters_of(module))
         opt.zero_grad(set_to_none=True)
         loss = fn(batch(style, s, rank, step)).pow(2).mean()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses
+    return losses, started
 
 
 def count_step_events(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[int, int, list[str]]:
@@ -247,8 +255,8 @@ def measure_style(style: str, cfg: Config, rank: int) -> StyleResult:
     dump_dir = tempfile.mkdtemp(prefix=f"three_styles_{style}_r{rank}_")
     ring = compile_relaymoe(ring_module, dump_dir)
     n_reports = len(compiled_reports())
-    res.losses_eager = train(eager, eager, style, s, cfg, rank)
-    res.losses_ring = train(ring, ring_module, style, s, cfg, rank)
+    res.losses_eager, starts = train(eager, eager, style, s, cfg, rank)
+    res.losses_ring, _ = train(ring, ring_module, style, s, cfg, rank, starts)
     # Step 2: what the backend did, and what communication one step runs.
     for report in compiled_reports()[n_reports:]:
         for region in report.regions:

@@ -21,7 +21,9 @@ Exit status 0 only if the loss curves match: per step ``|a - b| <= rtol * |a|`` 
 two runs are the same math but not bitwise (the ring adds a token's top-k contributions in another order and
 runs expert GEMMs on other row counts); such rounding differences, ~1e-7 relative per step, feed back through
 the optimizer's updates and grow over the steps, so the tolerance sits well above rounding and well below any
-real error (a wrong gradient moves the loss by percents within a few steps).
+real error (a wrong gradient moves the loss by percents within a few steps). ``--lockstep`` starts every
+relaymoe step from the a2a run's parameters instead, so each step compares one step of the same math and a
+near-tie routing decision cannot go one way in one run and the other way in the other (what the tests run).
 
 Gradients: each rank back-propagates ``loss / world``. Expert gradients then arrive complete (the all-to-all, or
 the ring, carries every rank's contribution to the owner); the replicated parameters' gradients are summed over
@@ -92,6 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     run.add_argument("--data-seed", type=int, default=None,
                      help="seed of the data order (default: --seed); another value with the same --seed measures "
                      "run-to-run noise: same initialization, other batches")
+    run.add_argument("--lockstep", action="store_true",
+                     help="start every relaymoe step from the a2a run's parameters: each step compares one step of "
+                          "the same math, so rounding drift cannot flip a near-tie routing decision (tests)")
     run.add_argument("--timeout", type=float, default=900.0, help="seconds the spawned ranks may take in all")
     model = p.add_argument_group("model and data (per rank: batch x seq-len tokens)")
     model.add_argument("--batch", type=int, default=4)
@@ -330,6 +335,8 @@ def train_steps(
               f" {'s/step a2a':>10} {'s/step relay':>12}", flush=True)
     for step in range(args.steps):
         tokens = batch(step)
+        if args.lockstep:
+            trainers[1].module.load_state_dict(trainers[0].module.state_dict())
         for trainer in trainers:
             _sync(device)
             start = time.perf_counter()

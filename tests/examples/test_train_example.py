@@ -20,7 +20,7 @@ from tests.examples.scripts import load_example
 LAYERS = 1
 TINY = [
     "--world", "2", "--steps", "3", "--layers", str(LAYERS), "--experts", "4", "--top-k", "2",
-    "--batch", "2", "--seq-len", "32", "--timeout", "240",
+    "--batch", "2", "--seq-len", "32", "--timeout", "240", "--lockstep",
 ]
 
 

@@ -4,8 +4,10 @@ Layers written in those codebases' idioms (``tests.models.deepspeed_style``: top
 a ModuleList of experts on chunks of ``(N, E_l, C, M)``, all-to-alls functional or DeepSpeed's ``_AllToAll``
 autograd.Function; ``tests.models.fairseq_style``: the same with fairseq's mm dispatch and combine, and experts
 with biases; ``tests.models.gshard_style``: top-k gating, batched einsum/bmm experts on ``(E_l, N * C, M)``, with
-and without Tutel's biases) train for three SGD steps beside the same layer run eagerly through its all-to-alls:
-losses and gradients agree at every step to fp32 rounding (1e-5 of scale), with capacities low enough that tokens
+and without Tutel's biases) train for three SGD steps beside the same layer run eagerly through its all-to-alls,
+in lock step (``tests.lockstep``: each compiled step starts from the eager copy's parameters, so a capacity slot
+at a near-tie cannot be kept by one copy and dropped by the other): losses and gradients agree at every step to
+fp32 rounding (1e-5 of scale), with capacities low enough that tokens
 are dropped, and under an adversarial gate that sends every token to the same experts (most dropped), under each
 routing (auto; token and expert forced). The rewritten graph has a ring and no all-to-all left. Nothing but the
 backend's own options is set (no Dynamo config: these graphs have no data-dependent sizes).
@@ -26,6 +28,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from relay_compile.backend import compiled_reports
 from tests.distributed import DistributedTestCase
+from tests.lockstep import follow
 from tests.models.deepspeed_style import DeepSpeedStyleMoE, top2gating
 from tests.models.fairseq_style import FairseqStyleMoE
 from tests.models.gshard_style import GShardStyleMoE, topk_capacity_gating
@@ -52,7 +55,7 @@ class Cases(DistributedTestCase):
 
     def train_beside_eager(self, build: Callable[[], nn.Module], batches: list[Tensor], what: str,
                            routing: str = "auto") -> str:
-        """Three SGD steps of ``build()`` eagerly and compiled; returns the rewritten graph's code."""
+        """Three SGD steps of ``build()`` eagerly and compiled, in lock step; returns the rewritten graph's code."""
         eager, model = build(), build()
         with tempfile.TemporaryDirectory() as dump:
             torch._dynamo.reset()
@@ -60,6 +63,7 @@ class Cases(DistributedTestCase):
                                      options={"inner_compiler": "aot_eager", "dump_dir": dump, "routing": routing})
             opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, model)]
             for step, x in enumerate(batches):
+                follow(model, eager)
                 want, got = (_loss(fn(x), grad_seed=step) for fn in (eager, compiled))
                 _close(self, got.detach(), want.detach(), f"{what} loss, step {step}")
                 for loss, opt in zip((want, got), opts):

@@ -1,6 +1,7 @@
 """MoE layers written in other codebases' dispatch idioms (tests/models), through ``torch.compile(model,
 backend="relaymoe")`` and nothing else (no Dynamo config): each region is rewritten into a ring, and three SGD
-steps of the compiled layer equal the same layer run eagerly through its all-to-alls (fp32, 1e-5 of scale).
+steps of the compiled layer equal the same layer run eagerly through its all-to-alls (fp32, 1e-5 of scale), in lock
+step (``tests.lockstep``: each compiled step starts from the parameters the eager step started from).
 
 Legend: T tokens per rank, H hidden, F expert FFN width, E experts, K top-k.
 """
@@ -22,6 +23,7 @@ import tests.distributed
 from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
 from tests.distributed import DistributedTestCase
+from tests.lockstep import load_parameters, parameters_of
 from tests.models.autograd_a2a import AutogradAllToAllMoE
 from tests.models.data_dependent import DataDependentMoE
 from tests.models.scores_first import ScoresFirstMoE
@@ -30,12 +32,18 @@ H, F, E, K, T = 16, 8, 8, 2, 12
 STEPS, LR = 3, 0.05
 
 
-def sgd_steps(model: nn.Module, run: Callable[[Tensor], Tensor], rank: int, x_grad: bool) -> list[dict[str, Tensor]]:
+def sgd_steps(model: nn.Module, run: Callable[[Tensor], Tensor], rank: int, x_grad: bool,
+              starts: list[dict[str, Tensor]] | None = None
+              ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
     """Per step: the output and the gradients of every parameter (and of the tokens, with ``x_grad``), then an
-    SGD update (new tokens each step)."""
+    SGD update (new tokens each step); and the parameters each step started from. ``starts``: the parameters
+    each step starts from instead (another run's: the two runs in lock step, ``tests.lockstep``)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    out = []
+    out, started = [], []
     for step in range(STEPS):
+        if starts is not None:
+            load_parameters(model, starts[step])
+        started.append(parameters_of(model))
         gen = torch.Generator().manual_seed(100 * step + rank)
         x_TH, dy_TH = torch.randn(T, H, generator=gen).requires_grad_(x_grad), torch.randn(T, H, generator=gen)
         optimizer.zero_grad(set_to_none=True)
@@ -44,7 +52,7 @@ def sgd_steps(model: nn.Module, run: Callable[[Tensor], Tensor], rank: int, x_gr
         grads = {n: p.grad.clone() for n, p in model.named_parameters()} | ({"x": x_TH.grad} if x_grad else {})
         out.append({"y": y_TH.detach(), **grads})
         optimizer.step()
-    return out
+    return out, started
 
 
 class Idioms(DistributedTestCase):
@@ -59,13 +67,13 @@ class Idioms(DistributedTestCase):
         autograd.Function calls before the rewrite, none after; the report's experts start with ``experts``),
         and three SGD steps equal to eager."""
         eager, compiled = build(), build()
-        want = sgd_steps(eager, eager, self.rank, x_grad)
+        want, starts = sgd_steps(eager, eager, self.rank, x_grad)
         torch._dynamo.reset()
         seen = len(compiled_reports())
         with tempfile.TemporaryDirectory() as dump_dir:
             options = {"inner_compiler": "aot_eager", "dump_dir": dump_dir}
             compiled_fn = torch.compile(compiled, backend="relaymoe", options=options)
-            got = sgd_steps(compiled, compiled_fn, self.rank, x_grad)
+            got, _ = sgd_steps(compiled, compiled_fn, self.rank, x_grad, starts=starts)
             (graph_dir,) = Path(dump_dir).glob(f"graph*_rank{self.rank}")
             before, after = ((graph_dir / name).read_text() for name in ("0_dynamo_graph.py", "1_rewritten_graph.py"))
         reports = compiled_reports()[seen:]
