@@ -88,7 +88,7 @@ from relay_compile.passes.fx_nodes import (
 from relay_compile.passes.liveness import dead_after_replacing
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel, row_gather
-from relay_compile.report import BlockShape
+from relay_compile.runtime.cost_model import BlockShape
 from relay_compile.runtime.specs import ScoresApplied
 
 log = logging.getLogger(__name__)

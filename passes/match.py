@@ -112,7 +112,7 @@ from relay_compile.passes.roles import (
     token_index,
     unflatten,
 )
-from relay_compile.report import BlockShape
+from relay_compile.runtime.cost_model import BlockShape
 from relay_compile.runtime.specs import ScoresApplied
 
 log = logging.getLogger(__name__)

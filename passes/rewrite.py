@@ -47,7 +47,7 @@ from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import RefusedRegion
 from relay_compile.runtime.ops import RING_MOE
-from relay_compile.runtime.ring_options import ChunkGraphs, HopRows, RingOptions
+from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
@@ -113,13 +113,8 @@ def _fake_output(region: Region) -> object:
 def rewrite_moe_region(
     gm: fx.GraphModule,
     region: Region,
+    options: RingOptions = RingOptions(),
     *,
-    routing: str = "auto",
-    overlap: bool = True,
-    remat: bool = True,
-    max_hop_rows: HopRows = "auto",
-    fp32_accumulation: bool = True,
-    chunk_graphs: ChunkGraphs = False,
     inner_compiler: str = "eager",
 ) -> fx.Node:
     """Replace ``region`` of ``gm`` by one ``relaymoe::ring_moe`` call; returns the new node.
@@ -146,22 +141,17 @@ def rewrite_moe_region(
         x_TH = ...; ids_TK = ...; scores_TK = ...
         y_TH = torch.ops.relaymoe.ring_moe.default(
             x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
-            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0")
+            "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0|ring=auto")
 
     Args:
-        routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs: the ring's options
-            (``relay_compile.ring_moe``).
+        options: the ring's options (``runtime.ring_options.RingOptions``: validated where they are made).
         inner_compiler: what compiles an F that is not lowered onto grouped experts (``"inductor"``,
             ``"aot_eager"``; ``"eager"``: F runs as it is).
 
     Raises:
         ValueError: an unknown option, or a record that no longer describes ``gm``.
     """
-    # Step 1: options and record.
-    options = RingOptions.checked(
-        "rewrite", routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs,
-    )
+    # Step 1: the record.
     _check_record(gm, region)
 
     # Step 2: the expert function and its spec.
@@ -222,22 +212,8 @@ def rewrite_moe_region(
 
 
 def moe_ring_pass(
-    gm: fx.GraphModule,
-    *,
-    routing: str = "auto",
-    overlap: bool = True,
-    remat: bool = True,
-    max_hop_rows: HopRows = "auto",
-    fp32_accumulation: bool = True,
-    chunk_graphs: ChunkGraphs = False,
-    inner_compiler: str = "eager",
+    gm: fx.GraphModule, options: RingOptions = RingOptions(), *, inner_compiler: str = "eager",
 ) -> tuple[list[fx.Node], list[RefusedRegion]]:
     """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""
     regions, refused = find_moe_regions(gm)
-    rings = [
-        rewrite_moe_region(gm, r, routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-                           fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs,
-                           inner_compiler=inner_compiler)
-        for r in regions
-    ]
-    return rings, refused
+    return [rewrite_moe_region(gm, r, options, inner_compiler=inner_compiler) for r in regions], refused

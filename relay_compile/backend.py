@@ -26,7 +26,6 @@ the graph before and after the rewrite and of the ring programs, and to ``trace_
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import logging
 import time
@@ -160,11 +159,10 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     for i, (scope, region) in enumerate(regions, start=len(refused)):
         entry = RegionReport.matched(
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
-            opts.ring.max_hop_rows, opts.ring.fp32_accumulation,
+            opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring,
         )
         if rewrite:
-            node = rewrite_moe_region(scope.module, region, **dataclasses.asdict(opts.ring),
-                                      inner_compiler=opts.inner_compiler)
+            node = rewrite_moe_region(scope.module, region, opts.ring, inner_compiler=opts.inner_compiler)
             if scope.checkpoint is not None:
                 keep_rings_saved(scope)
             entry.status, entry.ring_op = "rewritten", str(node.args[-1])

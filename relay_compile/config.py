@@ -46,6 +46,12 @@ fp32_accumulation: bool = Config(default=True, env_name_default="RELAYMOE_FP32_A
 # percent more GPU work. "auto": on CUDA; true or false. Off by default (docs/BENCHMARKS.md, "Chunk graphs").
 chunk_graphs: str = Config(default="false", env_name_default="RELAYMOE_CHUNK_GRAPHS")
 
+# Whether an MoE block runs as a ring: "auto" where the cost model predicts the ring no slower than the block's
+# all-to-all (``runtime.cost_model``: calibrated on the H200, applied on CUDA; elsewhere the ring always runs);
+# "memory" also where it is slower but the all-to-all's predicted peak is higher; "always"; "never" keeps the
+# all-to-all (for comparisons). Decided at every call from the shapes all ranks agree on.
+ring: str = Config(default="auto", env_name_default="RELAYMOE_RING")
+
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
 inner_compiler: str = Config(

@@ -168,7 +168,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
             routing=_str("routing", *pick("routing")), overlap=_bool("overlap", *pick("overlap")),
             remat=_bool("remat", *pick("remat")), max_hop_rows=_hop_bound(*pick("max_hop_rows")),
             fp32_accumulation=_bool("fp32_accumulation", *pick("fp32_accumulation")),
-            chunk_graphs=_graphs(*pick("chunk_graphs")),
+            chunk_graphs=_graphs(*pick("chunk_graphs")), ring=_str("ring", *pick("ring")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None

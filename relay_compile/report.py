@@ -4,20 +4,11 @@ For every MoE region the matcher found: rewritten or refused (with the reason), 
 routing predicted from this rank's shapes with the per-hop volumes behind it (the ring resolves ``"auto"``
 again at every call from the shapes all ranks exchange, ``runtime.agreement``), how the experts run at each
 hop (grouped, F compiled by the inner compiler, or F eagerly, and why), and the predicted per-rank peak memory
-of the block, forward + backward, for the all-to-all original and for the ring.
-
-The memory model counts the big buffers only (element counts times bytes):
-
-- a2a: ``P = T*K`` expanded rows; forward builds and autograd keeps the permuted send, the received rows,
-  the permuted and unpermuted expert input/output and the combined rows (~``6*P*H``) plus the expert
-  intermediates (~``4*P*F``); backward frees as it goes but gradients of the same sizes coexist with them.
-- ring: resident ``x`` and the ``[T, H]`` output/gradient accumulators (``3*T*H``, counted at 4 bytes an
-  element: an upper bound, the accumulators take the tokens' dtype), current + prefetched partition and
-  two gradient buffers (``4 * E_l * W``), and one hop's (or chunk's) rows ``S``: rows in and out, their
-  gradients and the recomputed intermediates (~``S*(4*H + 4*F)``).
+of the block, forward + backward, for the all-to-all original and for the ring, and the cost model's choice
+(ring or all-to-all, with both predicted times). The memory and time models are ``runtime.cost_model``'s.
 
 On the CPU reference measurement (examples/ring_vs_a2a.py, world 4, T=4096, H=256, F=128, E=16, K=8, fp32)
-the model predicts 256 MiB (a2a) and 65 MiB (ring); measured 266 and 67 MiB.
+the memory model predicts 256 MiB (a2a) and 65 MiB (ring); measured 266 and 67 MiB.
 """
 
 from __future__ import annotations
@@ -29,35 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
-from relay_compile.runtime.ring_options import HopRows, hop_row_bound
+from relay_compile.runtime.cost_model import H200, BlockShape, choose, predicted_peak_bytes
+from relay_compile.runtime.ring_options import HopRows
 
-
-@dataclass(frozen=True, kw_only=True)
-class BlockShape:
-    """Static sizes of one MoE block on one rank."""
-
-    tokens: int
-    hidden: int
-    ffn: int
-    top_k: int
-    experts_per_rank: int
-    group_size: int
-    elem_bytes: int
-    expert_bytes: int
-
-
-def predicted_peak_bytes(shape: BlockShape, max_hop_rows: HopRows = None) -> dict[str, int]:
-    """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring)."""
-    s = shape
-    pairs = s.tokens * s.top_k
-    a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
-    hop_rows = -(-pairs // s.group_size)
-    bound = hop_row_bound(max_hop_rows, s.tokens)
-    if bound:
-        hop_rows = min(hop_rows, bound)
-    resident = 3 * s.tokens * s.hidden * 4 + 4 * s.experts_per_rank * s.expert_bytes
-    ring = resident + hop_rows * (4 * s.hidden + 4 * s.ffn) * s.elem_bytes
-    return {"a2a": a2a, "ring": ring}
+__all__ = ["BlockShape", "GraphDump", "GraphReport", "RegionReport", "predicted_peak_bytes"]
 
 
 @dataclass(kw_only=True)
@@ -76,13 +42,19 @@ class RegionReport:
     predicted_peak_bytes: dict[str, int] = field(default_factory=dict)
     shape: dict[str, int] = field(default_factory=dict)
     ring_op: str = ""
+    # The cost model's decision for this rank's shapes (``runtime.cost_model.choose``, H200 calibration; the op
+    # decides again at every call from every rank's shapes, on CUDA): what it runs as, why, and the predictions.
+    ring_option: str = ""
+    execution_predicted: str = ""
+    decision: str = ""
+    predicted_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     # How the experts run at each hop: "grouped: <what F was recognized as>", "compiled (<inner compiler>): <what
     # was compiled, and why F is not grouped>" or "eager: <why neither>".
     experts: str = ""
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
-                max_hop_rows: HopRows, fp32_accumulation: bool = True) -> RegionReport:
+                max_hop_rows: HopRows, fp32_accumulation: bool = True, ring: str = "auto") -> RegionReport:
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
         volume_args = dict(
@@ -97,7 +69,17 @@ class RegionReport:
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
             predicted_peak_bytes=predicted_peak_bytes(shape, max_hop_rows),
             shape=dataclasses.asdict(shape),
+            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows),
         )
+
+
+def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: HopRows) -> dict[str, Any]:
+    """The report's view of ``cost_model.choose`` (one owner per forward hop: the rule needs the packed weights)."""
+    if shape.tokens <= 0 or shape.expert_bytes <= 0:
+        return {"decision": "no prediction: the token count is not known at compile time (decided per call)"}
+    choice = choose(shape, routing=routing, ring=ring, cal=H200, max_hop_rows=max_hop_rows)
+    return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({H200.name} model: on CUDA)",
+            "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}}
 
 
 @dataclass(kw_only=True)
@@ -129,6 +111,8 @@ class GraphReport:
             )
             if r.experts:
                 lines.append(f"    experts {r.experts}")
+            if r.decision:
+                lines.append(f"    runs as {r.execution_predicted or '(per call)'}: {r.decision}")
         return "\n".join(lines)
 
 

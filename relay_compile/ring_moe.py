@@ -123,6 +123,7 @@ def ring_moe_experts(
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
     chunk_graphs: ChunkGraphs = False,
+    ring: str = "auto",
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -147,7 +148,7 @@ def ring_moe_experts(
         # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
         key = _register(expert_fn, experts_per_rank, group_name, dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs), name, scores_applied,
+            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring), name, scores_applied,
             torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
@@ -185,6 +186,7 @@ def ring_moe(
     max_hop_rows: HopRows = "auto",
     fp32_accumulation: bool = True,
     chunk_graphs: ChunkGraphs = False,
+    ring: str = "auto",
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -212,6 +214,10 @@ def ring_moe(
             working set held between calls (``relay_compile.runtime.chunk_graphs.held_bytes``, ``clear``) and a
             few percent more GPU work; ``"auto"``: on CUDA. Off by default (docs/BENCHMARKS.md, "Chunk
             graphs"). A per-rank knob: it may differ across ranks.
+        ring: ``"auto"`` runs the block as a ring where the cost model predicts it no slower than the
+            all-to-all (``runtime.cost_model``; on CUDA, else always the ring); ``"memory"`` also where it is
+            slower but the all-to-all's predicted peak is higher; ``"always"``; ``"never"``: the block's
+            all-to-all (``runtime.all_to_all``). Decided per call from the shapes every rank agreed on.
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
         scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
@@ -245,7 +251,7 @@ def ring_moe(
         # The name ("" only without torch.distributed: a ring of one, which None says again).
         x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs,
+        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring,
         name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
         scores_applied=scores_applied,
     )

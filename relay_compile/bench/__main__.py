@@ -18,6 +18,10 @@ on CUDA, memory_a2a.pickle / memory_ring.pickle under --out; at most 5 files, on
 - ``memory``: memory over time of one forward+backward, a2a and ring (paper Figures 4 and 7).
 - ``numerics``: bf16 leaf errors (y, dx, d scores, d weights) of the a2a layer and the ring against an fp32
   truth, the Qwen3 layer at each ``--ep`` (default 8 64); with ``--dtype`` other than bf16, in that dtype.
+- ``sweep``: the Qwen3 layer at each ``--ep`` (default 8 64) and ``--tokens`` (default 4096 .. 131072): the
+  backend's default, ``ring_moe``'s default and the forced ring (auto / expert / token) beside a2a eager, steps
+  interleaved (``bench.sweep``); also writes ``sweep.json`` with the cost model's predictions
+  (``python -m relay_compile.bench.calibrate`` refits the model from it).
 - ``all``: everything above but tiny.
 - ``device``: what one GPU run needs, within ``--time-budget`` (default 420 s): qwen3 at EP 8 and 64 (compiled
   rows measured last and appended to those tables), ablation, memory plot, capacity at EP 8 with 40 GiB, a Table 3
@@ -28,6 +32,7 @@ on CUDA, memory_a2a.pickle / memory_ring.pickle under --out; at most 5 files, on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -45,9 +50,12 @@ from relay_compile.bench.numerics import layer_numerics
 from relay_compile.bench.progress import Progress
 from relay_compile.bench.results import Report, report_from_json
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, ablation_rows, default_rows, sweep_rows
+from relay_compile.bench.sweep import sweep_rows as cost_sweep_rows
+from relay_compile.bench.sweep import write_sweep
 from relay_compile.bench.timeline import record_timeline
 
-PRESETS = ("tiny", "qwen3", "table3", "tokens", "ep", "capacity", "ablation", "memory", "numerics", "all", "device")
+PRESETS = ("tiny", "qwen3", "table3", "tokens", "ep", "capacity", "ablation", "memory", "numerics", "sweep", "all",
+           "device")
 
 TINY = LayerConfig(name="tiny", hidden=64, ffn=32, experts=16, top_k=4, tokens=512, ep=4, dtype="fp32", device="cpu")
 DEVICE_TABLE3 = ("MoE-E64", "MoE-E384", "MoE-K16", "MoE-H2048")
@@ -152,6 +160,19 @@ def build_tasks(args: argparse.Namespace, opts: BenchOptions) -> list[Task]:
     def token_sweep(ep: int, t_list: list[int]) -> Task:
         return _layers("Tokens per rank sweep", [qwen_at(ep, t) for t in t_list], lambda: sweep_rows(opts), opts)
 
+    def cost_sweep(ep_list: list[int], t_list: list[int]) -> Task:
+        interleaved = dataclasses.replace(opts, interleave=True)
+
+        def run(report: Report, progress: Progress, deadline: float | None) -> None:
+            section = report.section("Ring or all-to-all: the token-count sweep")
+            for ep in ep_list:
+                for t in t_list:
+                    section.append(measure_layer(qwen_at(ep, t), interleaved, cost_sweep_rows(interleaved),
+                                                 progress=progress, deadline=deadline))
+                    write_sweep(section, out)
+
+        return Task(title="token-count sweep", run=run)
+
     def ep_sweep(ep_list: list[int]) -> Task:
         return _layers("EP sweep", [qwen_at(e) for e in ep_list], lambda: sweep_rows(opts), opts)
 
@@ -175,6 +196,7 @@ def build_tasks(args: argparse.Namespace, opts: BenchOptions) -> list[Task]:
         "ablation": lambda: [ablation(ep0)],
         "memory": lambda: [_timeline(qwen_at(ep0), opts, out)],
         "numerics": lambda: [_numerics([qwen_at(e) for e in eps or [8, 64]])],
+        "sweep": lambda: [cost_sweep(eps or [8, 64], tokens or [4096, 8192, 16384, 32768, 65536, 131072])],
     }
     if p in tasks:
         return tasks[p]()

@@ -161,6 +161,7 @@ class RowResult:
     peak_ratio: float | None = None  # peak_bytes / eager a2a's
     link: dict[str, Any] | None = None  # LinkModel fields (simulated)
     model_ratio: float | None = None  # link-modeled total / eager a2a's link-modeled total
+    spread: float | None = None  # slowest over fastest timed step, minus 1
     note: str = ""
     skipped: str = ""
 
@@ -281,6 +282,8 @@ def _complete_row(
     row.fwd_ms = statistics.median(t[0] for t in times)
     row.bwd_ms = statistics.median(t[1] for t in times)
     row.total_ms = row.fwd_ms + row.bwd_ms  # the sum of the medians, as the link model uses them
+    totals = [f + b for f, b in times]
+    row.spread = round(max(totals) / min(totals) - 1, 4) if min(totals) > 0 else None
     if opts.memory:
         row.peak_bytes = peak_step(fn, inp, cfg.device)
     row.link = dataclasses.asdict(link_model(cfg, spec, row.fwd_ms, row.bwd_ms, opts.link_gbps))

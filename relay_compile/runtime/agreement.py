@@ -35,14 +35,15 @@ import functools
 import operator
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
-from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.cost_model import H200, BlockShape, Choice, Execution, choose
+from relay_compile.runtime.ring_options import RINGS, HopRows, RingOptions
 from relay_compile.runtime.transport import RingGroup, RingPeerError, all_gather_rows, peer_failure
 
 Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
@@ -51,7 +52,7 @@ Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 ARGUMENTS = (
     "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
     "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "fp32_accumulation",
-    "scores_applied",
+    "scores_applied", "ring",
     "the call",
 )
 # Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.
@@ -64,8 +65,8 @@ MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
 _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
-    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "expert_fn", "scores_before",
-    "num_weights", "weights_digest",
+    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "cuda", "expert_fn",
+    "scores_before", "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
 )
@@ -84,6 +85,8 @@ _AGREED = (
     ("overlap", "option overlap", lambda v: str(bool(v))),
     ("remat", "option remat", lambda v: str(bool(v))),
     ("fp32_accumulation", "option fp32_accumulation", lambda v: str(bool(v))),
+    ("ring", "option ring", lambda v: repr(RINGS[v])),
+    ("cuda", "the tokens' device type (x.device)", lambda v: "cuda" if v else "not cuda"),
     ("hidden", "the hidden size (x.shape[1])", str),
     ("top_k", "top-k (topk_ids.shape[1])", str),
     ("x_dtype", "x's dtype", lambda v: dtype_name(v)),
@@ -129,6 +132,7 @@ class Claims:
     expert_fn: int = 0
     scores_before: bool = False
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+    cuda: bool = False
 
     def header(self, counts_len: int) -> list[int]:
         if self.problem is None:
@@ -144,7 +148,8 @@ class Claims:
             direction=int(self.direction == "backward"), tokens=self.tokens, hidden=self.hidden, top_k=self.top_k,
             experts_per_rank=self.experts_per_rank, routing=ROUTINGS.index(self.options.routing),
             overlap=int(self.options.overlap), remat=int(self.options.remat),
-            fp32_accumulation=int(self.options.fp32_accumulation), expert_fn=self.expert_fn,
+            fp32_accumulation=int(self.options.fp32_accumulation), ring=RINGS.index(self.options.ring),
+            cuda=int(self.cuda), expert_fn=self.expert_fn,
             scores_before=int(self.scores_before),
             num_weights=len(self.weights), counts_len=counts_len,
         )
@@ -194,11 +199,25 @@ class StepCounts:
 
 @dataclass(frozen=True, kw_only=True)
 class Agreement:
-    """The agreed call: its routing (``auto`` resolved), counts, and the per-hop volumes it was chosen by."""
+    """The agreed call: what it runs as (``execution``: a ring's routing, ``auto`` resolved, or the block's
+    all-to-all), its counts, the per-hop volumes, and the cost model's predictions where it decided (CUDA)."""
 
     routing: Routing
+    execution: Execution
     counts: StepCounts
     volumes: dict[str, dict[str, int]]
+    choice: Choice | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """What the cost model needs besides the agreed token counts (``runtime.cost_model.BlockShape``): the same
+    on every rank once the claims agree. ``owners``: owners per forward hop of expert routing, for token counts."""
+
+    ffn: int
+    expert_params: int
+    max_hop_rows: HopRows
+    owners: Callable[[list[int]], int]
 
 
 @dataclass(kw_only=True)
@@ -222,13 +241,14 @@ def _group_state(ring: RingGroup) -> _GroupState:
 
 def agree(
     ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, weight_bytes: int, elem_bytes: int,
-    grad_bytes: int, sum_elem_bytes: int,
+    grad_bytes: int, sum_elem_bytes: int, sizes: BlockSizes | None = None,
 ) -> Agreement:
     """The exchange of one op call; raises ``RingInputError`` (or this rank's own problem) on every rank.
 
     ``bad_ids``: ``(1,)`` int64 flag of ids outside ``[0, E)``; ``counts_E``: int64 pairs per expert (device).
     ``weight_bytes``, ``elem_bytes``: this rank's weight bytes and token element size; ``grad_bytes``,
     ``sum_elem_bytes``: the same for the sums that travel (``routing.per_hop_bytes``), for ``routing="auto"``.
+    ``sizes``: for the cost model (``_execution``; None: routing by bytes, and the ring, as without a model).
     """
     state = _group_state(ring)
     table = _exchange(ring, claims, bad_ids, counts_E, state)
@@ -242,16 +262,37 @@ def agree(
         expert_bytes=weight_bytes // max(1, head[_AT["experts_per_rank"]]),
         expert_grad_bytes=grad_bytes // max(1, head[_AT["experts_per_rank"]]), sum_elem_bytes=sum_elem_bytes,
     )
-    asked = ROUTINGS[head[_AT["routing"]]]
-    routing: Routing = choose_routing(**volume_args) if asked == "auto" else asked  # type: ignore[assignment]
-    if counts_NE[ring.rank] is None:
+    tokens_N = [row[_AT["tokens"]] for row in table]
+    execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
+                                   volume_args, tokens_N, ring.size, sizes)
+    if counts_NE[ring.rank] is None or (execution == "all_to_all" and any(c is None for c in counts_NE)):
         # NOTE: the group's first call with this many experts: counts did not fit the row.
-        counts_NE = all_gather_rows(ring, counts_E).tolist() if routing == "token" else _own(ring, counts_E)
+        every = execution in ("token", "all_to_all")
+        counts_NE = all_gather_rows(ring, counts_E).tolist() if every else _own(ring, counts_E)
     state.counts_cap = max(state.counts_cap, e)
     return Agreement(
-        routing=routing, counts=StepCounts(tokens_N=[row[_AT["tokens"]] for row in table], counts_NE=counts_NE),
+        routing="expert" if execution == "all_to_all" else execution, execution=execution, choice=choice,
+        counts=StepCounts(tokens_N=tokens_N, counts_NE=counts_NE),
         volumes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
     )
+
+
+def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], tokens_N: list[int], size: int,
+               sizes: BlockSizes | None) -> tuple[Execution, Choice | None]:
+    """The options ``routing`` and ``ring`` resolved from agreed values only (the same on every rank): by the
+    cost model where it is calibrated (CUDA: ``cost_model.H200``), else routing by bytes and the ring."""
+    if cuda and sizes is not None and (asked == "auto" or ring != "always"):
+        shape = BlockShape(
+            tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
+            experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
+            expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
+        choice = choose(shape, routing=asked, ring=ring, cal=H200, owners_per_hop=sizes.owners(tokens_N),
+                        max_hop_rows=sizes.max_hop_rows)
+        return choice.execution, choice
+    if ring == "never":
+        return "all_to_all", None
+    routing: Routing = choose_routing(**volume_args) if asked == "auto" else asked  # type: ignore[assignment]
+    return routing, None
 
 
 def _own(ring: RingGroup, counts_E: Tensor) -> list[list[int] | None]:

@@ -31,7 +31,8 @@ from torch import Tensor
 
 from relay_compile.routing import PairRouting, summed_bytes
 from relay_compile.runtime import equal_groups
-from relay_compile.runtime.agreement import BadArgument, Claims, agree, remember_status
+from relay_compile.runtime.agreement import BadArgument, BlockSizes, Claims, agree, remember_status
+from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,
     RingStepConfig,
@@ -41,7 +42,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
-from relay_compile.runtime.ring_options import HopShape, hop_row_bound
+from relay_compile.runtime.ring_options import HopRows, HopShape, hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 from relay_compile.runtime.weight_grads import pack_weights
@@ -108,7 +109,7 @@ def _prepare(
         dtypes=(x.dtype, topk_ids.dtype, topk_scores.dtype, None if grad_y is None else grad_y.dtype),
         experts_per_rank=spec.experts_per_rank, options=spec.options, expert_fn=state.identity_code,
         scores_before=spec.scores_applied == "before",
-        weights=tuple((w.dtype, tuple(w.shape)) for w in weights),
+        weights=tuple((w.dtype, tuple(w.shape)) for w in weights), cuda=x.device.type == "cuda",
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 
@@ -134,16 +135,19 @@ def _run(
     agreed = agree(ring, local.claims, local.bad_ids, local.counts_E,
                    weight_bytes=sum(w.numel() * w.element_size() for w in weights), elem_bytes=x.element_size(),
                    grad_bytes=sum(w.numel() * summed_bytes(w.element_size(), fp32) for w in weights),
-                   sum_elem_bytes=summed_bytes(x.element_size(), fp32))
-    if agreed.routing != state.resolved:
-        log.info("ring_moe: routing %s (asked %s), per-hop bytes %s", agreed.routing, spec.options.routing,
+                   sum_elem_bytes=summed_bytes(x.element_size(), fp32),
+                   sizes=_block_sizes(spec.options.max_hop_rows, cfg, x, topk_ids, local.packed))
+    if agreed.execution != state.resolved:
+        log.info("ring_moe: runs as %s (routing asked %s, ring %s): %s; per-hop bytes %s", agreed.execution,
+                 spec.options.routing, spec.options.ring, agreed.choice.reason if agreed.choice else "no cost model",
                  agreed.volumes)
-    state.resolved, state.volumes = agreed.routing, agreed.volumes
+    state.resolved, state.volumes, state.choice = agreed.execution, agreed.volumes, agreed.choice
     assert local.packed is not None, "ring_moe: an agreed call has its weights packed"
-    shape = HopShape.of(ring.size, agreed.counts.tokens_N, topk_ids.shape[1],
-                        [(w.shape, w.numel() * w.element_size()) for w in local.packed], x.shape[1],
-                        x.element_size())
-    owners = forward_owners(direction, agreed.routing, cfg.grouped is not None, shape)
+    if agreed.execution == "all_to_all":
+        a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed)
+        return a2a.forward() if direction == "forward" else a2a.backward()
+    owners = forward_owners(direction, agreed.routing, cfg.grouped is not None,
+                            _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
     # Failure status travels only where results depend on other ranks' hops (trailing accumulators).
@@ -154,6 +158,28 @@ def _run(
         out = run_program(program, step, step.initial_circulating())
     remember_status(ring, run.outcome())  # raises this rank's failure, or a peer's where reading it is free
     return out
+
+
+def _hop_shape(size: int, tokens_N: list[int], topk_ids: Tensor, x: Tensor, packed: Sequence[Tensor]) -> HopShape:
+    return HopShape.of(size, tokens_N, topk_ids.shape[1], [(w.shape, w.numel() * w.element_size()) for w in packed],
+                       x.shape[1], x.element_size())
+
+
+def _block_sizes(max_hop_rows: HopRows, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor,
+                 packed: Sequence[Tensor] | None) -> BlockSizes | None:
+    """The cost model's sizes from the circulating weights' ``(E_l, out, in)`` matrices (None: none to read).
+    Forward and backward calls predict the same forward + backward (the forward's owners per hop), so they
+    decide alike."""
+    matrices = [w.shape for w in packed or () if w.dim() == 3]
+    if not matrices:
+        return None
+    size = cfg.ring.size
+    return BlockSizes(
+        ffn=min(min(m[1], m[2]) for m in matrices), expert_params=sum(m[1] * m[2] for m in matrices),
+        max_hop_rows=max_hop_rows,
+        owners=lambda tokens_N: forward_owners("forward", "expert", cfg.grouped is not None,
+                                               _hop_shape(size, tokens_N, topk_ids, x, packed or ())),
+    )
 
 
 @torch.library.custom_op("relaymoe::ring_moe", mutates_args=())

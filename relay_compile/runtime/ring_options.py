@@ -22,6 +22,10 @@ import torch
 from relay_compile.routing import ROUTINGS
 
 HopRows = int | None | Literal["auto"]
+# Whether a block runs as a ring (``runtime.cost_model.choose``): "auto" where it is predicted no slower than
+# the all-to-all, "memory" also where it is slower but saves memory, "always", or "never" (the block's
+# all-to-all, ``runtime.all_to_all``: for comparisons and tests).
+RINGS: tuple[str, ...] = ("auto", "memory", "always", "never")
 ChunkGraphs = bool | Literal["auto"]
 # ``max_hop_rows="auto"``: a chunk holds at most this fraction of the rank's tokens (its gathered rows, their
 # gradients and the expert activations then stay below the token-sized sums the step holds anyway), and never
@@ -136,6 +140,11 @@ class RingOptions:
       eagerly. Off by default: on the H200 it cut the host-bound EP=64 ring's time by a tenth and cost the peak
       a fifth (docs/BENCHMARKS.md, "Chunk graphs"). A per-rank knob like ``max_hop_rows``: nothing that
       travels depends on it.
+    - ``ring``: ``"auto"`` runs the block as a ring where the cost model predicts it no slower than the
+      all-to-all (``runtime.cost_model.choose``, calibrated on CUDA; on other devices the ring always runs);
+      ``"memory"`` also where it is slower but the all-to-all's predicted peak is higher; ``"always"``;
+      ``"never"`` runs the block's all-to-all (``runtime.all_to_all``). Decided per call from the agreed
+      shapes, the same on every rank.
     - ``fp32_accumulation``: what the ring sums across hops (weight gradients, and token routing's travelling
       outputs and input gradients) is summed and sent in fp32, as an fp32-accumulating GEMM of the
       all-to-all layer would sum it; False sums in the dtype of the summands (bf16: half the bytes of those
@@ -148,10 +157,13 @@ class RingOptions:
     max_hop_rows: HopRows = "auto"
     fp32_accumulation: bool = True
     chunk_graphs: ChunkGraphs = False
+    ring: str = "auto"
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise InvalidRingOption(f"routing={self.routing!r} is not one of {ROUTINGS}", "routing")
+        if self.ring not in RINGS:
+            raise InvalidRingOption(f"ring={self.ring!r} is not one of {RINGS}", "ring")
         bound = self.max_hop_rows
         if bound is not None and bound != "auto" and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
             raise InvalidRingOption(f"max_hop_rows must be a positive row count, 'auto' or None, got {bound!r}",
@@ -167,11 +179,12 @@ class RingOptions:
     def checked(
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
         max_hop_rows: HopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
+        ring: str = "auto",
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""
         try:
             return cls(routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-                       fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs)
+                       fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring)
         except InvalidRingOption as e:
             raise InvalidRingOption(f"{caller}: {e.problem}", e.argument) from None
 
@@ -181,6 +194,7 @@ class RingOptions:
             f"routing={self.routing}|overlap={int(self.overlap)}|remat={int(self.remat)}"
             f"|max_hop_rows={self.max_hop_rows}|fp32_accumulation={int(self.fp32_accumulation)}"
             f"|chunk_graphs={self.chunk_graphs if self.chunk_graphs == 'auto' else int(self.chunk_graphs)}"
+            f"|ring={self.ring}"
         )
 
     def graphs_on(self, device: torch.device) -> bool:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from relay_compile.experts import ExpertFn, GroupedExperts
-from relay_compile.routing import Routing
+from relay_compile.runtime.cost_model import Choice, Execution
 from relay_compile.runtime.fn_identity import identity_code
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import RingGroup
@@ -73,8 +73,9 @@ class SpecState:
     ring: RingGroup
     # What every rank must agree on about the expert function (a name equal in every process).
     identity: str
-    resolved: Routing | None = None
+    resolved: Execution | None = None
     volumes: dict[str, dict[str, int]] = field(default_factory=dict)
+    choice: Choice | None = None  # the cost model's, at the last call (CUDA)
 
     @functools.cached_property
     def identity_code(self) -> int:

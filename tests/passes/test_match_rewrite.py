@@ -29,6 +29,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from relay_compile.passes import MoERegion, RefusedRegion, find_moe_regions, rewrite_moe_region
 from relay_compile.reference import AllToAllMoE, moe_weights
+from relay_compile.runtime.ring_options import RingOptions
 from tests.distributed import DistributedTestCase
 from tests.models import variants
 from tests.models.megatron_style import MegatronStyleMoE
@@ -249,7 +250,7 @@ class Cases(DistributedTestCase):
         with self.assertRaisesRegex(ValueError, r"^rewrite: the region of dispatch \w+ names .* not in this graph"):
             rewrite_moe_region(record.gm, region)
         with self.assertRaisesRegex(ValueError, r"^rewrite: routing='experts' is not one of \('auto', 'expert'"):
-            rewrite_moe_region(record.gm, region, routing="experts")
+            rewrite_moe_region(record.gm, region, RingOptions.checked("rewrite", routing="experts"))
 
     # --- the reference layer ---------------------------------------------------------------------------
 
@@ -315,7 +316,7 @@ class GraphModule(torch.nn.Module):
         sum_1: "f32[12, 1]" = scores_TK.sum(dim = -1, keepdim = True)
         scores_TK_1: "f32[12, 2]" = scores_TK / sum_1;  scores_TK = sum_1 = None
         topk_scores_TK: "f32[12, 2]" = scores_TK_1.to(torch.float32);  scores_TK_1 = None
-        ring_moe: "f32[12, 16]" = torch.ops.relaymoe.ring_moe.default(x_TH, ids_TK, topk_scores_TK, [l_self_parameters_w1_, l_self_parameters_w2_, l_self_parameters_w3_], 'fx_region[<digest>]|group=0|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0');  x_TH = ids_TK = topk_scores_TK = l_self_parameters_w1_ = l_self_parameters_w2_ = l_self_parameters_w3_ = None
+        ring_moe: "f32[12, 16]" = torch.ops.relaymoe.ring_moe.default(x_TH, ids_TK, topk_scores_TK, [l_self_parameters_w1_, l_self_parameters_w2_, l_self_parameters_w3_], 'fx_region[<digest>]|group=0|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0|ring=auto');  x_TH = ids_TK = topk_scores_TK = l_self_parameters_w1_ = l_self_parameters_w2_ = l_self_parameters_w3_ = None
         view_as: "f32[2, 6, 16]" = ring_moe.view_as(l_x_bsh_);  ring_moe = l_x_bsh_ = None
         return (view_as,)""")
 

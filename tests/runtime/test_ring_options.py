@@ -98,9 +98,12 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
 
     def test_the_key_spells_every_field(self) -> None:
         key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False,
-                          chunk_graphs="auto").key()
-        self.assertEqual(key, "routing=token|overlap=0|remat=1|max_hop_rows=64|fp32_accumulation=0|chunk_graphs=auto")
-        self.assertTrue(RingOptions(chunk_graphs=True).key().endswith("|chunk_graphs=1"))
+                          chunk_graphs="auto", ring="memory").key()
+        self.assertEqual(key, "routing=token|overlap=0|remat=1|max_hop_rows=64|fp32_accumulation=0|chunk_graphs=auto"
+                              "|ring=memory")
+        self.assertTrue(RingOptions(chunk_graphs=True).key().endswith("|chunk_graphs=1|ring=auto"))
+        with self.assertRaisesRegex(InvalidRingOption, r"ring='sometimes' is not one of \('auto', 'memory'"):
+            RingOptions(ring="sometimes")
 
     def test_chunk_graphs_takes_a_bool_or_auto_and_auto_means_cuda(self) -> None:
         with self.assertRaisesRegex(InvalidRingOption, "chunk_graphs must be True, False or 'auto'"):
@@ -126,7 +129,7 @@ class RingSpecsAreKeyedByTheirContents(unittest.TestCase):
 
     def test_equal_specs_share_one_key_and_one_registration(self) -> None:
         key = register_spec(self.spec(max_hop_rows=7), "ffn_test")
-        self.assertEqual(key, "ffn_test|group=|E_l=2|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=7|fp32_accumulation=1|chunk_graphs=0")
+        self.assertEqual(key, "ffn_test|group=|E_l=2|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=7|fp32_accumulation=1|chunk_graphs=0|ring=auto")
         self.assertEqual(register_spec(self.spec(max_hop_rows=7), "ffn_test"), key)
         self.assertEqual(spec_state(key).ring.size, 1)
 

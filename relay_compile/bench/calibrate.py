@@ -1,0 +1,114 @@
+"""``python -m relay_compile.bench.calibrate SWEEP.json [...]``: fit the time model's constants to a sweep.
+
+Reads the measured times of a sweep (``python -m relay_compile.bench --preset sweep``: ``sweep.json``, rows
+``a2a eager``, ``ring expert``, ``ring token``; or the same format by hand), fits ``runtime.cost_model``'s
+``Calibration`` by coordinate descent on the squared log error of every (EP, tokens, row) point, and prints the
+fitted constants (paste them into ``cost_model.H200``) and a table of predicted against measured.
+
+The layer's shape comes from the file's ``layer`` entry (hidden, ffn, experts, top_k, elem_bytes; swiglu:
+three ``(F, H)`` matrices per expert).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, a2a_time, ring_time
+from relay_compile.runtime.ring_options import HopShape, owners_per_hop
+
+# The constants fitted (the link stays out: the stand-in has none), and how far one move scales them.
+FITTED = ("host_hop_us", "host_hop_expert_us", "host_a2a_us", "host_a2a_peer_us", "gemm_tflops", "gemm_half_rows",
+          "ring_row_bytes", "a2a_row_bytes", "gpu_hop_us", "host_chunk_us", "token_hop_pair_ns", "copy_gbps",
+          "host_token_hop_us", "host_token_expert_us")
+
+
+def shape_of(layer: dict[str, int], ep: int, tokens: int) -> BlockShape:
+    h, f, e = layer["hidden"], layer["ffn"], layer["experts"]
+    elem = layer.get("elem_bytes", 2)
+    return BlockShape(tokens=tokens, hidden=h, ffn=f, top_k=layer["top_k"], experts_per_rank=e // ep,
+                      group_size=ep, elem_bytes=elem, expert_bytes=3 * h * f * elem, expert_params=3 * h * f)
+
+
+def forward_owners(shape: BlockShape) -> int:
+    """Owners per forward hop of expert routing, by the ring's own rule (swiglu: w1, w3 ``(E_l, F, H)``, w2 packed)."""
+    e_l, f, h, elem = shape.experts_per_rank, shape.ffn, shape.hidden, shape.elem_bytes
+    weights = [((e_l, 2 * f, h), e_l * 2 * f * h * elem), ((e_l, h, f), e_l * h * f * elem)]
+    return owners_per_hop(HopShape.of(shape.group_size, [shape.tokens], shape.top_k, weights, h, elem))
+
+
+def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -> float | None:
+    """Predicted ms of one measured point (None: a row the model does not describe)."""
+    shape = shape_of(layer, int(point["ep"]), int(point["tokens"]))  # type: ignore[arg-type]
+    row = point["row"]
+    if row == "a2a eager":
+        return a2a_time(shape, cal).total_ms
+    if row in ("ring expert", "ring token"):
+        routing = "expert" if row == "ring expert" else "token"
+        owners = forward_owners(shape) if routing == "expert" else 1
+        return ring_time(shape, routing, cal, owners_per_hop=owners).total_ms
+    return None
+
+
+def loss(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]]) -> float:
+    total = 0.0
+    for p in points:
+        got = predict(cal, layer, p)
+        if got is not None:
+            total += math.log(got / float(p["ms"])) ** 2  # type: ignore[arg-type]
+    return total
+
+
+def fit(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]], rounds: int = 60) -> Calibration:
+    """Coordinate descent in log space: each constant scaled up or down while that lowers the loss."""
+    best = loss(cal, layer, points)
+    step = 1.5
+    for _ in range(rounds):
+        moved = False
+        for name in FITTED:
+            for factor in (step, 1 / step):
+                trial = dataclasses.replace(cal, **{name: getattr(cal, name) * factor})
+                value = loss(trial, layer, points)
+                if value < best:
+                    cal, best, moved = trial, value, True
+        if not moved:
+            step = math.sqrt(step)
+            if step < 1.01:
+                break
+    return cal
+
+
+def table(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]]) -> str:
+    lines = ["| EP | tokens | row | measured ms | predicted ms | predicted/measured |", "|---:|---:|---|---:|---:|---:|"]
+    for p in points:
+        got = predict(cal, layer, p)
+        if got is not None:
+            lines.append(f"| {p['ep']} | {p['tokens']} | {p['row']} | {float(p['ms']):.1f} | {got:.1f} | "  # type: ignore[arg-type]
+                         f"{got / float(p['ms']):.2f} |")  # type: ignore[arg-type]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sweeps", nargs="+", type=Path)
+    p.add_argument("--min-tokens", type=int, default=4096, help="points with fewer tokens per rank are left out")
+    args = p.parse_args(argv)
+    layer: dict[str, int] = {}
+    points: list[dict[str, object]] = []
+    for path in args.sweeps:
+        data = json.loads(path.read_text())
+        layer = data["layer"]
+        points += [r for r in data["rows"] if int(r["tokens"]) >= args.min_tokens]
+    cal = fit(H200, layer, points)
+    print("fitted:", ", ".join(f"{n}={getattr(cal, n):.4g}" for n in FITTED))
+    print(f"rms log error {math.sqrt(loss(cal, layer, points) / max(1, len(points))):.3f}")
+    print(table(cal, layer, points))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The token-count sweep (``--preset sweep``): every way the block can run, beside the all-to-all, with the cost
+model's predictions.
+
+Per EP size and tokens per rank (Qwen3 layer by default), interleaved repeats (one step of every row per round)
+of:
+
+- ``a2a eager``: the reference layer (the baseline of every ratio);
+- ``relaymoe backend``: ``torch.compile(a2a_moe, backend="relaymoe")`` with default options (what a user gets:
+  ring or all-to-all as the cost model decides);
+- ``ring_moe default``: the functional API with default options (the same decision, no compile);
+- ``ring auto`` / ``ring expert`` / ``ring token``: the ring forced (``ring="always"``), each routing.
+
+Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
+points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
+for each configuration (``runtime.cost_model.choose``). ``python -m relay_compile.bench.calibrate sweep.json``
+refits the model from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from relay_compile.bench.calibrate import forward_owners, predict, shape_of
+from relay_compile.bench.configs import BenchOptions, LayerConfig
+from relay_compile.bench.measure import LayerResult
+from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a, compiled_a2a_builder, ring_builder
+from relay_compile.runtime.cost_model import H200, choose
+
+# Row names as the calibration reads them (``bench.calibrate.predict``).
+RING_ROWS = {"ring expert": "expert", "ring token": "token"}
+
+
+def sweep_rows(opts: BenchOptions) -> list[RowSpec]:
+    """The sweep's rows (module docstring)."""
+    return [
+        RowSpec(name=A2A_EAGER, build=build_eager_a2a, kind="a2a"),
+        RowSpec(name="relaymoe backend", build=compiled_a2a_builder("relaymoe", opts.compile), kind="ring",
+                note="torch.compile(a2a_moe, backend='relaymoe'), default options", compiles=True),
+        RowSpec(name="ring_moe default", build=ring_builder(), kind="ring", note="ring='auto': the cost model decides"),
+        RowSpec(name="ring auto", build=ring_builder(ring="always"), kind="ring", note="ring='always', routing auto"),
+        RowSpec(name="ring expert", build=ring_builder(routing="expert", ring="always"), kind="ring"),
+        RowSpec(name="ring token", build=ring_builder(routing="token", ring="always"), kind="ring", routing="token",
+                note="stand-in numerics: N x own-expert pairs"),
+    ]
+
+
+def layer_of(cfg: LayerConfig) -> dict[str, int]:
+    return {"hidden": cfg.hidden, "ffn": cfg.ffn, "experts": cfg.experts, "top_k": cfg.top_k,
+            "elem_bytes": cfg.elem_bytes}
+
+
+def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
+    """``sweep.json``'s content: measured points, predictions and decisions (module docstring)."""
+    points: list[dict[str, Any]] = []
+    decisions: list[dict[str, Any]] = []
+    layer: dict[str, int] = {}
+    for result in results:
+        cfg = LayerConfig(**result.config)
+        layer = layer_of(cfg)
+        shape = shape_of(layer, cfg.ep, cfg.tokens)
+        choice = choose(shape, routing="auto", ring="auto", cal=H200, owners_per_hop=forward_owners(shape))
+        decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict()})
+        for row in result.rows:
+            if row.skipped or row.total_ms is None:
+                continue
+            point: dict[str, Any] = {"ep": cfg.ep, "tokens": cfg.tokens, "row": row.row, "ms": round(row.total_ms, 3),
+                                     "spread": row.spread, "peak_bytes": row.peak_bytes,
+                                     "time_ratio": row.time_ratio, "peak_ratio": row.peak_ratio}
+            predicted = predict(H200, layer, point)
+            if predicted is not None:
+                point["predicted_ms"] = round(predicted, 3)
+            points.append(point)
+    return {"source": "python -m relay_compile.bench --preset sweep", "calibration": H200.name, "layer": layer,
+            "rows": points, "decisions": decisions}
+
+
+def write_sweep(results: list[LayerResult], out: Path) -> Path:
+    path = out / "sweep.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sweep_points(results), indent=1))
+    return path

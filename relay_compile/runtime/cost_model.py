@@ -1,0 +1,252 @@
+"""What a block costs, predicted from its shapes: per-rank peak memory and time of the ring and of the all-to-all.
+
+Both models read only sizes every rank of a ring shares (``BlockShape``), so every rank that predicts from the
+agreed table (``runtime.agreement``) makes the same decision (``choose``).
+
+Memory (the big buffers only, element counts times bytes):
+
+- a2a: ``P = T*K`` expanded rows; forward builds and autograd keeps the permuted send, the received rows, the
+  permuted and unpermuted expert input/output and the combined rows (~``6*P*H``) plus the expert intermediates
+  (~``4*P*F``); backward frees as it goes but gradients of the same sizes coexist with them.
+- ring: resident ``x`` and the ``[T, H]`` output/gradient accumulators (``3*T*H``, counted at 4 bytes an element:
+  an upper bound, the accumulators take the tokens' dtype), current + prefetched partition and two gradient
+  buffers (``4 * E_l * W``), and one hop's (or chunk's) rows ``S``: rows in and out, their gradients and the
+  recomputed intermediates (~``S*(4*H + 4*F)``).
+
+Time of one forward + backward on one rank (``Calibration`` holds the machine's constants):
+
+    total = max(host, gpu) + exposed link
+
+- host: what the CPU spends issuing the work, which the GPU overlaps as long as it has work queued. The ring
+  pays a fixed cost per hop pass (its transfers, planning, ~40 launches) and a cost per expert a hop computes;
+  the all-to-all a fixed cost per call and per peer (split lists, host syncs).
+- gpu: grouped GEMMs, ``2 * params`` flops per expert row per pass (forward 1, backward 2, and the ring's
+  per-hop recompute 1), at an efficiency that grows with the rows one expert's GEMM sees
+  (``rows / (rows + gemm_half_rows)``): a ring hop gives an expert ``T*K/E`` rows, the all-to-all ``N*T*K/E``;
+  plus the memory-bound row traffic (gathers, scatters, permutes: bytes per expanded row, per path), plus what
+  a hop does at a fixed cost on the GPU.
+- link: the transfer at ``link_gbps``. The ring overlaps a hop's transfer with the hop's compute (only what
+  exceeds the compute is exposed); the all-to-all waits for its four exchanges. Under the one-GPU stand-in
+  group (``bench.standin_group``) transfers are device copies: ``link_gbps=None`` counts them as row traffic.
+
+``choose`` (the ``ring`` option): the ring's routing with the least predicted time; under ``"auto"`` the block
+keeps its all-to-all where that ring is predicted slower than the all-to-all (a model is never made slower);
+under ``"memory"`` only where, besides, the all-to-all's predicted peak is no higher than the ring's (the ring
+then buys nothing). Where hops are cheap enough the two agree; while a hop costs ~0.5-1 ms of host time they do
+not at small token counts (docs/BENCHMARKS.md, "Ring or all-to-all").
+
+Legend: T tokens per rank, H hidden, F expert width, K top-k, E experts, E_l = E / N, N ranks, P = T*K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from relay_compile.routing import Routing, per_hop_bytes
+from relay_compile.runtime.ring_options import HopRows, hop_row_bound
+
+Execution = Literal["expert", "token", "all_to_all"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockShape:
+    """Static sizes of one MoE block on one rank (``tokens``: the largest of the group's ranks where agreed).
+
+    ``expert_bytes``: one expert's weights as they circulate; ``expert_params``: the elements of its matrices
+    (a row's GEMM flops are twice that per pass; 0: ``expert_bytes / elem_bytes``).
+    """
+
+    tokens: int
+    hidden: int
+    ffn: int
+    top_k: int
+    experts_per_rank: int
+    group_size: int
+    elem_bytes: int
+    expert_bytes: int
+    expert_params: int = 0
+
+    @property
+    def params(self) -> int:
+        return self.expert_params or self.expert_bytes // max(1, self.elem_bytes)
+
+
+def predicted_peak_bytes(shape: BlockShape, max_hop_rows: HopRows = None) -> dict[str, int]:
+    """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring)."""
+    s = shape
+    pairs = s.tokens * s.top_k
+    a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
+    hop_rows = -(-pairs // s.group_size)
+    bound = hop_row_bound(max_hop_rows, s.tokens)
+    if bound:
+        hop_rows = min(hop_rows, bound)
+    resident = 3 * s.tokens * s.hidden * 4 + 4 * s.experts_per_rank * s.expert_bytes
+    ring = resident + hop_rows * (4 * s.hidden + 4 * s.ffn) * s.elem_bytes
+    return {"a2a": a2a, "ring": ring}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A machine's constants for the time model (``H200``: how they were measured is in its comment)."""
+
+    name: str
+    host_hop_us: float  # expert routing: host time of one hop pass (forward or backward), whatever it computes
+    host_hop_expert_us: float  # expert routing: host time per expert a hop pass computes
+    host_token_hop_us: float  # token routing: the same two (its hop also plans the visiting partition's pairs)
+    host_token_expert_us: float
+    host_chunk_us: float  # ring: host time per chunk of a hop (bounded hops: ``max_hop_rows``)
+    host_a2a_us: float  # all-to-all: host time of one forward + backward
+    host_a2a_peer_us: float  # all-to-all: host time per peer (split lists, per-source bookkeeping)
+    gemm_tflops: float  # grouped-GEMM throughput at large rows per expert
+    gemm_half_rows: float  # rows per expert at which a GEMM runs at half that throughput
+    hbm_gbps: float  # device memory bandwidth the row traffic sees
+    ring_row_bytes: float  # ring: bytes moved per expanded row and hidden element (gathers, scatter-adds)
+    a2a_row_bytes: float  # all-to-all: the same (permutes, the exchanges' buffers, combine)
+    gpu_hop_us: float  # ring: GPU time of a hop pass besides its GEMMs and rows (small kernels)
+    token_hop_pair_ns: float  # token routing: GPU time per visiting pair of a hop (its sort, masks, gathers)
+    copy_gbps: float  # the stand-in's transfers: device copies at this bandwidth
+    link_gbps: float | None = None  # one direction of one link; None: transfers are device copies (stand-in)
+
+    def with_link(self, gbps: float | None) -> Calibration:
+        return dataclasses.replace(self, link_gbps=gbps)
+
+
+# Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
+# rank): docs/bench/h200-time-model/ holds the sweep and the fit; redo with
+# ``python -m relay_compile.bench --preset sweep`` on the device, then ``python -m relay_compile.bench.calibrate``.
+H200 = Calibration(
+    name="h200", host_hop_us=600.0, host_hop_expert_us=50.0, host_chunk_us=100.0, host_token_hop_us=1000.0,
+    host_token_expert_us=70.0, host_a2a_us=7800.0, host_a2a_peer_us=110.0, gemm_tflops=373.0, gemm_half_rows=0.0,
+    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=45.0, gpu_hop_us=0.0, token_hop_pair_ns=0.675,
+    copy_gbps=1500.0,
+)
+# NVLink-class link (H100/H200: ~450 GB/s a direction), the default for planning with a real link.
+NVLINK_GBPS = 450.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeEstimate:
+    """Predicted milliseconds of one forward + backward: the parts and the total."""
+
+    host_ms: float
+    gpu_ms: float
+    link_ms: float
+    total_ms: float
+    hops: int = 0  # hop passes (ring), forward and backward
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def _gemm_ms(rows: float, params: int, passes: int, rows_per_expert: float, cal: Calibration) -> float:
+    efficiency = rows_per_expert / (rows_per_expert + cal.gemm_half_rows) if rows_per_expert > 0 else 0.0
+    flops = 2.0 * rows * params * passes
+    return flops / (cal.gemm_tflops * 1e12 * max(efficiency, 1e-6)) * 1e3
+
+
+def _bytes_ms(nbytes: float, gbps: float) -> float:
+    return nbytes / (gbps * 1e9) * 1e3
+
+
+def _chunks(rows: int, bound: int | None) -> int:
+    return max(1, -(-rows // bound)) if bound else 1
+
+
+def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
+              max_hop_rows: HopRows = "auto") -> TimeEstimate:
+    """Predicted time of the ring in ``routing`` (``owners_per_hop``: the grouped forward of expert routing)."""
+    s, n = shape, shape.group_size
+    pairs = s.tokens * s.top_k
+    g = owners_per_hop
+    hops_f = g + n // g - 1 if g > 1 else n
+    hops_b = n
+    hop_rows = -(-pairs // n)
+    chunk_calls = (hops_f * _chunks(hop_rows * g, hop_row_bound(max_hop_rows, s.tokens, forward=True))
+                   + hops_b * _chunks(hop_rows, hop_row_bound(max_hop_rows, s.tokens)))
+    experts_f = g * s.experts_per_rank
+    per_hop, per_expert = ((cal.host_hop_us, cal.host_hop_expert_us) if routing == "expert"
+                           else (cal.host_token_hop_us, cal.host_token_expert_us))
+    host = (hops_f * (per_hop + experts_f * per_expert) + hops_b * (per_hop + s.experts_per_rank * per_expert)
+            + chunk_calls * cal.host_chunk_us)
+    rows_per_expert = pairs / (n * s.experts_per_rank)
+    gemm = _gemm_ms(pairs, s.params, 4, rows_per_expert, cal)  # forward, recompute, two backward GEMMs
+    rows = _bytes_ms(pairs * s.hidden * s.elem_bytes * cal.ring_row_bytes, cal.hbm_gbps)
+    volumes = per_hop_bytes(routing, tokens=s.tokens, hidden=s.hidden, top_k=s.top_k,
+                            experts_per_rank=s.experts_per_rank, expert_bytes=s.expert_bytes, elem_bytes=s.elem_bytes,
+                            expert_grad_bytes=s.expert_bytes // s.elem_bytes * 4, sum_elem_bytes=4)
+    moved = hops_f * volumes["forward"] + hops_b * volumes["backward"]
+    gpu = gemm + rows + (hops_f + hops_b) * cal.gpu_hop_us / 1e3
+    if routing == "token":  # every hop sorts and masks the visiting partition's pairs
+        gpu += (hops_f + hops_b) * pairs * cal.token_hop_pair_ns / 1e6
+    if cal.link_gbps is None:  # stand-in: the transfers are copies on the device
+        gpu += _bytes_ms(moved, cal.copy_gbps)
+        link = 0.0
+    else:  # a hop's transfer hides behind the hop's compute; what exceeds it is exposed
+        per_hop_gpu = gpu / (hops_f + hops_b)
+        link = (hops_f * max(0.0, _bytes_ms(volumes["forward"], cal.link_gbps) - per_hop_gpu)
+                + hops_b * max(0.0, _bytes_ms(volumes["backward"], cal.link_gbps) - per_hop_gpu))
+    host_ms = host / 1e3
+    return TimeEstimate(host_ms=host_ms, gpu_ms=gpu, link_ms=link, total_ms=max(host_ms, gpu) + link,
+                        hops=hops_f + hops_b)
+
+
+def a2a_time(shape: BlockShape, cal: Calibration) -> TimeEstimate:
+    """Predicted time of the all-to-all block (dispatch, experts, combine; autograd saves, nothing recomputed)."""
+    s, n = shape, shape.group_size
+    pairs = s.tokens * s.top_k
+    host = (cal.host_a2a_us + n * cal.host_a2a_peer_us) / 1e3
+    gemm = _gemm_ms(pairs, s.params, 3, pairs / s.experts_per_rank, cal)  # an owner's expert sees every rank's rows
+    rows = _bytes_ms(pairs * s.hidden * s.elem_bytes * cal.a2a_row_bytes, cal.hbm_gbps)
+    exchanged = 4 * pairs * s.hidden * s.elem_bytes * (n - 1) / n  # dispatch and combine, forward and backward
+    link = 0.0 if cal.link_gbps is None else _bytes_ms(exchanged, cal.link_gbps)
+    gpu = gemm + rows + (_bytes_ms(exchanged, cal.hbm_gbps) if cal.link_gbps is None else 0.0)
+    return TimeEstimate(host_ms=host, gpu_ms=gpu, link_ms=link, total_ms=max(host, gpu) + link)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """What a block runs as, and the predictions behind it."""
+
+    execution: Execution
+    reason: str
+    times: dict[str, TimeEstimate]  # "expert", "token" (the ring's routings considered), "a2a"
+    peaks: dict[str, int]  # predicted_peak_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        return {"execution": self.execution, "reason": self.reason,
+                "predicted_ms": {k: t.as_dict() for k, t in self.times.items()}, "predicted_peak_bytes": self.peaks}
+
+
+def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners_per_hop: int = 1,
+           max_hop_rows: HopRows = "auto") -> Choice:
+    """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
+
+    ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also
+    where it is slower but the all-to-all's predicted peak is higher (the ring buys memory with time);
+    ``"always"``; ``"never"``.
+    """
+    routings: tuple[Routing, ...] = ("expert", "token") if routing == "auto" else (routing,)  # type: ignore[assignment]
+    times = {r: ring_time(shape, r, cal, owners_per_hop=owners_per_hop if r == "expert" else 1,
+                          max_hop_rows=max_hop_rows) for r in routings}
+    times["a2a"] = a2a_time(shape, cal)
+    peaks = predicted_peak_bytes(shape, max_hop_rows)
+    best: Routing = min(routings, key=lambda r: times[r].total_ms)
+    ring_ms, a2a_ms = times[best].total_ms, times["a2a"].total_ms
+    mib = {k: v / 2**20 for k, v in peaks.items()}
+    if ring == "never":
+        return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks)
+    faster = ring_ms <= a2a_ms
+    if faster:
+        why = f"predicted {ring_ms:.2f} ms against the all-to-all's {a2a_ms:.2f} ms"
+    elif ring == "memory" and peaks["a2a"] > peaks["ring"]:
+        why = (f"ring='memory': predicted peak {mib['ring']:.0f} MiB against the all-to-all's {mib['a2a']:.0f} MiB, "
+               f"for {ring_ms:.2f} ms against {a2a_ms:.2f} ms")
+    elif ring == "always":
+        why = f"option ring='always' (predicted {ring_ms:.2f} ms against the all-to-all's {a2a_ms:.2f} ms)"
+    else:
+        return Choice(execution="all_to_all", times=times, peaks=peaks, reason=(
+            f"the {best} ring is predicted slower ({ring_ms:.2f} ms against {a2a_ms:.2f} ms; peak {mib['ring']:.0f} "
+            f"MiB against {mib['a2a']:.0f} MiB); ring='memory' or 'always' runs it"))
+    return Choice(execution=best, reason=f"{best} ring: {why}", times=times, peaks=peaks)

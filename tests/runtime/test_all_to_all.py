@@ -1,0 +1,165 @@
+"""The block run as its all-to-all (``ring="never"``, ``runtime.all_to_all``) against the reference layer, on real
+gloo process groups, and the decision that picks it (``runtime.cost_model.choose``, ``runtime.agreement``).
+
+The all-to-all path runs the spec's own expert function (grouped experts, or an expert function without a fused
+backward), scores after or before it, for every routing case of ``tests.test_ring_moe`` (adversarial: one expert,
+one rank, duplicates, uneven token counts); fp32 to 1e-5 of scale. Its profile shows all-to-alls and no P2P.
+A failing rank raises its own error, and the others a ``RingPeerError`` naming it, without waiting for the timeout.
+The choice between ring and all-to-all is agreed: a rank whose token count alone would choose the other way
+follows the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import unittest
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_utils import run_tests
+
+from relay_compile import ring_moe
+from relay_compile.comm_events import count_comm_events
+from relay_compile.reference import a2a_moe
+from relay_compile.runtime import agreement, segment_compute
+from relay_compile.runtime.cost_model import H200, BlockShape, a2a_time, choose, ring_time
+from relay_compile.runtime.transport import RingPeerError
+from tests import distributed
+from tests.distributed import DistributedTestCase
+from tests.test_ring_moe import ROUTINGS, assert_close_rel, forward_backward, local_weights, ring_with_plain_ffn, routed_inputs
+
+QWEN3 = dict(hidden=2048, ffn=768, top_k=8, elem_bytes=2, expert_bytes=3 * 2048 * 768 * 2)
+
+
+def qwen3(tokens: int, ep: int) -> BlockShape:
+    return BlockShape(tokens=tokens, experts_per_rank=128 // ep, group_size=ep, **QWEN3)
+
+
+class Decision(unittest.TestCase):
+    """``choose`` on the H200 calibration: time first under ``auto``, memory under ``memory``."""
+
+    def test_auto_keeps_the_all_to_all_where_the_ring_is_slower_and_runs_the_ring_where_it_is_faster(self) -> None:
+        small, large = choose(qwen3(4096, 64), routing="auto", ring="auto", cal=H200), choose(
+            qwen3(131072, 8), routing="auto", ring="auto", cal=H200)
+        self.assertEqual(small.execution, "all_to_all", small.reason)
+        self.assertGreater(small.times["expert"].total_ms, small.times["a2a"].total_ms)
+        self.assertIn("predicted slower", small.reason)
+        self.assertEqual(large.execution, "expert", large.reason)
+        self.assertLess(large.times["expert"].total_ms, large.times["a2a"].total_ms)
+
+    def test_memory_runs_the_slower_ring_where_it_saves_memory_and_never_and_always_force(self) -> None:
+        shape = qwen3(8192, 64)
+        mem = choose(shape, routing="auto", ring="memory", cal=H200)
+        self.assertGreater(mem.peaks["a2a"], mem.peaks["ring"])
+        self.assertEqual(mem.execution, "expert", mem.reason)
+        tiny = BlockShape(tokens=64, hidden=2048, ffn=768, top_k=8, experts_per_rank=64, group_size=2, elem_bytes=2,
+                          expert_bytes=QWEN3["expert_bytes"])
+        self.assertEqual(choose(tiny, routing="auto", ring="memory", cal=H200).execution, "all_to_all")
+        self.assertEqual(choose(shape, routing="token", ring="always", cal=H200).execution, "token")
+        self.assertEqual(choose(qwen3(131072, 8), routing="auto", ring="never", cal=H200).execution, "all_to_all")
+
+    def test_auto_routing_takes_the_faster_ring_not_the_smaller_volume(self) -> None:
+        # Bytes per hop would take token routing here (paper Table 2); it is the slower ring on the H200.
+        shape = qwen3(8192, 8)
+        choice = choose(shape, routing="auto", ring="always", cal=H200)
+        self.assertEqual(choice.execution, "expert")
+        self.assertLess(ring_time(shape, "expert", H200).total_ms, ring_time(shape, "token", H200).total_ms)
+
+    def test_a_link_adds_exposed_transfer_time_to_both_and_more_to_the_all_to_all_at_large_tokens(self) -> None:
+        shape = qwen3(65536, 8)
+        linked = H200.with_link(50.0)  # an inter-node class link
+        self.assertGreater(a2a_time(shape, linked).link_ms, 0)
+        self.assertGreater(a2a_time(shape, linked).total_ms, a2a_time(shape, H200).total_ms)
+        self.assertLess(ring_time(shape, "expert", linked).link_ms, a2a_time(shape, linked).link_ms)
+
+
+class AllToAllPath(DistributedTestCase):
+    e_l = 2
+
+    def init_pg(self, backend: str = "gloo") -> dist.ProcessGroup:
+        with mock.patch.object(distributed, "PG_TIMEOUT", datetime.timedelta(seconds=15)):
+            return super().init_pg(backend)
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def check_matches_a2a(self, case: str, ring=ring_moe, **kw) -> None:
+        """The all-to-all path against ``a2a_moe`` (scores before the experts: against the ring, which
+        tests.test_ring_moe checks against a dense loop)."""
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs(case, self.rank, world, self.e_l * world, seed=len(case) + 3)
+        weights = local_weights(self.rank, self.e_l, world)
+        if kw.get("scores_applied") == "before":
+            want = forward_backward(ring, x, ids, scores, weights, self.rank, ring="always", **kw)
+        else:
+            want = forward_backward(a2a_moe, x, ids, scores, weights, self.rank)
+        got = forward_backward(ring, x, ids, scores, weights, self.rank, ring="never", **kw)
+        for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
+            assert_close_rel(g, w, 1e-5, f"{case} {kw} {name}")
+
+    def test_the_all_to_all_path_matches_the_reference_for_every_routing_case_and_expert_function(self) -> None:
+        self.init_pg()
+        for case in ROUTINGS:
+            self.check_matches_a2a(case)
+        for case in ("random", "one_expert", "uneven"):
+            self.check_matches_a2a(case, ring=ring_with_plain_ffn)
+            self.check_matches_a2a(case, max_hop_rows=5)  # chunks of the received rows
+        self.check_matches_a2a("random", scores_applied="before")
+        self.check_runs_all_to_alls_and_no_p2p()
+        self.check_a_failure_raises_on_every_rank_without_waiting()
+        self.check_every_rank_follows_the_agreed_decision()
+
+    def check_runs_all_to_alls_and_no_p2p(self) -> None:
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=2)
+        weights = [w.requires_grad_() for w in local_weights(self.rank, self.e_l, world)]
+        events = count_comm_events(lambda: ring_moe(x, ids, scores, *weights, ring="never").sum().backward())
+        self.assertGreater(events.all_to_all, 0, events.names)
+        self.assertEqual(events.p2p, 0, events.names)
+        ring_events = count_comm_events(lambda: ring_moe(x, ids, scores, *weights, ring="always").sum().backward())
+        self.assertEqual(ring_events.all_to_all, 0, ring_events.names)
+        self.assertGreater(ring_events.p2p, 0, ring_events.names)
+
+    def check_a_failure_raises_on_every_rank_without_waiting(self) -> None:
+        world = dist.get_world_size()
+        x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=4)
+        weights = local_weights(self.rank, self.e_l, world)
+        real = segment_compute.segment_forward
+
+        def fails_on_rank_1(*args, **kwargs):
+            if dist.get_rank() == 1:
+                raise RuntimeError("injected expert failure")
+            return real(*args, **kwargs)
+
+        with mock.patch("relay_compile.runtime.all_to_all.segment_forward", fails_on_rank_1):
+            expected, pattern = (RuntimeError, "injected") if self.rank == 1 else (RingPeerError, "rank 1")
+            with self.assertRaisesRegex(expected, pattern):
+                ring_moe(x, ids, scores, *weights, ring="never")
+        # The group is usable afterwards.
+        self.check_matches_a2a("random")
+
+    def check_every_rank_follows_the_agreed_decision(self) -> None:
+        # Rank 0 alone holds many tokens: a decision from its own count would differ from the others'. The
+        # agreement decides from the largest count, the same on every rank (a disagreement would hang here).
+        world = dist.get_world_size()
+        decided = []
+        real = agreement._execution
+
+        def record(*args, **kwargs):
+            out = real(*args, **kwargs)
+            decided.append((out[0], max(args[4])))
+            return out
+
+        x, ids, scores = routed_inputs("uneven", self.rank, world, self.e_l * world, seed=5)
+        weights = local_weights(self.rank, self.e_l, world)
+        with mock.patch.object(agreement, "_execution", record):
+            ring_moe(x, ids, scores, *weights)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, decided)
+        self.assertEqual(len({repr(g) for g in gathered}), 1, gathered)
+
+
+if __name__ == "__main__":
+    run_tests()
