@@ -118,11 +118,11 @@ class Summary(unittest.TestCase):
             # 256 / 66 = 3.88
             "  region 1 at all_to_all_single_2: rewritten, EP=4, routing auto -> expert, predicted peak a2a "
             "256.0 MiB, ring 66.0 MiB (3.9x)",
-            "    runs as expert: expert ring: predicted 7.20 ms against the all-to-all's 8.24 ms (h200 model: on CUDA)",
+            "    runs as expert: expert ring: predicted 5.40 ms against the all-to-all's 6.04 ms (h200 model: on CUDA)",
             # 256 / 24 = 10.67
             "  region 2 at all_to_all_single_5: matched, EP=4, routing token -> token, predicted peak a2a "
             "256.0 MiB, ring 24.0 MiB (10.7x)",
-            "    runs as all_to_all: the token ring is predicted slower (16.64 ms against 8.24 ms; peak 24 MiB against "
+            "    runs as all_to_all: the token ring is predicted slower (24.63 ms against 6.04 ms; peak 24 MiB against "
             "256 MiB); ring='memory' or 'always' runs it (h200 model: on CUDA)",
         ])
 

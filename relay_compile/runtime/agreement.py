@@ -265,10 +265,9 @@ def agree(
     tokens_N = [row[_AT["tokens"]] for row in table]
     execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
                                    volume_args, tokens_N, ring.size, sizes)
-    if counts_NE[ring.rank] is None or (execution == "all_to_all" and any(c is None for c in counts_NE)):
+    if counts_NE[ring.rank] is None:
         # NOTE: the group's first call with this many experts: counts did not fit the row.
-        every = execution in ("token", "all_to_all")
-        counts_NE = all_gather_rows(ring, counts_E).tolist() if every else _own(ring, counts_E)
+        counts_NE = all_gather_rows(ring, counts_E).tolist() if execution == "token" else _own(ring, counts_E)
     state.counts_cap = max(state.counts_cap, e)
     return Agreement(
         routing="expert" if execution == "all_to_all" else execution, execution=execution, choice=choice,

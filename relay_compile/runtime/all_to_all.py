@@ -56,19 +56,21 @@ class AllToAllStep:
     """
 
     def __init__(self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-                 weights: Sequence[Tensor], grad_y_TH: Tensor | None, *, counts: StepCounts,
+                 weights: Sequence[Tensor], grad_y_TH: Tensor | None, *, counts: StepCounts, counts_E: Tensor,
                  packed: list[Tensor]) -> None:
         self.cfg, self.x_TH, self.scores_TK, self.grad_y_TH = cfg, x_TH, topk_scores_TK, grad_y_TH
         self.given_weights, self.packed = list(weights), packed
         ring, e_l = cfg.ring, cfg.experts_per_rank
-        counts_NE = [c for c in counts.counts_NE if c is not None]
-        assert len(counts_NE) == ring.size, "ring_moe: the all-to-all needs every rank's counts"
+        own_counts = counts.counts_NE[ring.rank]
+        assert own_counts is not None, "ring_moe: a rank knows its own counts"
         # The send side: this rank's pairs sorted by expert, hence by owner.
-        self.send = PairRouting.build(topk_ids_TK, counts_NE[ring.rank], e_l)
+        self.send = PairRouting.build(topk_ids_TK, own_counts, e_l)
         self.send_splits = [b - a for a, b in map(self.send.owner_range, range(ring.size))]
-        # The receive side: from each source, its rows for this rank's experts, grouped by expert.
-        own = slice(ring.rank * e_l, (ring.rank + 1) * e_l)
-        per_source_L = [row[own] for row in counts_NE]
+        # The receive side: from each source, its rows for this rank's experts, grouped by expert, as the
+        # dispatchers learn it: an all-to-all of the counts (exact also on the bench's stand-in group, whose
+        # peers mirror this rank under a relabeling that a table of everyone's counts does not follow).
+        # NOTE: device-to-host sync, once per call (the agreement's table was the other).
+        per_source_L = _exchange(ring, counts_E, [e_l] * ring.size, [e_l] * ring.size).view(ring.size, e_l).tolist()
         self.recv_splits = [sum(rows) for rows in per_source_L]
         self.recv_rows = self._received_rows(per_source_L)
 

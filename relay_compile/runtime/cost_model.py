@@ -114,13 +114,14 @@ class Calibration:
 
 
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
-# rank): docs/bench/h200-time-model/ holds the sweep and the fit; redo with
-# ``python -m relay_compile.bench --preset sweep`` on the device, then ``python -m relay_compile.bench.calibrate``.
+# rank, 2026-12-02; rms log error 0.058, every point within 0.82-1.19x): docs/bench/h200-time-model/. Redo with
+# ``python -m relay_compile.bench --preset sweep --ep 8 --out A`` (and ``--ep 64 --out B``) on the device, then
+# ``python -m relay_compile.bench.calibrate A/sweep.json B/sweep.json``.
 H200 = Calibration(
-    name="h200", host_hop_us=600.0, host_hop_expert_us=50.0, host_chunk_us=100.0, host_token_hop_us=1000.0,
-    host_token_expert_us=70.0, host_a2a_us=7800.0, host_a2a_peer_us=110.0, gemm_tflops=373.0, gemm_half_rows=0.0,
-    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=45.0, gpu_hop_us=0.0, token_hop_pair_ns=0.675,
-    copy_gbps=1500.0,
+    name="h200", host_hop_us=238.0, host_hop_expert_us=40.3, host_chunk_us=276.0, host_token_hop_us=729.0,
+    host_token_expert_us=35.3, host_a2a_us=5611.0, host_a2a_peer_us=107.0, gemm_tflops=413.0, gemm_half_rows=0.0,
+    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=42.2, gpu_hop_us=0.0, token_hop_pair_ns=0.61,
+    copy_gbps=1256.0,
 )
 # NVLink-class link (H100/H200: ~450 GB/s a direction), the default for planning with a real link.
 NVLINK_GBPS = 450.0

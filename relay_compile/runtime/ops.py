@@ -144,7 +144,8 @@ def _run(
     state.resolved, state.volumes, state.choice = agreed.execution, agreed.volumes, agreed.choice
     assert local.packed is not None, "ring_moe: an agreed call has its weights packed"
     if agreed.execution == "all_to_all":
-        a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed)
+        a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
+                           counts_E=local.counts_E, packed=local.packed)
         return a2a.forward() if direction == "forward" else a2a.backward()
     owners = forward_owners(direction, agreed.routing, cfg.grouped is not None,
                             _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
