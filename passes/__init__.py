@@ -2,7 +2,8 @@
 
     match.py      find_moe_regions: MoERegion records, or RefusedRegion with the reason
     capacity_match.py   capacity-based dispatch (einsum into (E, C, H) buffers): CapacityRegion records
-    rewrite.py    rewrite_moe_region: one region -> one relaymoe::ring_moe call (moe_ring_pass: all of them)
+    rewrite.py    rewrite_moe_region: one region -> one relaymoe::ring_moe call (moe_ring_pass: all of them);
+                  keep_all_to_all: a region the cost model keeps as it is, behind an agreement check
 
 and what those two share:
 
@@ -23,7 +24,7 @@ from relay_compile.passes.capacity_match import CapacityRegion
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import RefusedRegion
-from relay_compile.passes.rewrite import moe_ring_pass, rewrite_moe_region
+from relay_compile.passes.rewrite import keep_all_to_all, kept_at_compile_time, moe_ring_pass, rewrite_moe_region
 
 __all__ = [
     "CapacityRegion",
@@ -34,4 +35,6 @@ __all__ = [
     "find_moe_regions",
     "moe_ring_pass",
     "rewrite_moe_region",
+    "keep_all_to_all",
+    "kept_at_compile_time",
 ]

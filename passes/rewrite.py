@@ -46,7 +46,8 @@ from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import RefusedRegion
-from relay_compile.runtime.ops import RING_MOE
+from relay_compile.runtime.cost_model import H200, Choice, choose
+from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
 
@@ -209,6 +210,58 @@ def rewrite_moe_region(
         payload_fn=lambda: f"# relaymoe rewrite of {region.describe()}\n" + gm.print_readable(False),
     )
     return ring
+
+
+def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
+    """The cost model's choice where it keeps ``region``'s all-to-all for good, else None (the region becomes a
+    ring op, which decides again at every call from every rank's shapes).
+
+    Kept: under ``ring="never"``; under ``"auto"`` / ``"memory"`` where the token count is static, the tokens are
+    on CUDA (where the model is calibrated) and ``cost_model.choose`` picks the all-to-all. Kept, the region runs
+    as the original graph computes it, at its time and memory exactly (the ring op's own all-to-all path
+    recomputes its experts in backward). One owner per forward hop is assumed (the grouped forward's rule reads
+    the packed weights), which errs towards keeping the all-to-all.
+    """
+    x = node_value(region.x)
+    if options.ring == "never":
+        return choose(region.block_shape(), routing=options.routing, ring="never", cal=H200)
+    static = isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape)
+    if options.ring == "always" or not static or x.device.type != "cuda":
+        return None
+    choice = choose(region.block_shape(), routing=options.routing, ring=options.ring, cal=H200,
+                    max_hop_rows=options.max_hop_rows)
+    return choice if choice.execution == "all_to_all" else None
+
+
+def keep_all_to_all(gm: fx.GraphModule, region: Region) -> fx.Node:
+    """Leave ``region`` of ``gm`` as it is (its all-to-alls run), behind one ``relaymoe::kept_all_to_all`` call:
+    the input of the region's first collective (the counts exchange, else the token dispatch) becomes a copy made
+    once every rank of the group is known to have kept the region too (``runtime.agreement.agree_kept``), so a
+    rank that runs the ring instead raises with the others rather than meeting another collective. Returns the
+    new node.
+
+    Before::
+
+        counts = torch.ops._c10d_functional.all_to_all_single(local_counts, [1, 1], [1, 1], g)
+
+    After::
+
+        kept = torch.ops.relaymoe.kept_all_to_all.default(local_counts, g)
+        counts = torch.ops._c10d_functional.all_to_all_single(kept, [1, 1], [1, 1], g)
+    """
+    _check_record(gm, region)
+    first = region.counts_exchange if isinstance(region, MoERegion) else region.dispatch
+    source = next((a for a in first.all_input_nodes if isinstance(a.meta.get("example_value"), Tensor)), None)
+    if source is None:
+        raise ValueError(f"rewrite: the region's first collective {first.name} reads no tensor to order the check by")
+    with gm.graph.inserting_before(first):
+        kept = gm.graph.create_node("call_function", KEPT_ALL_TO_ALL, (source, region.group_name),
+                                    name="kept_all_to_all")
+    kept.meta["example_value"] = kept.meta["val"] = source.meta["example_value"]
+    first.replace_input_with(source, kept)
+    gm.graph.lint()
+    gm.recompile()
+    return kept
 
 
 def moe_ring_pass(

@@ -40,7 +40,14 @@ from torch._logging import trace_structured
 from relay_compile.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.experts import GroupedExperts
 from relay_compile.options import Options, resolve
-from relay_compile.passes import CapacityRegion, MoERegion, find_moe_regions, rewrite_moe_region
+from relay_compile.passes import (
+    CapacityRegion,
+    MoERegion,
+    find_moe_regions,
+    keep_all_to_all,
+    kept_at_compile_time,
+    rewrite_moe_region,
+)
 from relay_compile.passes.fx_nodes import node_value, report_size
 from relay_compile.passes.rewrite import region_experts
 from relay_compile.passes.scopes import find_scopes, keep_rings_saved
@@ -161,7 +168,13 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring,
         )
-        if rewrite:
+        kept = kept_at_compile_time(region, opts.ring)
+        if kept is not None:
+            entry.status, entry.reason = ("kept" if rewrite else "matched"), f"kept its all-to-all: {kept.reason}"
+            entry.execution_predicted = "all_to_all"
+            if rewrite:
+                keep_all_to_all(scope.module, region)
+        elif rewrite:
             node = rewrite_moe_region(scope.module, region, opts.ring, inner_compiler=opts.inner_compiler)
             if scope.checkpoint is not None:
                 keep_rings_saved(scope)

@@ -65,7 +65,7 @@ MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
 _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
-    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "cuda", "expert_fn",
+    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "cuda", "kept", "expert_fn",
     "scores_before", "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
@@ -133,6 +133,7 @@ class Claims:
     scores_before: bool = False
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
     cuda: bool = False
+    kept: bool = False  # the region kept its all-to-all at compile time (``agree_kept``)
 
     def header(self, counts_len: int) -> list[int]:
         if self.problem is None:
@@ -149,7 +150,7 @@ class Claims:
             experts_per_rank=self.experts_per_rank, routing=ROUTINGS.index(self.options.routing),
             overlap=int(self.options.overlap), remat=int(self.options.remat),
             fp32_accumulation=int(self.options.fp32_accumulation), ring=RINGS.index(self.options.ring),
-            cuda=int(self.cuda), expert_fn=self.expert_fn,
+            cuda=int(self.cuda), kept=int(self.kept), expert_fn=self.expert_fn,
             scores_before=int(self.scores_before),
             num_weights=len(self.weights), counts_len=counts_len,
         )
@@ -341,6 +342,7 @@ def _check(ring: RingGroup, claims: Claims, table: list[list[int]]) -> None:
     _check_problems(ring, claims, table)
     _check_peer_failures(table)
     _check_direction(table)
+    _check_kept(table)
     for name, what, show in _AGREED:
         col = _AT[name]
         for rank, row in enumerate(table):
@@ -387,6 +389,29 @@ def _check_direction(table: list[list[int]]) -> None:
                 f"ring_moe: rank {rank} runs a {name[row[col]]} ring while rank 0 runs a {name[table[0][col]]} "
                 "one: the ranks' calls of ring ops are out of step"
             )
+
+
+def _check_kept(table: list[list[int]]) -> None:
+    col = _AT["kept"]
+    for rank, row in enumerate(table):
+        if row[col] != table[0][col]:
+            runs = ("runs the region as a ring", "kept the region's all-to-all")
+            raise RingInputError(
+                f"relaymoe: rank {rank} {runs[row[col]]} while rank 0 {runs[table[0][col]]}: the backend decided at "
+                "compile time from each rank's static token count, and the ranks' counts fall on both sides of the "
+                "cost model's threshold. Give every rank the same token count, mark the token dimension dynamic "
+                "(then the ranks decide together at every call), or pass options={'ring': 'always'}"
+            )
+
+
+def agree_kept(ring: RingGroup, tokens: int, device: torch.device) -> None:
+    """The exchange of a region that kept its all-to-all at compile time (``relaymoe::kept_all_to_all``), before
+    the region's first collective: every rank must have kept it (a rank that runs the ring instead is in the
+    same exchange from its op, and both raise ``RingInputError``). Reports a previous ring's failure alike."""
+    claims = Claims(tokens=tokens, kept=True)
+    no_counts = torch.zeros(0, dtype=torch.int64, device=device)
+    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
+    _check(ring, claims, table)
 
 
 def _check_weights(table: list[list[int]]) -> None:

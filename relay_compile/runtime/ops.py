@@ -31,7 +31,7 @@ from torch import Tensor
 
 from relay_compile.routing import PairRouting, summed_bytes
 from relay_compile.runtime import equal_groups
-from relay_compile.runtime.agreement import BadArgument, BlockSizes, Claims, agree, remember_status
+from relay_compile.runtime.agreement import BadArgument, BlockSizes, Claims, agree, agree_kept, remember_status
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,
@@ -231,5 +231,23 @@ def _backward(ctx, grad_y: Tensor):
 
 ring_moe_op.register_autograd(_backward, setup_context=_setup_context)
 
-# The forward op's overload: what the rewrite pass inserts into Dynamo graphs.
+@torch.library.custom_op("relaymoe::kept_all_to_all", mutates_args=())
+def kept_all_to_all_op(t: Tensor, group_name: str) -> Tensor:
+    """A copy of ``t``, the input of a kept region's first collective, once every rank of the group is known to
+    have kept the region's all-to-all too (``agreement.agree_kept``; ``RingInputError`` on every rank if not)."""
+    ring = RingGroup.resolve(group_name)
+    if ring.size > 1:
+        agree_kept(ring, t.shape[0] if t.dim() else 0, t.device)
+    return t.clone()
+
+
+@kept_all_to_all_op.register_fake
+def _(t: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(t)
+
+
+kept_all_to_all_op.register_autograd(lambda ctx, grad: (grad, None))
+
+# The ops' overloads: what the rewrite pass inserts into Dynamo graphs.
 RING_MOE = torch.ops.relaymoe.ring_moe.default
+KEPT_ALL_TO_ALL = torch.ops.relaymoe.kept_all_to_all.default

@@ -12,21 +12,25 @@ follows the group.
 from __future__ import annotations
 
 import datetime
+import tempfile
 import unittest
+from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.common_utils import run_tests
 
-from relay_compile import ring_moe
+from relay_compile import RingInputError, ring_moe
+from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
-from relay_compile.reference import a2a_moe
+from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime import agreement, segment_compute
 from relay_compile.runtime.cost_model import H200, BlockShape, a2a_time, choose, ring_time
 from relay_compile.runtime.transport import RingPeerError
 from tests import distributed
 from tests.distributed import DistributedTestCase
+from tests.test_backend import E_L, F, H, block, inputs, step_outputs
 from tests.test_ring_moe import ROUTINGS, assert_close_rel, forward_backward, local_weights, ring_with_plain_ffn, routed_inputs
 
 QWEN3 = dict(hidden=2048, ffn=768, top_k=8, elem_bytes=2, expert_bytes=3 * 2048 * 768 * 2)
@@ -110,6 +114,7 @@ class AllToAllPath(DistributedTestCase):
         self.check_runs_all_to_alls_and_no_p2p()
         self.check_a_failure_raises_on_every_rank_without_waiting()
         self.check_every_rank_follows_the_agreed_decision()
+        self.check_the_backend_keeps_the_region_and_every_rank_must()
 
     def check_runs_all_to_alls_and_no_p2p(self) -> None:
         world = dist.get_world_size()
@@ -159,6 +164,47 @@ class AllToAllPath(DistributedTestCase):
         gathered = [None] * world
         dist.all_gather_object(gathered, decided)
         self.assertEqual(len({repr(g) for g in gathered}), 1, gathered)
+
+    def check_the_backend_keeps_the_region_and_every_rank_must(self) -> None:
+        """``ring="never"`` at compile time: the region stays as Dynamo traced it (its all-to-alls run, equal to
+        eager), behind one ``kept_all_to_all`` check; a rank compiled to run the ring instead raises with the
+        others at the first call (no hang, no mismatched collectives)."""
+        world = dist.get_world_size()
+        weights = [w.requires_grad_() for w in moe_weights_of(self.rank, world)]
+        with tempfile.TemporaryDirectory() as dump:
+            torch._dynamo.reset()
+            seen = len(compiled_reports())
+            kept = torch.compile(block, backend="relaymoe", options={
+                "inner_compiler": "aot_eager", "ring": "never", "dump_dir": dump})
+            for step in range(2):
+                x, ids, scores = inputs(self.rank, world, step)
+                for g, w in zip(step_outputs(kept, x, ids, scores, weights), step_outputs(block, x, ids, scores, weights)):
+                    assert_close_rel(g, w, 1e-5, f"kept step {step}")
+            (report,) = compiled_reports()[seen:]
+            self.assertEqual([r.status for r in report.regions], ["kept"], report.summary())
+            self.assertIn("ring='never'", report.regions[0].reason)
+            (after,) = Path(dump).glob(f"{report.graph}_rank{self.rank}/1_rewritten_graph.py")
+            code = after.read_text()
+            self.assertEqual(code.count("relaymoe.kept_all_to_all"), 1, code)
+            self.assertIn("all_to_all_single", code)
+            self.assertNotIn("relaymoe.ring_moe", code)
+        x, ids, scores = inputs(self.rank, world, 0)
+        events = count_comm_events(lambda: kept(x, ids, scores, *weights).sum().backward())
+        self.assertGreater(events.all_to_all, 0, events.names)
+        self.assertEqual(events.p2p, 0, events.names)
+        # Rank 0 keeps the all-to-all, the others run the ring: every rank raises, naming the decision.
+        torch._dynamo.reset()
+        mixed = torch.compile(block, backend="relaymoe", options={
+            "inner_compiler": "aot_eager", "ring": "never" if self.rank == 0 else "always"})
+        with self.assertRaisesRegex(RingInputError, "kept the region's all-to-all"):
+            mixed(x, ids, scores, *weights)
+        dist.barrier()
+        self.check_matches_a2a("random")  # the group is usable afterwards
+
+
+def moe_weights_of(rank: int, world: int) -> list[torch.Tensor]:
+    w = moe_weights(0, H, F, E_L * world, experts=range(rank * E_L, (rank + 1) * E_L))
+    return [w["w1"], w["w2"], w["w3"]]
 
 
 if __name__ == "__main__":
