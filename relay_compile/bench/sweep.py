@@ -81,3 +81,37 @@ def write_sweep(results: list[LayerResult], out: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(sweep_points(results), indent=1))
     return path
+
+
+def table(points: list[dict[str, Any]]) -> str:
+    """Markdown: per (EP, tokens), a2a eager's ms and every row's time and peak against it."""
+    by_config: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for p in points:
+        by_config.setdefault((p["ep"], p["tokens"]), {})[p["row"]] = p
+    names = ("relaymoe backend", "ring_moe default", "ring auto", "ring expert", "ring token")
+    lines = ["| EP | tokens/rank | a2a ms | " + " | ".join(f"{n}: time / a2a peak ÷ peak" for n in names) + " |",
+             "|---:|---:|---:|" + "---|" * len(names)]
+    for (ep, tokens), rows in sorted(by_config.items()):
+        base = rows.get(A2A_EAGER)
+        if base is None:
+            continue
+        cells = []
+        for name in names:
+            r = rows.get(name)
+            cells.append("-" if r is None or not r.get("time_ratio") else
+                         f"{r['time_ratio']:.2f}x / {base['peak_bytes'] / r['peak_bytes']:.1f}x")
+        lines.append(f"| {ep} | {tokens} | {base['ms']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m relay_compile.bench.sweep SWEEP.json [...]``: the table of one or more sweeps."""
+    import sys
+
+    points = [p for path in (argv if argv is not None else sys.argv[1:]) for p in json.loads(Path(path).read_text())["rows"]]
+    print(table(points))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

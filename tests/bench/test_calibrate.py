@@ -1,0 +1,60 @@
+"""The time model's calibration (``bench.calibrate``) and the sweep's record (``bench.sweep``), without a GPU.
+
+A sweep made from a known calibration is refitted from another starting point back to its own predictions; the
+sweep's points carry the model's prediction and decision beside each measured row; its table reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import unittest
+
+from relay_compile.bench.calibrate import fit, loss, predict
+from relay_compile.bench.measure import LayerResult, RowResult
+from relay_compile.bench.sweep import sweep_points, table
+from relay_compile.runtime.cost_model import H200
+
+LAYER = {"hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8, "elem_bytes": 2}
+ROWS = ("a2a eager", "ring expert", "ring token")
+
+
+def synthetic_points(cal) -> list[dict[str, object]]:
+    points = [{"ep": ep, "tokens": t, "row": row} for ep in (8, 64) for t in (4096, 16384, 65536, 131072) for row in ROWS]
+    for p in points:
+        p["ms"] = predict(cal, LAYER, p)
+    return points
+
+
+class Calibration(unittest.TestCase):
+    def test_a_sweep_of_a_known_machine_is_refitted_to_its_own_times(self) -> None:
+        truth = dataclasses.replace(H200, host_hop_us=2 * H200.host_hop_us, gemm_tflops=0.7 * H200.gemm_tflops,
+                                    host_a2a_us=1.5 * H200.host_a2a_us)
+        points = synthetic_points(truth)
+        self.assertGreater(loss(H200, LAYER, points), 0.05)  # the starting point is off
+        fitted = fit(H200, LAYER, points)
+        worst = max(abs(math.log(predict(fitted, LAYER, p) / p["ms"])) for p in points)
+        self.assertLess(worst, math.log(1.1), fitted)
+
+    def test_the_sweep_records_predictions_and_decisions_beside_the_measured_rows(self) -> None:
+        config = {"name": "qwen3", "hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8, "tokens": 4096, "ep": 64}
+        result = LayerResult(config=config, label="qwen3", resident_bytes=0, rows=[
+            RowResult(row="a2a eager", kind="a2a", total_ms=12.0, peak_bytes=1000, time_ratio=1.0, peak_ratio=1.0),
+            RowResult(row="ring expert", kind="ring", total_ms=80.0, peak_bytes=200, time_ratio=80 / 12,
+                      peak_ratio=0.2),
+            RowResult(row="relaymoe backend", kind="ring", total_ms=12.5, peak_bytes=1000, time_ratio=12.5 / 12,
+                      peak_ratio=1.0),
+            RowResult(row="ring token", kind="ring", skipped="out of memory"),
+        ])
+        data = sweep_points([result])
+        self.assertEqual([p["row"] for p in data["rows"]], ["a2a eager", "ring expert", "relaymoe backend"])
+        self.assertIn("predicted_ms", data["rows"][1])
+        self.assertNotIn("predicted_ms", data["rows"][2])  # the model predicts ring and a2a, not the backend row
+        (decision,) = data["decisions"]
+        self.assertEqual((decision["ep"], decision["tokens"], decision["execution"]), (64, 4096, "all_to_all"))
+        text = table(data["rows"])
+        self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | - | - | 6.67x / 5.0x | - |", text)
+
+
+if __name__ == "__main__":
+    unittest.main()
