@@ -127,7 +127,8 @@ class BackendOptions(unittest.TestCase):
     def test_the_environment_reaches_the_options_through_the_config_module(self) -> None:
         # The config module reads RELAYMOE_* once, at import: a fresh interpreter.
         env = {**os.environ, "RELAYMOE_DUMP_DIR": "0", "RELAYMOE_OVERLAP": "FALSE", "RELAYMOE_VERIFY": "1",
-               "RELAYMOE_ROUTING": "token", "RELAYMOE_CHUNK_GRAPHS": "auto", "OMP_NUM_THREADS": "1"}
+               "RELAYMOE_ROUTING": "token", "RELAYMOE_CHUNK_GRAPHS": "auto", "RELAYMOE_RING": "memory",
+               "OMP_NUM_THREADS": "1"}
         script = (
             "from relay_compile.options import resolve\n"
             "try:\n    resolve()\nexcept ValueError as e:\n    print(e)\n"
@@ -137,7 +138,7 @@ class BackendOptions(unittest.TestCase):
                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.splitlines()
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
         self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows='auto', "
-                      "fp32_accumulation=True, chunk_graphs='auto')", out[1])
+                      "fp32_accumulation=True, chunk_graphs='auto', ring='memory')", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
 
     def test_activation_memory_budget_reaches_the_partitioner_for_this_graph_only(self) -> None:
