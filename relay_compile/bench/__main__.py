@@ -50,8 +50,7 @@ from relay_compile.bench.numerics import layer_numerics
 from relay_compile.bench.progress import Progress
 from relay_compile.bench.results import Report, report_from_json
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, ablation_rows, default_rows, sweep_rows
-from relay_compile.bench.sweep import sweep_rows as cost_sweep_rows
-from relay_compile.bench.sweep import write_sweep
+from relay_compile.bench.sweep import token_sweep_rows, write_sweep
 from relay_compile.bench.timeline import record_timeline
 
 PRESETS = ("tiny", "qwen3", "table3", "tokens", "ep", "capacity", "ablation", "memory", "numerics", "sweep", "all",
@@ -167,7 +166,7 @@ def build_tasks(args: argparse.Namespace, opts: BenchOptions) -> list[Task]:
             section = report.section("Ring or all-to-all: the token-count sweep")
             for ep in ep_list:
                 for t in t_list:
-                    section.append(measure_layer(qwen_at(ep, t), interleaved, cost_sweep_rows(interleaved),
+                    section.append(measure_layer(qwen_at(ep, t), interleaved, token_sweep_rows(interleaved),
                                                  progress=progress, deadline=deadline))
                     write_sweep(section, out)
 

@@ -32,7 +32,7 @@ from relay_compile.runtime.cost_model import H200, choose
 RING_ROWS = {"ring expert": "expert", "ring token": "token"}
 
 
-def sweep_rows(opts: BenchOptions) -> list[RowSpec]:
+def token_sweep_rows(opts: BenchOptions) -> list[RowSpec]:
     """The sweep's rows (module docstring)."""
     return [
         RowSpec(name=A2A_EAGER, build=build_eager_a2a, kind="a2a"),

@@ -380,35 +380,34 @@ def _check_peer_failures(table: list[list[int]]) -> None:
             )
 
 
-def _check_direction(table: list[list[int]]) -> None:
-    col = _AT["direction"]
+def _check_column(table: list[list[int]], name: str, names: tuple[str, str], message: str) -> None:
+    """Raise if a rank's 0/1 column ``name`` differs from rank 0's: ``message`` formatted with the rank and
+    ``names`` of both values."""
+    col = _AT[name]
     for rank, row in enumerate(table):
         if row[col] != table[0][col]:
-            name = ("forward", "backward")
-            raise RingInputError(
-                f"ring_moe: rank {rank} runs a {name[row[col]]} ring while rank 0 runs a {name[table[0][col]]} "
-                "one: the ranks' calls of ring ops are out of step"
-            )
+            raise RingInputError(message.format(rank=rank, mine=names[row[col]], first=names[table[0][col]]))
+
+
+def _check_direction(table: list[list[int]]) -> None:
+    _check_column(table, "direction", ("forward", "backward"), (
+        "ring_moe: rank {rank} runs a {mine} ring while rank 0 runs a {first} one: the ranks' calls of ring ops "
+        "are out of step"))
 
 
 def _check_kept(table: list[list[int]]) -> None:
-    col = _AT["kept"]
-    for rank, row in enumerate(table):
-        if row[col] != table[0][col]:
-            runs = ("runs the region as a ring", "kept the region's all-to-all")
-            raise RingInputError(
-                f"relaymoe: rank {rank} {runs[row[col]]} while rank 0 {runs[table[0][col]]}: the backend decided at "
-                "compile time from each rank's static token count, and the ranks' counts fall on both sides of the "
-                "cost model's threshold. Give every rank the same token count, mark the token dimension dynamic "
-                "(then the ranks decide together at every call), or pass options={'ring': 'always'}"
-            )
+    _check_column(table, "kept", ("runs the region as a ring", "kept the region's all-to-all"), (
+        "relaymoe: rank {rank} {mine} while rank 0 {first}: the backend decided at compile time from each rank's "
+        "static token count, and the ranks' counts fall on both sides of the cost model's threshold. Give every "
+        "rank the same token count, mark the token dimension dynamic (then the ranks decide together at every "
+        "call), or pass options={{'ring': 'always'}}"))
 
 
-def agree_kept(ring: RingGroup, tokens: int, device: torch.device) -> None:
+def agree_kept(ring: RingGroup, device: torch.device) -> None:
     """The exchange of a region that kept its all-to-all at compile time (``relaymoe::kept_all_to_all``), before
     the region's first collective: every rank must have kept it (a rank that runs the ring instead is in the
     same exchange from its op, and both raise ``RingInputError``). Reports a previous ring's failure alike."""
-    claims = Claims(tokens=tokens, kept=True)
+    claims = Claims(kept=True)
     no_counts = torch.zeros(0, dtype=torch.int64, device=device)
     table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
     _check(ring, claims, table)

@@ -1,7 +1,8 @@
 """``AllToAllStep``: one call of a block run as its all-to-all would run it, where the ring would not pay.
 
 The cost model (``runtime.cost_model.choose``) keeps a block's all-to-all where the ring is predicted slower
-and saves no memory (small token counts). The region is still one ``relaymoe::ring_moe`` call (the decision is
+(small token counts). Where the token count is dynamic (or ``ring_moe`` is called directly) the region is still
+one ``relaymoe::ring_moe`` call (the decision is
 made per call from the agreed table, so a changing token count may cross it, on every rank alike); this step
 is what the op then runs, with the region's own expert function:
 
@@ -14,8 +15,7 @@ is what the op then runs, with the region's own expert function:
                vector-Jacobian product on all its rows; ``dx`` rows and score gradients combined back; the
                weight gradients are complete on the owner.
 
-It builds the top-k-expanded buffers the ring avoids: it runs only where the cost model says they are no
-larger than the ring's fixed buffers. A failure in the owner's compute sends zeros, completes the exchanges and
+It builds the top-k-expanded buffers the ring avoids (though not autograd's saved copies of them). A failure in the owner's compute sends zeros, completes the exchanges and
 raises on its rank; the peers learn of it from a failure status exchanged beside the combine (read at once on
 the CPU, else at the group's next agreement), as a ring's peers do (``transport.RingRun``).
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relay_compile.routing import PairRouting, plan_chunks, split_experts
+from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, remember_status
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.segment_compute import ACC_DTYPE, HopRows, RingStepConfig, segment_backward, segment_forward
@@ -72,10 +72,11 @@ class AllToAllStep:
         # NOTE: device-to-host sync, once per call (the agreement's table was the other).
         per_source_L = _exchange(ring, counts_E, [e_l] * ring.size, [e_l] * ring.size).view(ring.size, e_l).tolist()
         self.recv_splits = [sum(rows) for rows in per_source_L]
-        self.recv_rows = self._received_rows(per_source_L)
+        self.recv_plan = self._received_plan(per_source_L)
 
-    def _received_rows(self, per_source_L: list[list[int]]) -> HopRows | None:
-        """The received rows as one hop's tokens with one pair each, sorted by expert (None: none received)."""
+    def _received_plan(self, per_source_L: list[list[int]]) -> tuple[PairRouting, list[Chunk]] | None:
+        """The received rows as one hop's tokens with one pair each: their routing, sorted by expert, and its
+        chunks (None: none received)."""
         cfg, device = self.cfg, self.x_TH.device
         total = sum(self.recv_splits)
         if total == 0:
@@ -92,12 +93,13 @@ class AllToAllStep:
         routing = PairRouting.build(ids_R1, counts_E, e_l)
         start, _ = routing.owner_range(rank)
         (chunks,) = plan_chunks([split_experts(routing.rows_per_expert(rank), start, cfg.max_hop_rows)], e_l, device)
-        # The scores are set per call (``_with_scores``): they arrive with the rows.
-        return HopRows(routing=routing, chunks=chunks, src=rank, scores_S=torch.empty(0, device=device))
+        return routing, chunks
 
-    def _with_scores(self, rows: HopRows, scores_R: Tensor) -> HopRows:
-        return HopRows(routing=rows.routing, chunks=rows.chunks, src=rows.src,
-                       scores_S=scores_R[rows.routing.order_P])
+    def _received_rows(self, scores_R: Tensor) -> HopRows:
+        """What ``segment_compute`` runs on: the received rows with the scores that arrived beside them."""
+        assert self.recv_plan is not None
+        routing, chunks = self.recv_plan
+        return HopRows(routing=routing, chunks=chunks, src=self.cfg.ring.rank, scores_S=scores_R[routing.order_P])
 
     def _dispatch(self, rows_PH: Tensor) -> tuple[Tensor, Tensor]:
         """Rows (in sorted-pair order) and their scores to the owners: what this rank received."""
@@ -130,10 +132,9 @@ class AllToAllStep:
         recv_RH, scores_R = self._dispatch(x_TH[self.send.tokens_P])
         y_RH = torch.zeros_like(recv_RH)
         error = None
-        if self.recv_rows is not None:
+        if self.recv_plan is not None:
             try:
-                segment_forward(cfg, self._with_scores(self.recv_rows, scores_R), recv_RH, self.packed,
-                                RowSum.of(y_RH))
+                segment_forward(cfg, self._received_rows(scores_R), recv_RH, self.packed, RowSum.of(y_RH))
             except Exception as e:  # noqa: BLE001 -- the peers still wait for the combine: zeros, then raise
                 error, y_RH = e, torch.zeros_like(recv_RH)
         del recv_RH
@@ -154,8 +155,8 @@ class AllToAllStep:
         ds_R = torch.zeros(recv.shape[0], dtype=ACC_DTYPE, device=x_TH.device)
         dw = WeightGrads(self.packed, cfg.acc_dtype)
         error = None
-        if self.recv_rows is not None:
-            rows = self._with_scores(self.recv_rows, scores_R)
+        if self.recv_plan is not None:
+            rows = self._received_rows(scores_R)
             ds_S = torch.empty(recv.shape[0], dtype=ACC_DTYPE, device=x_TH.device)
             try:
                 segment_backward(cfg, rows, recv_RH, self.packed, dy_RH, RowSum.of(dx_RH), ds_S, dw)

@@ -237,7 +237,7 @@ def kept_all_to_all_op(t: Tensor, group_name: str) -> Tensor:
     have kept the region's all-to-all too (``agreement.agree_kept``; ``RingInputError`` on every rank if not)."""
     ring = RingGroup.resolve(group_name)
     if ring.size > 1:
-        agree_kept(ring, t.shape[0] if t.dim() else 0, t.device)
+        agree_kept(ring, t.device)
     return t.clone()
 
 

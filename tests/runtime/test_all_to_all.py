@@ -11,6 +11,7 @@ follows the group.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import tempfile
 import unittest
@@ -26,13 +27,16 @@ from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
 from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime import agreement, segment_compute
-from relay_compile.runtime.cost_model import H200, BlockShape, a2a_time, choose, ring_time
+from relay_compile.runtime.cost_model import H200, BlockShape, Choice, a2a_time, choose, ring_time
 from relay_compile.runtime.transport import RingPeerError
 from tests import distributed
 from tests.distributed import DistributedTestCase
 from tests.test_backend import E_L, F, H, block, inputs, step_outputs
 from tests.test_ring_moe import ROUTINGS, assert_close_rel, forward_backward, local_weights, ring_with_plain_ffn, routed_inputs
 
+# The calibration's constants a threshold test zeroes (all but the GEMMs and the all-to-all's host time).
+ZEROED = ("host_hop_us", "host_hop_expert_us", "host_chunk_us", "host_token_hop_us", "host_token_expert_us",
+          "host_a2a_peer_us", "gemm_half_rows", "ring_row_bytes", "a2a_row_bytes", "gpu_hop_us", "token_hop_pair_ns")
 QWEN3 = dict(hidden=2048, ffn=768, top_k=8, elem_bytes=2, expert_bytes=3 * 2048 * 768 * 2)
 
 
@@ -146,24 +150,42 @@ class AllToAllPath(DistributedTestCase):
         self.check_matches_a2a("random")
 
     def check_every_rank_follows_the_agreed_decision(self) -> None:
-        # Rank 0 alone holds many tokens: a decision from its own count would differ from the others'. The
-        # agreement decides from the largest count, the same on every rank (a disagreement would hang here).
+        """Ranks hold 7, 12, 17, 22 tokens ("uneven"), under a calibration whose threshold lies between 12 and 17:
+        the ring below it, the all-to-all above. Each rank's own count would split the group; the agreement decides
+        from the largest, so every rank runs the all-to-all (and the result matches the reference)."""
         world = dist.get_world_size()
-        decided = []
-        real = agreement._execution
+        decided: list[tuple[str, int, str]] = []
+        real_choose, real_execution = agreement.choose, agreement._execution
 
-        def record(*args, **kwargs):
-            out = real(*args, **kwargs)
-            decided.append((out[0], max(args[4])))
-            return out
+        def threshold_choose(shape: BlockShape, **kw) -> Choice:
+            # All costs zero but the GEMMs and the all-to-all's fixed host time, set between the ring's times at
+            # 12 and 17 tokens: the ring (4 GEMM passes) wins below it, the all-to-all (3 passes) above.
+            gemms = dataclasses.replace(H200, **{f: 0.0 for f in ZEROED}, gemm_tflops=1e-6, hbm_gbps=1e12,
+                                        copy_gbps=1e12)
+            at = [ring_time(dataclasses.replace(shape, tokens=t), "expert", gemms).total_ms for t in (12, 17)]
+            cal = dataclasses.replace(gemms, host_a2a_us=500.0 * sum(at))
+            kw["cal"] = cal
+            mine = real_choose(dataclasses.replace(shape, tokens=x.shape[0]), **kw).execution
+            choice = real_choose(shape, **kw)
+            decided.append((choice.execution, shape.tokens, mine))
+            return choice
+
+        def on_cuda(asked, ring, cuda, *args):
+            return real_execution(asked, ring, True, *args)
 
         x, ids, scores = routed_inputs("uneven", self.rank, world, self.e_l * world, seed=5)
         weights = local_weights(self.rank, self.e_l, world)
-        with mock.patch.object(agreement, "_execution", record):
-            ring_moe(x, ids, scores, *weights)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, decided)
-        self.assertEqual(len({repr(g) for g in gathered}), 1, gathered)
+        want = forward_backward(a2a_moe, x, ids, scores, weights, self.rank)
+        with mock.patch.object(agreement, "choose", threshold_choose), \
+                mock.patch.object(agreement, "_execution", on_cuda):
+            got = forward_backward(ring_moe, x, ids, scores, weights, self.rank)
+        for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
+            assert_close_rel(g, w, 1e-5, f"agreed decision {name}")
+        self.assertEqual(len(decided), 2, decided)  # forward and backward
+        self.assertEqual({(e, t) for e, t, _ in decided}, {("all_to_all", 22)}, decided)
+        own = [None] * world
+        dist.all_gather_object(own, decided[0][2] == "all_to_all")
+        self.assertEqual(own, [False, False, True, True])  # what each count alone decides: a ring, or not
 
     def check_the_backend_keeps_the_region_and_every_rank_must(self) -> None:
         """``ring="never"`` at compile time: the region stays as Dynamo traced it (its all-to-alls run, equal to
