@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from relay_compile.kernels import grouped_weight_grad as grouped_weight_grad_kernel
+
 
 def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
     """``torch._grouped_mm`` runs bf16 on CUDA and any float dtype in eager on CPU, on 16-byte-aligned rows."""
@@ -125,7 +127,9 @@ def grouped_weight_grad(
     unrounded (``torch._grouped_mm`` has no output dtype: one GEMM per expert, on the host counts
     ``counts_E``), so a partial summed across hops is rounded to the rows' dtype once, at the end.
     ``into_EOI``: add ``dw`` into it in place (in its dtype) and return it; a wider accumulator is written by
-    the GEMMs themselves (``addmm`` with an output dtype), so no partial of the chunk is ever allocated.
+    the GEMMs themselves (``addmm`` with an output dtype), so no partial of the chunk is ever allocated. On CUDA
+    an fp32 result over device offsets is one Triton launch (``kernels.grouped_weight_grad``), not a GEMM per
+    expert.
     Equal groups (``uniform_rows``): one batched GEMM, whatever the dtypes.
     """
     rows = batched_rows(dy_SO, counts_E)
@@ -138,6 +142,13 @@ def grouped_weight_grad(
         dw_EOI = dy_SO.new_empty((groups, dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype or dy_SO.dtype)
         mm_widened(dy_EOS, x_ESI, dw_EOI)
         return dw_EOI
+    if offsets_E is not None and (into_EOI is not None or grad_dtype not in (None, dy_SO.dtype)):
+        out_EOI = into_EOI if into_EOI is not None else dy_SO.new_empty(
+            (offsets_E.shape[0], dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype)
+        if grouped_weight_grad_kernel.applies(dy_SO, x_SI, out_EOI):  # one launch, fp32 sums (CUDA)
+            grouped_weight_grad_kernel.grouped_weight_grad_(dy_SO, x_SI, offsets_E, out_EOI,
+                                                            accumulate=into_EOI is not None)
+            return out_EOI
     if into_EOI is not None:
         if into_EOI.dtype == dy_SO.dtype and offsets_E is not None:
             return into_EOI.add_(torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E))

@@ -1,0 +1,116 @@
+"""``out[e] (+)= dy_e^T @ x_e`` over rows sorted by expert, accumulated in fp32: the ring's weight gradients.
+
+A backward hop's weight gradients are summed across hops in fp32 (``fp32_accumulation``) while its rows are
+bf16. ``torch._grouped_mm`` has no fp32 output (its output dtype must be bf16), so the eager path runs one
+``addmm`` with an output dtype per expert and weight (``grouped_gemm.grouped_weight_grad``): at EP=8 a hop of 16
+experts is 32 GEMM dispatches plus their views, the largest share of a hop's host time that grows with the
+experts it computes (the time model's ``host_hop_expert_us``). On CUDA one Triton launch per weight does the
+same: a program per (expert, output tile) walks that expert's rows in blocks (bounds from the device offsets:
+no host counts, no sync) and adds its fp32 tile into ``out`` (or writes it). Elsewhere (CPU tests, CI)
+``reference`` computes it per expert in fp32; the kernel's logic is tested on the CPU under Triton's
+interpreter. Legend: S rows sorted by expert, E experts, O/I the weight's output/input widths.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def reference(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool) -> None:
+    """Eager, one expert at a time, in ``out``'s dtype: the definition the kernel is tested against."""
+    ends = offsets_E.tolist()
+    for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        part = dy_SO[start:end].t().to(out_EOI.dtype) @ x_SI[start:end].to(out_EOI.dtype)
+        if accumulate:
+            out_EOI[e].add_(part)
+        else:
+            out_EOI[e].copy_(part)
+
+
+def applies(dy_SO: Tensor, x_SI: Tensor, out_EOI: Tensor) -> bool:
+    """Where the kernel runs: CUDA (or Triton's interpreter), an fp32 ``out`` wider than 16-bit rows, unit column
+    strides, contiguous experts, Triton importable, outside of tracing (a traced graph takes the eager form)."""
+    on_device = all(t.is_cuda for t in (dy_SO, x_SI, out_EOI)) or _interpreted()
+    return (
+        on_device and out_EOI.dtype == torch.float32 and dy_SO.dtype in (torch.bfloat16, torch.float16)
+        and x_SI.dtype == dy_SO.dtype and dy_SO.stride(-1) == 1 and x_SI.stride(-1) == 1
+        and out_EOI.stride(-1) == 1 and not torch.compiler.is_compiling() and _triton_kernel() is not None
+    )
+
+
+def grouped_weight_grad_(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool) -> None:
+    """``out[e] += dy_e^T x_e`` (``accumulate``) or ``out[e] = dy_e^T x_e`` for the row groups that end at the int32
+    prefix sums ``offsets_E``; one launch (``applies``), else ``reference``."""
+    if not applies(dy_SO, x_SI, out_EOI):
+        reference(dy_SO, x_SI, offsets_E, out_EOI, accumulate=accumulate)
+        return
+    experts, width_o, width_i = out_EOI.shape
+    block_o, block_i, block_s, warps, stages = _config(width_o, width_i)
+    grid = (_cdiv(width_o, block_o) * _cdiv(width_i, block_i), experts)
+    _triton_kernel()[grid](
+        dy_SO, x_SI, offsets_E, out_EOI, width_o, width_i, dy_SO.stride(0), x_SI.stride(0), out_EOI.stride(0),
+        out_EOI.stride(1), ACCUMULATE=accumulate, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_S=block_s,
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# (BLOCK_O, BLOCK_I, BLOCK_S, warps, stages): 128 x 256 fp32 tiles, 64 rows a step: the fastest of six measured on the H200 at the
+# ring's hop shapes (docs/bench/h200-hop-host/).
+_CONFIG = (128, 256, 64, 8, 3)
+
+
+def _config(width_o: int, width_i: int) -> tuple[int, int, int, int, int]:
+    if _interpreted():  # the interpreter runs each program in numpy: small tiles keep the CPU tests quick
+        return (16, 16, 16, 1, 1)
+    return _CONFIG
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _triton_kernel() -> Callable | None:
+    """The Triton kernel, compiled on first use; None where Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _kernel(dy_ptr, x_ptr, offs_ptr, out_ptr, width_o, width_i, stride_dy, stride_x, stride_oe, stride_oo,
+                ACCUMULATE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_S: tl.constexpr):
+        tile = tl.program_id(0)
+        expert = tl.program_id(1)
+        tiles_i = tl.cdiv(width_i, BLOCK_I)
+        cols_o = (tile // tiles_i) * BLOCK_O + tl.arange(0, BLOCK_O)
+        cols_i = (tile % tiles_i) * BLOCK_I + tl.arange(0, BLOCK_I)
+        mask_o, mask_i = cols_o < width_o, cols_i < width_i
+        end = tl.load(offs_ptr + expert).to(tl.int64)
+        start = tl.load(offs_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0).to(tl.int64)
+        acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+        for s0 in range(start, end, BLOCK_S):
+            rows = s0 + tl.arange(0, BLOCK_S)
+            mask_s = rows < end
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols_o[None, :],
+                         mask=mask_s[:, None] & mask_o[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols_i[None, :],
+                        mask=mask_s[:, None] & mask_i[None, :], other=0.0)
+            acc += tl.dot(tl.trans(dy), x)
+        out = out_ptr + expert.to(tl.int64) * stride_oe + cols_o[:, None] * stride_oo + cols_i[None, :]
+        mask = mask_o[:, None] & mask_i[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out, mask=mask, other=0.0)
+        tl.store(out, acc, mask=mask)
+
+    return _kernel
