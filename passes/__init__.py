@@ -1,6 +1,7 @@
 """Passes over Dynamo graphs (installed as ``relay_compile.passes``): all-to-all MoE regions become rings.
 
-    match.py      find_moe_regions: MoERegion records, or RefusedRegion with the reason
+    region.py     Region: the protocol every family's record implements (what rewrite, report, backend read)
+    match.py      find_moe_regions: MoERegion records (top-k), or RefusedRegion with the reason
     capacity_match.py   capacity-based dispatch (einsum into (E, C, H) buffers): CapacityRegion records
     rewrite.py    rewrite_moe_region: one region -> one relaymoe::ring_moe call (moe_ring_pass: all of them);
                   keep_all_to_all: a region the cost model keeps as it is, behind an agreement check
@@ -23,14 +24,17 @@ The passes import the runtime (the op they insert, the spec they register); the 
 from relay_compile.passes.capacity_match import CapacityRegion
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.match import MoERegion, find_moe_regions
-from relay_compile.passes.refusals import RefusedRegion
+from relay_compile.passes.refusals import Refusal, RefusedRegion
+from relay_compile.passes.region import Region
 from relay_compile.passes.rewrite import keep_all_to_all, kept_at_compile_time, moe_ring_pass, rewrite_moe_region
 
 __all__ = [
     "CapacityRegion",
     "ExpertFnBinding",
     "MoERegion",
+    "Refusal",
     "RefusedRegion",
+    "Region",
     "RegionExpertFn",
     "find_moe_regions",
     "moe_ring_pass",

@@ -30,9 +30,9 @@ Contract:
     cumsum over tokens), a 0/1 dispatch mask (a boolean tensor, cast), combine weights of the masks' shape,
     the gate's top-k ``K`` read from the graph (argmax / topk over the E experts), expert e on rank e // E_l
     (equal static splits of an e-major buffer), ``expert_fn`` a standalone copy of F whose inputs are the
-    receive and expert weights, ``lowered`` that F as grouped experts (recognized by ``expert_block`` and
-    equal to F on a random receive: F's shapes are the whole receive's, so it cannot run on a hop's rows, and
-    the ring runs ``lowered``), and ``nodes`` exactly what dies once ``output``'s uses go to a ring (the masks,
+    receive and expert weights, ``plan`` that F recognized as an FFN of experts (``expert_block``: F's shapes
+    are the whole receive's, so it cannot run on a hop's rows; the rewrite lowers it and proves the lowering on
+    a random receive, ``expert_lowering``), and ``nodes`` exactly what dies once ``output``'s uses go to a ring (the masks,
     the tokens and the weights excluded).
     Refuses: a grouped einsum (GShard's ``gsec``) or a batched-matmul dispatch, a dispatch operand that is not a
     boolean mask (scores applied before the experts), no capacity slots or top-k readable from the graph,
@@ -49,7 +49,7 @@ Pseudo-code:
     #         floating; slots from a cumsum over tokens; K from the gate's argmax / topk.
     # Step 4: equal static splits, E = N * E_l, C constant.
     # Step 5: F = backward slice from the combine input down to the receive and the weights; copy it;
-    #         recognize it as an FFN of experts and prove the lowering on a random receive.
+    #         recognize it as an FFN of experts (from its graph; the rewrite proves the lowering).
     # Step 6: what dies once the output is replaced; refuse if an all-to-all would survive.
 
 Legend: S tokens, H hidden, E experts, E_l experts per rank, N ranks, C capacity, K the gate's top-k.
@@ -67,8 +67,9 @@ import torch.fx as fx
 
 from relay_compile.experts import GATED
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
-from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn, copy_expert_fn, slice_expert_fn
-from relay_compile.passes.expert_lowering import ExpertsPath, LoweredFFN, capacity_probe_error, tolerance
+from relay_compile.passes.capacity_pairs import insert_capacity_pairs
+from relay_compile.passes.expert_fn import ExpertFnBinding, copy_expert_fn, slice_expert_fn
+from relay_compile.passes.ffn_template import ExpertFFN
 from relay_compile.passes.fx_nodes import (
     all_to_all_args,
     ancestors,
@@ -79,7 +80,6 @@ from relay_compile.passes.fx_nodes import (
     dtype_of,
     is_call,
     is_method_call,
-    node_value,
     shape_of,
     static_int,
     upstream_collectives,
@@ -87,6 +87,7 @@ from relay_compile.passes.fx_nodes import (
 )
 from relay_compile.passes.liveness import dead_after_replacing
 from relay_compile.passes.refusals import Refusal, RefusedRegion
+from relay_compile.passes.region import ExpertsInput
 from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel, row_gather
 from relay_compile.runtime.cost_model import BlockShape
 from relay_compile.runtime.specs import ScoresApplied
@@ -124,8 +125,7 @@ class CapacityRegion:
     weights: tuple[fx.Node, ...]
     expert_fn: fx.GraphModule  # F: recv, weights -> the combine's input
     binding: ExpertFnBinding
-    lowered: LoweredFFN  # F as grouped experts, proven on probe inputs: what the ring runs
-    experts_path: ExpertsPath
+    plan: ExpertFFN  # F recognized as an FFN of experts (the rewrite lowers it and proves it on probe inputs)
     experts_per_rank: int
     capacity: int  # C
     top_k: int  # K: the gate's choices per token (kept pairs per token are at most K)
@@ -135,13 +135,25 @@ class CapacityRegion:
     output_aliases: tuple[fx.Node, ...] = ()
     # The combine weights multiply the experts' outputs (a dispatch of scaled tokens is refused).
     scores_applied: ScoresApplied = "after"
+    # F reads the whole (N * E_l, C, H) receive: it runs only lowered onto grouped experts.
+    experts_input: ExpertsInput = "capacity"
 
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, as the top-k regions report them (K = the gate's top-k)."""
         return block_shape(
             self.x, self.weights, top_k=self.top_k, experts_per_rank=self.experts_per_rank,
-            group_size=self.group_size, matrices_per_expert=3 if self.lowered.plan.activation in GATED else 2,
+            group_size=self.group_size, matrices_per_expert=3 if self.plan.activation in GATED else 2,
         )
+
+    def inputs(self) -> dict[str, fx.Node]:
+        return {"dispatch_mask": self.dispatch_mask, "combine_weights": self.combine_weights}
+
+    def first_collective(self) -> fx.Node:
+        return self.dispatch
+
+    def insert_pairs(self) -> tuple[fx.Node, fx.Node]:
+        """The (id, score) pairs derived from the two masks (``capacity_pairs``)."""
+        return insert_capacity_pairs(self.output, self.dispatch_mask, self.combine_weights, self.top_k)
 
     def describe(self) -> str:
         return (
@@ -361,28 +373,14 @@ def _equal_splits(dispatch: fx.Node, a2a: fx.Node, group_size: int) -> None:
                                 f"ranks with constant sizes (splits {out_splits}, {in_splits})")
 
 
-def _lowered_experts(
-    dispatch: fx.Node, fn: fx.GraphModule, binding: ExpertFnBinding, e_l: int, recv: fx.Node,
-    weights: list[fx.Node], group_size: int,
-) -> tuple[LoweredFFN, ExpertsPath]:
-    """Step 5: F as grouped experts, proven on probe inputs. F itself cannot run on a hop's rows (its shapes
+def _recognized_experts(dispatch: fx.Node, fn: fx.GraphModule, binding: ExpertFnBinding, e_l: int) -> ExpertFFN:
+    """Step 5: F recognized as an FFN of experts, from its graph. F itself cannot run on a hop's rows (its shapes
     are the whole (N * E_l, C, H) receive's), so an F that is not an FFN of experts refuses the region."""
     try:
-        plan = recognize_expert_ffn(fn, binding, e_l)
+        return recognize_expert_ffn(fn, binding, e_l)
     except NotAnFFN as e:
         raise Refusal(dispatch, f"the capacity experts are not recognized as an FFN of experts ({e}); the ring runs "
                                 "capacity experts only on grouped GEMMs") from None
-    lowered = LoweredFFN(plan, e_l, RegionExpertFn(fn, binding).digest())
-    recv_like, weights_like = node_value(recv), [node_value(w) for w in weights]
-    try:
-        error = capacity_probe_error(fn, binding, lowered, recv_like, weights_like, group_size)
-    except Exception as e:  # F or the lowering cannot run on probe inputs
-        log.debug("capacity_match: probe of F of %s failed", dispatch.name, exc_info=True)
-        raise Refusal(dispatch, f"the capacity experts' probe could not run: {e!r}") from None
-    if not error <= tolerance(recv_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
-        raise Refusal(dispatch, f"the capacity experts, recognized as {plan.describe()}, differ from F on probe "
-                                f"inputs by {error:.2e} (rows grouped by another dimension than the local expert?)")
-    return lowered, ExpertsPath(kind="grouped", description=plan.describe())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,7 +425,7 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
         gm, body, all_to_all_args(combine).input, recv, None, [], weights, used, "source"
     )
 
-    lowered, path = _lowered_experts(dispatch, expert_fn, binding, e_l, recv, weights, group_size)
+    plan = _recognized_experts(dispatch, expert_fn, binding, e_l)
 
     # Step 6: what dies.
     dead = dead_after_replacing(output, {x, mask, cw, *weights}, weak)
@@ -442,8 +440,7 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
             raise Refusal(dispatch, f"F's {n.name} is used outside the region")
     return CapacityRegion(
         dispatch=dispatch, combine=combine, recv=recv, back=back, x=x, dispatch_mask=mask, combine_weights=cw,
-        output=output, weights=tuple(weights), expert_fn=expert_fn, binding=binding, lowered=lowered,
-        experts_path=path, experts_per_rank=e_l,
+        output=output, weights=tuple(weights), expert_fn=expert_fn, binding=binding, plan=plan, experts_per_rank=e_l,
         capacity=capacity, top_k=top_k, group_name=group_name, group_size=group_size, nodes=frozenset(dead),
     )
 

@@ -32,7 +32,6 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from relay_compile.passes.capacity_match import CapacityRegion
 from relay_compile.passes.fx_nodes import node_value
 
 __all__ = ["insert_capacity_pairs"]
@@ -59,21 +58,24 @@ def _insert(graph: fx.Graph, like: fx.Node, target: Callable[..., Any] | str, *a
     return node
 
 
-def insert_capacity_pairs(region: CapacityRegion) -> tuple[fx.Node, fx.Node]:
-    """Insert ``(ids_SK, scores_SK)`` at the graph's insertion point (module docstring); returns the nodes.
+def insert_capacity_pairs(
+    output: fx.Node, dispatch_mask: fx.Node, combine_weights: fx.Node, top_k: int
+) -> tuple[fx.Node, fx.Node]:
+    """Insert ``(ids_SK, scores_SK)`` of a capacity region at the graph's insertion point (module docstring);
+    returns the nodes. ``output``: the region's output (the new nodes take its source location).
 
-    The caller sets the insertion point after ``region.dispatch_mask`` and ``region.combine_weights``.
+    The caller sets the insertion point after ``dispatch_mask`` and ``combine_weights``.
     """
-    graph, y = region.output.graph, region.output
-    kept_SE = _insert(graph, y, "any", region.dispatch_mask, -1)
+    graph, y = output.graph, output
+    kept_SE = _insert(graph, y, "any", dispatch_mask, -1)
     # K was read from the gate's code: a token with more kept pairs would lose some, so fail loudly instead.
     per_token = _insert(graph, y, "sum", kept_SE, -1)
-    fits = _insert(graph, y, "all", _insert(graph, y, operator.le, per_token, region.top_k))
-    _insert(graph, y, torch._assert_async, fits, f"relaymoe: a token keeps more than K={region.top_k} experts in "
+    fits = _insert(graph, y, "all", _insert(graph, y, operator.le, per_token, top_k))
+    _insert(graph, y, torch._assert_async, fits, f"relaymoe: a token keeps more than K={top_k} experts in "
                                                  f"the capacity region of {y.name}; report it with the model's gate")
-    keep_SE = _insert(graph, y, "to", kept_SE, node_value(region.combine_weights).dtype)
-    ids_SK = _insert(graph, y, operator.getitem, _insert(graph, y, torch.topk, keep_SE, region.top_k, dim=-1), 1)
-    weight_SE = _insert(graph, y, "sum", region.combine_weights, -1)
+    keep_SE = _insert(graph, y, "to", kept_SE, node_value(combine_weights).dtype)
+    ids_SK = _insert(graph, y, operator.getitem, _insert(graph, y, torch.topk, keep_SE, top_k, dim=-1), 1)
+    weight_SE = _insert(graph, y, "sum", combine_weights, -1)
     scores_SE = _insert(graph, y, operator.mul, weight_SE, keep_SE)
     scores_SK = _insert(graph, y, torch.gather, scores_SE, 1, ids_SK)
     return ids_SK, scores_SK

@@ -28,7 +28,6 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -40,9 +39,8 @@ from relay_compile.passes.expert_compile import COMPILERS, CompiledExpertFn, com
 from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.ffn_template import BiasRole, ExpertFFN, NotAnFFN, WeightRole
 from relay_compile.passes.fx_nodes import node_value, size_hint
-
-if TYPE_CHECKING:  # match imports this module (capacity regions are lowered while matching)
-    from relay_compile.passes.match import MoERegion
+from relay_compile.passes.refusals import Refusal
+from relay_compile.passes.region import Region
 
 log = logging.getLogger(__name__)
 
@@ -356,12 +354,14 @@ def capacity_probe_error(
 
 
 def choose_expert_fn(
-    region: MoERegion, inner_compiler: str = "eager"
+    region: Region, inner_compiler: str = "eager"
 ) -> tuple[RegionExpertFn | LoweredFFN | CompiledExpertFn, ExpertsPath]:
     """The expert function a region's ring runs, and the path it takes (see the module docstring).
 
     ``inner_compiler``: the backend's; an F that is not lowered is compiled by it (``expert_compile``) unless
-    it is ``"eager"`` or compiling fails, and then runs eagerly.
+    it is ``"eager"`` or compiling fails, and then runs eagerly. An F that reads a capacity receive
+    (``region.experts_input == "capacity"``) runs only lowered: where lowering or its proof fails, raises
+    ``Refusal`` (nothing of the graph has changed yet: the caller leaves the region as it is).
     """
     eager = RegionExpertFn(region.expert_fn, region.binding)
     try:
@@ -371,10 +371,10 @@ def choose_expert_fn(
     lowered = LoweredFFN(plan, region.experts_per_rank, eager.digest())
     rows_like, weights_like = node_value(region.recv), [node_value(w) for w in region.weights]
     try:
-        error = probe_error(eager, lowered, rows_like, weights_like, region.group_size)
+        error = _PROBES[region.experts_input](region, eager, lowered, rows_like, weights_like)
     except Exception as e:  # F or the lowering cannot run on probe inputs: keep F
         log.debug("expert_lowering: probe of %s failed", region.describe(), exc_info=True)
-        return eager, ExpertsPath(kind="eager", description="", reason=f"the probe could not run: {e!r}")
+        return _not_lowered(region, eager, "eager", f"the probe could not run: {e!r}")
     if not error <= tolerance(rows_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
         return _not_lowered(
             region, eager, inner_compiler,
@@ -383,10 +383,29 @@ def choose_expert_fn(
     return lowered, ExpertsPath(kind="grouped", description=plan.describe())
 
 
+def _rows_probe(region: Region, eager: RegionExpertFn, lowered: LoweredFFN, rows_like: Tensor,
+                weights_like: Sequence[Tensor]) -> float:
+    return probe_error(eager, lowered, rows_like, weights_like, region.group_size)
+
+
+def _capacity_probe(region: Region, eager: RegionExpertFn, lowered: LoweredFFN, rows_like: Tensor,
+                    weights_like: Sequence[Tensor]) -> float:
+    return capacity_probe_error(region.expert_fn, region.binding, lowered, rows_like, weights_like,
+                                region.group_size)
+
+
+# How F is proven against its lowering, by what F reads (``region.ExpertsInput``).
+_PROBES = {"rows": _rows_probe, "capacity": _capacity_probe}
+
+
 def _not_lowered(
-    region: MoERegion, eager: RegionExpertFn, inner_compiler: str, why: str
+    region: Region, eager: RegionExpertFn, inner_compiler: str, why: str
 ) -> tuple[RegionExpertFn | CompiledExpertFn, ExpertsPath]:
-    """F compiled by the inner compiler (``expert_compile``), or else F itself; ``why``: why it is not lowered."""
+    """F compiled by the inner compiler (``expert_compile``), or else F itself; ``why``: why it is not lowered.
+    Raises ``Refusal`` for an F that runs only lowered (a capacity receive)."""
+    if region.experts_input == "capacity":
+        raise Refusal(region.dispatch, f"the capacity experts do not run as grouped experts ({why}); F's shapes "
+                                       "are the whole receive's, so the ring runs capacity experts only lowered")
     if inner_compiler not in COMPILERS:
         return eager, ExpertsPath(kind="eager", description="", reason=f"{why}; inner_compiler={inner_compiler!r}")
     rows_like, weights_like = node_value(region.recv), [node_value(w) for w in region.weights]

@@ -71,7 +71,7 @@ from typing import cast
 import torch
 import torch.fx as fx
 
-from relay_compile.passes.capacity_match import CapacityRegion, find_capacity_regions
+from relay_compile.passes.capacity_match import find_capacity_regions
 from relay_compile.passes.expert_fn import ExpertFnBinding, SplitKind, copy_expert_fn, slice_expert_fn
 from relay_compile.passes.fx_nodes import (
     all_to_all_args,
@@ -97,6 +97,7 @@ from relay_compile.passes.fx_nodes import (
 )
 from relay_compile.passes.liveness import assert_cones, dead_after_replacing
 from relay_compile.passes.refusals import Refusal, RefusedRegion
+from relay_compile.passes.region import ExpertsInput, Region
 from relay_compile.passes.roles import (
     CAST_METHODS,
     as_scatter,
@@ -161,6 +162,17 @@ class MoERegion:
     output_aliases: tuple[fx.Node, ...] = ()
     # Where the scores multiply: F's output rows in the combine, or the dispatched rows before F.
     scores_applied: ScoresApplied = "after"
+    # F reads a hop's rows with their counts and splits: it can run per hop as it is.
+    experts_input: ExpertsInput = "rows"
+
+    def inputs(self) -> dict[str, fx.Node]:
+        return {"topk_ids": self.topk_ids, "topk_scores": self.topk_scores}
+
+    def first_collective(self) -> fx.Node:
+        return self.counts_exchange
+
+    def insert_pairs(self) -> tuple[fx.Node, fx.Node]:
+        return self.topk_ids, self.topk_scores
 
     def block_shape(self) -> BlockShape:
         """Sizes of the block on this rank, from the nodes' fake values: a symbolic size's hint (0 if unbacked)."""
@@ -509,11 +521,12 @@ def _hidden_all_to_alls(n: fx.Node) -> str | None:
     return why if isinstance(why, str) else subgraph_all_to_alls(n)
 
 
-def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion | CapacityRegion], list[RefusedRegion]]:
+def find_moe_regions(gm: fx.GraphModule) -> tuple[list[Region], list[RefusedRegion]]:
     """All a2a EP MoE regions of ``gm`` in program order, and the token all-to-alls left alone (with why).
 
-    Top-k regions (this module) and capacity-based ones (``capacity_match``). Pure: never mutates ``gm``
-    (``expert_fn`` of each region is a copy).
+    Top-k regions (this module) and capacity-based ones (``capacity_match``), both ``region.Region``. Pure:
+    reads the graph and its fake values only, never mutates ``gm`` and runs nothing (``expert_fn`` of each
+    region is a copy).
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     # Step 1: token all-to-alls by the dtype of what they move (the counts exchange moves integers); a user
@@ -523,7 +536,7 @@ def find_moe_regions(gm: fx.GraphModule) -> tuple[list[MoERegion | CapacityRegio
     hidden = [RefusedRegion(n, why) for n in gm.graph.nodes if (why := _hidden_all_to_alls(n)) is not None]
     weak = assert_cones(gm.graph)
     # Capacity-based dispatch (einsum into (E, C, H) buffers, equal splits) claims its all-to-alls first.
-    regions: list[MoERegion | CapacityRegion]
+    regions: list[Region]
     capacity, refused_capacity, token_a2as = find_capacity_regions(gm, token_a2as, weak)
     regions = list(capacity)
     # Step 2: pairs.

@@ -37,15 +37,14 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.passes.capacity_match import CapacityRegion
-from relay_compile.passes.capacity_pairs import insert_capacity_pairs
 from relay_compile.passes.expert_compile import CompiledExpertFn
 from relay_compile.passes.expert_fn import RegionExpertFn
-from relay_compile.passes.expert_lowering import ExpertsPath, LoweredFFN, choose_expert_fn
+from relay_compile.passes.expert_lowering import LoweredFFN, choose_expert_fn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.liveness import erase_unused_pure
-from relay_compile.passes.match import MoERegion, find_moe_regions
-from relay_compile.passes.refusals import RefusedRegion
+from relay_compile.passes.match import find_moe_regions
+from relay_compile.passes.refusals import Refusal, RefusedRegion
+from relay_compile.passes.region import Region
 from relay_compile.runtime.cost_model import H200, Choice, choose
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
 from relay_compile.runtime.ring_options import RingOptions
@@ -53,20 +52,9 @@ from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["moe_ring_pass", "region_experts", "region_fn_name", "rewrite_moe_region"]
-
-Region = MoERegion | CapacityRegion
-
+__all__ = ["moe_ring_pass", "region_fn_name", "rewrite_moe_region"]
 
 ExpertFns = RegionExpertFn | LoweredFFN | CompiledExpertFn
-
-
-def region_experts(region: Region, inner_compiler: str = "eager") -> tuple[ExpertFns, ExpertsPath]:
-    """The expert function a region's ring runs, and how (capacity regions were lowered by their matcher);
-    ``inner_compiler`` compiles an F that is not lowered (``expert_lowering.choose_expert_fn``)."""
-    if isinstance(region, CapacityRegion):
-        return region.lowered, region.experts_path
-    return choose_expert_fn(region, inner_compiler)
 
 
 def region_fn_name(region: Region, fn: ExpertFns) -> str:
@@ -78,11 +66,7 @@ def region_fn_name(region: Region, fn: ExpertFns) -> str:
 
 def _check_record(gm: fx.GraphModule, region: Region) -> None:
     """Step 1: every node the record names is alive in ``gm``, and the dying nodes are used only by each other."""
-    named = {"x": region.x, "output": region.output}
-    if isinstance(region, CapacityRegion):
-        named |= {"dispatch_mask": region.dispatch_mask, "combine_weights": region.combine_weights}
-    else:
-        named |= {"topk_ids": region.topk_ids, "topk_scores": region.topk_scores}
+    named = {"x": region.x, "output": region.output, **region.inputs()}
     named |= {f"weights[{i}]": w for i, w in enumerate(region.weights)}
     for role, n in [*named.items(), *(("region node", n) for n in region.nodes)]:
         if n.graph is not gm.graph or getattr(n, "_erased", False):
@@ -151,12 +135,14 @@ def rewrite_moe_region(
 
     Raises:
         ValueError: an unknown option, or a record that no longer describes ``gm``.
+        Refusal: experts that can run only lowered (a capacity receive) and do not lower or prove equal to F
+            on probe inputs (``expert_lowering``); raised before anything of ``gm`` changes.
     """
     # Step 1: the record.
     _check_record(gm, region)
 
     # Step 2: the expert function and its spec.
-    fn, path = region_experts(region, inner_compiler)
+    fn, path = choose_expert_fn(region, inner_compiler)
     spec = RingSpec(
         expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options,
         scores_applied=region.scores_applied,
@@ -167,10 +153,7 @@ def rewrite_moe_region(
     fake = _fake_output(region)
     graph = gm.graph
     with graph.inserting_before(region.output):
-        if isinstance(region, CapacityRegion):  # pairs from the capacity masks (passes/capacity_pairs.py)
-            topk_ids, topk_scores = insert_capacity_pairs(region)
-        else:
-            topk_ids, topk_scores = region.topk_ids, region.topk_scores
+        topk_ids, topk_scores = region.insert_pairs()  # capacity regions derive them from their masks
         ring = graph.create_node(
             "call_function", RING_MOE, (region.x, topk_ids, topk_scores, list(region.weights), key), name="ring_moe"
         )
@@ -250,7 +233,7 @@ def keep_all_to_all(gm: fx.GraphModule, region: Region) -> fx.Node:
         counts = torch.ops._c10d_functional.all_to_all_single(kept, [1, 1], [1, 1], g)
     """
     _check_record(gm, region)
-    first = region.counts_exchange if isinstance(region, MoERegion) else region.dispatch
+    first = region.first_collective()
     source = next((a for a in first.all_input_nodes if isinstance(a.meta.get("example_value"), Tensor)), None)
     if source is None:
         raise ValueError(f"rewrite: the region's first collective {first.name} reads no tensor to order the check by")
@@ -267,6 +250,13 @@ def keep_all_to_all(gm: fx.GraphModule, region: Region) -> fx.Node:
 def moe_ring_pass(
     gm: fx.GraphModule, options: RingOptions = RingOptions(), *, inner_compiler: str = "eager",
 ) -> tuple[list[fx.Node], list[RefusedRegion]]:
-    """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals)."""
+    """Find every a2a MoE region of ``gm`` and rewrite each into a ring; returns (ring nodes, refusals): what the
+    finder refused and the regions whose experts the rewrite could not run (left as they were)."""
     regions, refused = find_moe_regions(gm)
-    return [rewrite_moe_region(gm, r, options, inner_compiler=inner_compiler) for r in regions], refused
+    rings = []
+    for region in regions:
+        try:
+            rings.append(rewrite_moe_region(gm, region, options, inner_compiler=inner_compiler))
+        except Refusal as r:
+            refused.append(r.record())
+    return rings, refused

@@ -40,17 +40,12 @@ from torch._logging import trace_structured
 from relay_compile.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.experts import GroupedExperts
 from relay_compile.options import Options, resolve
-from relay_compile.passes import (
-    CapacityRegion,
-    MoERegion,
-    find_moe_regions,
-    keep_all_to_all,
-    kept_at_compile_time,
-    rewrite_moe_region,
-)
+from relay_compile.passes import find_moe_regions, keep_all_to_all, kept_at_compile_time, rewrite_moe_region
+from relay_compile.passes.expert_lowering import choose_expert_fn
 from relay_compile.passes.fx_nodes import node_value, report_size
-from relay_compile.passes.rewrite import region_experts
-from relay_compile.passes.scopes import find_scopes, keep_rings_saved
+from relay_compile.passes.refusals import Refusal
+from relay_compile.passes.region import Region
+from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.ring_options import HopShape
@@ -73,7 +68,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _ring_programs_text(region: MoERegion | CapacityRegion, key: str) -> dict[str, str]:
+def _ring_programs_text(region: Region, key: str) -> dict[str, str]:
     """Readable code of the ring programs the region's spec runs, for the routings it may take."""
     spec = spec_state(key).spec
     asked = spec.options.routing
@@ -168,22 +163,10 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring,
         )
-        kept = kept_at_compile_time(region, opts.ring)
-        if kept is not None:
-            entry.status, entry.reason = ("kept" if rewrite else "matched"), f"kept its all-to-all: {kept.reason}"
-            entry.execution_predicted = "all_to_all"
-            if rewrite:
-                keep_all_to_all(scope.module, region)
-        elif rewrite:
-            node = rewrite_moe_region(scope.module, region, opts.ring, inner_compiler=opts.inner_compiler)
-            if scope.checkpoint is not None:
-                keep_rings_saved(scope)
-            entry.status, entry.ring_op = "rewritten", str(node.args[-1])
-            entry.experts = node.meta["relaymoe_experts"].summary()
-            for name, code in _ring_programs_text(region, entry.ring_op).items():
-                dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
-        else:
-            entry.experts = region_experts(region, opts.inner_compiler)[1].summary()
+        try:
+            _apply(scope, region, opts, entry, dump, i, rewrite)
+        except Refusal as r:  # experts the ring cannot run: raised before the graph changed
+            entry.status, entry.reason = "refused", r.reason
         report.regions.append(entry)
     report.pass_seconds["rewrite"] = time.perf_counter() - start
     if rewrite:
@@ -198,6 +181,29 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     )
     log.info("%s", report.summary())
     return report
+
+
+def _apply(
+    scope: Scope, region: Region, opts: Options, entry: RegionReport, dump: GraphDump, i: int, rewrite: bool
+) -> None:
+    """One matched region: kept (the cost model keeps its all-to-all), rewritten into a ring, or with
+    ``rewrite`` off only analyzed; ``entry`` records which. Raises ``Refusal`` before changing the graph."""
+    kept = kept_at_compile_time(region, opts.ring)
+    if kept is not None:
+        entry.status, entry.reason = ("kept" if rewrite else "matched"), f"kept its all-to-all: {kept.reason}"
+        entry.execution_predicted = "all_to_all"
+        if rewrite:
+            keep_all_to_all(scope.module, region)
+    elif rewrite:
+        node = rewrite_moe_region(scope.module, region, opts.ring, inner_compiler=opts.inner_compiler)
+        if scope.checkpoint is not None:
+            keep_rings_saved(scope)
+        entry.status, entry.ring_op = "rewritten", str(node.args[-1])
+        entry.experts = node.meta["relaymoe_experts"].summary()
+        for name, code in _ring_programs_text(region, entry.ring_op).items():
+            dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
+    else:
+        entry.experts = choose_expert_fn(region, opts.inner_compiler)[1].summary()
 
 
 def relaymoe_backend(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import unittest
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,9 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from relay_compile.passes import CapacityRegion, RefusedRegion, find_moe_regions, rewrite_moe_region
+from relay_compile.passes import CapacityRegion, Refusal, RefusedRegion, find_moe_regions, rewrite_moe_region
+from relay_compile.passes import expert_lowering
+from relay_compile.passes.expert_lowering import choose_expert_fn
 from relay_compile.passes.fx_nodes import is_all_to_all
 from tests.models import capacity_variants
 from tests.models.deepspeed_style import DeepSpeedStyleMoE
@@ -87,8 +90,10 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual(region.combine_weights.target, "type_as")  # the combine einsum's operand
         self.assertEqual(region.output.args[0], "sec,ecm->sm")
         self.assertEqual(len(region.weights), 2 * E // N)  # fc1, fc2 of each local expert
-        self.assertEqual(region.experts_path.summary(), "grouped: " + region.lowered.plan.describe())
-        self.assertTrue(region.experts_path.description.startswith("gelu experts"))
+        lowered, path = choose_expert_fn(region)  # what the rewrite runs: F lowered, proven on probe inputs
+        self.assertEqual(path.summary(), "grouped: " + region.plan.describe())
+        self.assertEqual(lowered.plan, region.plan)  # recognized alike from the same graph
+        self.assertTrue(path.description.startswith("gelu experts"))
         # What dies: both all-to-alls, the dispatch einsum, F, the combine; never the masks, tokens, weights.
         self.assertTrue({region.dispatch, region.combine, region.recv, region.back, region.output} <= region.nodes)
         self.assertFalse({region.x, region.dispatch_mask, region.combine_weights, *region.weights} & region.nodes)
@@ -100,7 +105,7 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual(refused, [])
         (region,) = regions
         self.assertEqual((region.capacity, region.top_k, region.block_shape().ffn), (3, 2, F))
-        self.assertIn("relu experts, gate weights[0] stacked (in_out)", region.experts_path.description)
+        self.assertIn("relu experts, gate weights[0] stacked (in_out)", choose_expert_fn(region)[1].description)
         ring = rewrite_moe_region(gm, region)
         self.assertEqual([n for n in gm.graph.nodes if is_all_to_all(n)], [])
         ids, scores = ring.args[1:3]
@@ -114,7 +119,7 @@ class CapacityMatch(unittest.TestCase):
                                                     bias=True))
         self.assertEqual(refused, [])
         (region,) = regions
-        self.assertEqual(region.experts_path.description, (
+        self.assertEqual(choose_expert_fn(region)[1].description, (
             "relu experts with bias (gate, down), gate weights[0] stacked (in_out), down weights[2] stacked (in_out), "
             "gate bias weights[1] stacked, down bias weights[3] stacked"))
 
@@ -159,22 +164,40 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual(refused, [])
         (region,) = regions
         self.assertEqual(len(region.weights), 4 * E // N)  # fc1, its bias, fc2, its bias of each local expert
-        self.assertTrue(region.experts_path.description.startswith("gelu experts with bias (gate, down), "),
-                        region.experts_path.description)
-        self.assertEqual(region.lowered.num_packed(len(region.weights)), 4)
+        self.assertTrue(choose_expert_fn(region)[1].description.startswith("gelu experts with bias (gate, down), "),
+                        choose_expert_fn(region)[1].description)
+        self.assertEqual(choose_expert_fn(region)[0].num_packed(len(region.weights)), 4)
 
     def test_refuses_experts_that_mix_capacity_slots(self) -> None:
         # out - out.mean(dim=2): a slot's result depends on the other tokens of its expert.
         reason = self.refusal(capacity_variants.with_experts(self.deepspeed(), capacity_variants.SlotMixingExperts))
         self.assertRegex(reason, r"^the capacity experts are not recognized as an FFN of experts \(.*mean")
 
-    def test_refuses_experts_on_the_wrong_dimension_found_by_the_probe(self) -> None:
+    def test_refuses_experts_on_the_wrong_dimension_found_by_the_probe_at_the_rewrite(self) -> None:
         # inputs.chunk(E_l, dim=0): structurally an FFN per chunk, but chunks of sources, not of experts; only
-        # running F beside its lowering on a random receive tells them apart.
+        # running F beside its lowering on a random receive tells them apart. The finder only reads the graph,
+        # so the region is found; the rewrite probes it, refuses, and leaves the graph as it was.
         model = capacity_variants.with_experts(self.deepspeed(), capacity_variants.SourceChunkExperts)
-        reason = self.refusal(model)
-        self.assertRegex(reason, r"^the capacity experts, recognized as gelu experts, .* differ from F on probe "
-                                 r"inputs by \d")
+        gm, regions, refused = traced(model)
+        self.assertEqual(refused, [])
+        (region,) = regions
+        code = gm.code
+        with self.assertRaises(Refusal) as caught:
+            rewrite_moe_region(gm, region)
+        self.assertIs(caught.exception.node, region.dispatch)
+        self.assertRegex(caught.exception.reason, r"^the capacity experts do not run as grouped experts \(recognized "
+                                                  r"as gelu experts, .* differs from F on probe inputs by \d")
+        self.assertEqual(gm.code, code)
+
+    def test_the_finder_runs_nothing(self) -> None:
+        # Matching reads the graph and fake values only: probing F (which runs it) is the rewrite's work.
+        def ran(*args: Any, **kwargs: Any) -> float:
+            raise AssertionError("the finder ran F on probe inputs")
+
+        with unittest.mock.patch.object(expert_lowering, "capacity_probe_error", ran), \
+                unittest.mock.patch.object(expert_lowering, "probe_error", ran):
+            _, regions, refused = traced(self.deepspeed())
+        self.assertEqual((len(regions), refused), (1, []))
 
     def test_refuses_a_batched_matmul_dispatch_naming_the_supported_forms(self) -> None:
         # torch.matmul(dispatch_mask.to(x.dtype).permute(1, 2, 0), x): (E, C, S) @ (S, M).
