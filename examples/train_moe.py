@@ -66,7 +66,7 @@ from moe_transformer import MoEModelConfig, MoETransformer  # noqa: E402
 from train_moe_report import LABELS, MEASURED_STEPS, RTOL, RankResult, report  # noqa: E402
 
 from relay_compile.backend import compiled_reports  # noqa: E402
-from relay_compile.dynamo_settings import dynamo_settings  # noqa: E402
+from relay_compile.runtime.dynamo_settings import dynamo_settings  # noqa: E402
 from relay_compile.memory import PeakMemory, memory_timeline  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
 

@@ -22,7 +22,7 @@ The passes import the runtime (the op they insert, the spec they register); the 
 """
 
 from relay_compile.passes.capacity_match import CapacityRegion
-from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
+from relay_compile.runtime.region_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region

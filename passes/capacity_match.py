@@ -66,10 +66,9 @@ import torch
 import torch.fx as fx
 
 from relay_compile.experts import GATED
-from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
 from relay_compile.passes.capacity_pairs import insert_capacity_pairs
-from relay_compile.passes.expert_fn import ExpertFnBinding, copy_expert_fn, slice_expert_fn
-from relay_compile.passes.ffn_template import ExpertFFN
+from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
+from relay_compile.passes.expert_fn import copy_expert_fn, slice_expert_fn
 from relay_compile.passes.fx_nodes import (
     all_to_all_args,
     ancestors,
@@ -90,6 +89,8 @@ from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import ExpertsInput
 from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel, row_gather
 from relay_compile.runtime.cost_model import BlockShape
+from relay_compile.runtime.ffn_plan import ExpertFFN
+from relay_compile.runtime.region_fn import ExpertFnBinding
 from relay_compile.runtime.specs import ScoresApplied
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as nnf
 
-from relay_compile.passes.expert_fn import ExpertFnBinding
-from relay_compile.passes.ffn_template import ExpertFFN, Expr, Layout, NotAnFFN, match_ffn
+from relay_compile.passes.ffn_template import Expr, NotAnFFN, match_ffn
 from relay_compile.passes.fx_nodes import (
     arg,
     as_list,
@@ -51,6 +50,8 @@ from relay_compile.passes.fx_nodes import (
     shape_of,
 )
 from relay_compile.passes.roles import flat_index_of_item
+from relay_compile.runtime.ffn_plan import ExpertFFN, Layout
+from relay_compile.runtime.region_fn import ExpertFnBinding
 
 # ----------------------------------------------------------------------------------------------------------
 # Abstract values

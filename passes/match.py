@@ -72,7 +72,7 @@ import torch
 import torch.fx as fx
 
 from relay_compile.passes.capacity_match import find_capacity_regions
-from relay_compile.passes.expert_fn import ExpertFnBinding, SplitKind, copy_expert_fn, slice_expert_fn
+from relay_compile.passes.expert_fn import copy_expert_fn, slice_expert_fn
 from relay_compile.passes.fx_nodes import (
     all_to_all_args,
     ancestors,
@@ -114,6 +114,7 @@ from relay_compile.passes.roles import (
     unflatten,
 )
 from relay_compile.runtime.cost_model import BlockShape
+from relay_compile.runtime.region_fn import ExpertFnBinding, SplitKind
 from relay_compile.runtime.specs import ScoresApplied
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Literal, Protocol
 
 import torch.fx as fx
 
-from relay_compile.passes.expert_fn import ExpertFnBinding
 from relay_compile.runtime.cost_model import BlockShape
+from relay_compile.runtime.region_fn import ExpertFnBinding
 from relay_compile.runtime.specs import ScoresApplied
 
 # What F reads: the received rows of a hop ``(R, H)`` grouped by source then local expert, with the counts and

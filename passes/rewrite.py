@@ -8,9 +8,9 @@ Contract:
     exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), and so are pure nodes that
     only the region read (shared size arithmetic dies with the last region reading it); nothing else is
     touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
-    whose expert function is F recognized and lowered onto grouped experts (``expert_lowering.LoweredFFN``),
-    or else a copy of the region's F compiled by ``inner_compiler`` (``expert_compile.CompiledExpertFn``), or run
-    eagerly at every hop (``expert_fn.RegionExpertFn``) where it does not compile; the ring node's
+    whose expert function is F recognized and lowered onto grouped experts (``runtime.lowered_ffn.LoweredFFN``),
+    or else a copy of the region's F compiled by ``inner_compiler`` (``runtime.compiled_experts``), or run
+    eagerly at every hop (``runtime.region_fn.RegionExpertFn``) where it does not compile; the ring node's
     ``meta["relaymoe_experts"]`` says which (``ExpertsPath``);
     nothing data-dependent is baked into the graph, so new routings do not recompile. Raises ``ValueError``
     (naming the region and node) when the record no longer describes the graph or an option is invalid;
@@ -37,16 +37,16 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.passes.expert_compile import CompiledExpertFn
-from relay_compile.passes.expert_fn import RegionExpertFn
 from relay_compile.passes.expert_lowering import LoweredFFN, choose_expert_fn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
+from relay_compile.runtime.compiled_experts import CompiledExpertFn
 from relay_compile.runtime.cost_model import H200, Choice, choose
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
+from relay_compile.runtime.region_fn import RegionExpertFn
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
 

@@ -4,15 +4,15 @@
 
 Registered through the ``torch_dynamo_backends`` entry point, so the name works without importing the
 package. Dynamo must see each MoE block whole: the backend's ``backend_ctx_ctor`` sets what that takes
-(``relay_compile.dynamo_settings``: host reads of split sizes and data-dependent shapes stay in the graph)
-around each call of a model compiled with it, and only there.
+(``runtime.dynamo_settings``: host reads of split sizes and data-dependent shapes stay in the graph) around
+each call of a model compiled with it, and only there.
 
 Per Dynamo graph:
 
     find_moe_regions      (passes.match)    regions + refusals, from static information only
     rewrite_moe_region    (passes.rewrite)  each region -> one relaymoe::ring_moe call whose experts run on
                                             grouped GEMMs when F is recognized (passes.expert_lowering), else
-                                            F compiled by the inner compiler (passes.expert_compile), else F
+                                            F compiled by the inner compiler (runtime.compiled_experts), else F
                                             eagerly; its ring programs (remat, overlap) are built on first use
     inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph, under the
                                             activation_memory_budget option (torch's partitioner budget)
@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._logging import trace_structured
 
-from relay_compile.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.experts import GroupedExperts
 from relay_compile.options import Options, resolve
 from relay_compile.passes import find_moe_regions, keep_all_to_all, kept_at_compile_time, rewrite_moe_region
@@ -47,6 +46,7 @@ from relay_compile.passes.refusals import Refusal
 from relay_compile.passes.region import Region
 from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
+from relay_compile.runtime.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.ring_options import HopShape
 from relay_compile.runtime.specs import spec_state

@@ -17,8 +17,8 @@ from torch.testing._internal.common_utils import run_tests
 
 import relay_compile
 from relay_compile.backend import _compare_outputs, compiled_reports
-from relay_compile.dynamo_settings import DYNAMO_SETTINGS
 from relay_compile.reference import a2a_moe, moe_weights
+from relay_compile.runtime.dynamo_settings import DYNAMO_SETTINGS
 from tests.distributed import DistributedTestCase
 from tests.models import variants
 

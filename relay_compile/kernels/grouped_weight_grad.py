@@ -63,8 +63,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# (BLOCK_O, BLOCK_I, BLOCK_S, warps, stages): 128 x 256 fp32 tiles, 64 rows a step: the fastest of six measured on the H200 at the
-# ring's hop shapes (docs/bench/h200-hop-host/).
+# (BLOCK_O, BLOCK_I, BLOCK_S, warps, stages): 128 x 256 fp32 tiles, 64 rows a step: the fastest of the six
+# tried on the H200 at the ring's hop shapes (docs/bench/h200-hop-host/).
 _CONFIG = (128, 256, 64, 8, 3)
 
 

@@ -13,7 +13,7 @@ write it, on top of the all-to-all pattern every EP dispatcher shares:
     combine     zeros(T, H).index_add_(0, order // K, back * scores.flatten()[order])
 
 With Dynamo's defaults, ``.tolist()``, ``repeat_interleave`` of a counts tensor, the boolean mask index and
-``nonzero`` each break the graph; ``backend="relaymoe"`` captures them (relay_compile/dynamo_settings.py).
+``nonzero`` each break the graph; ``backend="relaymoe"`` captures them (relay_compile/runtime/dynamo_settings.py).
 
 Legend: T tokens, H hidden, F expert width, E experts, E_l local experts, K top-k, N ranks, R received rows.
 """

@@ -2,7 +2,7 @@
 (a per-expert LayerNorm), then ``fc1`` with a bias, a quick-GELU (``h * sigmoid(1.702 h)``) and ``fc2``.
 
 ``expert_block`` refuses such an F (the LayerNorm, the activation), so the backend compiles F by
-its inner compiler (``passes/expert_compile.py``). Two dispatchers: the data-dependent one (rows regrouped
+its inner compiler (``relay_compile/runtime/compiled_experts.py``). Two dispatchers: the data-dependent one (rows regrouped
 with repeat_interleave, boolean masks and nonzero inside F; splits per source) and the scores-first one
 (splits per (source, expert), scores on the dispatched rows: the ring differentiates F with autograd).
 

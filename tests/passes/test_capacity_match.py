@@ -22,8 +22,14 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from relay_compile.passes import CapacityRegion, Refusal, RefusedRegion, find_moe_regions, rewrite_moe_region
-from relay_compile.passes import expert_lowering
+from relay_compile.passes import (
+    CapacityRegion,
+    Refusal,
+    RefusedRegion,
+    expert_lowering,
+    find_moe_regions,
+    rewrite_moe_region,
+)
 from relay_compile.passes.expert_lowering import choose_expert_fn
 from relay_compile.passes.fx_nodes import is_all_to_all
 from tests.models import capacity_variants

@@ -21,8 +21,8 @@ import torch.nn.functional as nnf
 from torch import Tensor
 
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
-from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.expert_lowering import LoweredFFN, probe_error
+from relay_compile.runtime.region_fn import ExpertFnBinding, RegionExpertFn
 
 H, F, L, N = 8, 4, 3, 2  # torch._grouped_mm wants rows of 16-byte multiples
 

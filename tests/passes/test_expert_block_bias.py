@@ -28,8 +28,8 @@ from torch.testing._internal.common_utils import run_tests
 import relay_compile
 from relay_compile.backend import compiled_reports
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
-from relay_compile.passes.expert_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.expert_lowering import LoweredFFN, capacity_probe_error, probe_error
+from relay_compile.runtime.region_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.runtime.specs import spec_state
 from tests.models.megatron_style import MegatronStyleMoE
 from tests.passes.test_expert_block import (

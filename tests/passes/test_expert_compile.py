@@ -1,4 +1,4 @@
-"""F that the recognizer refuses, compiled by the inner compiler (``passes/expert_compile.py``).
+"""F that the recognizer refuses, compiled by the inner compiler (``relay_compile/runtime/compiled_experts.py``).
 
 World 1 (no process group): the compiled forward and vjp of F against F itself and autograd over F (fp32,
 1e-6), on hops of 0, 1 and more rows from either source, with one compilation of each entry point for all
@@ -22,10 +22,10 @@ from torch.testing._internal.common_utils import run_tests
 
 import relay_compile
 from relay_compile.backend import compiled_reports
-from relay_compile.passes import expert_compile
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
-from relay_compile.passes.expert_compile import CompiledExpertFn, compile_expert_fn
-from relay_compile.passes.expert_fn import RegionExpertFn
+from relay_compile.runtime import compiled_experts
+from relay_compile.runtime.compiled_experts import CompiledExpertFn, compile_expert_fn
+from relay_compile.runtime.region_fn import RegionExpertFn
 from relay_compile.runtime.specs import spec_state
 from tests.models.unrecognized_experts import NormedDataDependentMoE, NormedScoresFirstMoE
 from tests.passes.test_expert_block import FFN_EFH, MODULES_WITH_BIAS, H, Idiom, L, N, _expert_major
@@ -112,7 +112,7 @@ def autograd_vjp(eager: RegionExpertFn, x: Tensor, counts_NL: Tensor, splits_N: 
 class CompiledFEqualsF(unittest.TestCase):
     def setUp(self) -> None:
         # Each test compiles its F afresh (the cache is per process, and tests count compilations).
-        patcher = unittest.mock.patch.dict(expert_compile._COMPILED, clear=True)
+        patcher = unittest.mock.patch.dict(compiled_experts._COMPILED, clear=True)
         patcher.start()
         self.addCleanup(patcher.stop)
 

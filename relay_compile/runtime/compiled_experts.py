@@ -1,4 +1,4 @@
-"""expert_compile: an F the recognizer refused, run per hop as code the inner compiler compiled.
+"""compiled_experts: an F the recognizer refused, run per hop as code the inner compiler compiled.
 
     compile_expert_fn(eager, inner_compiler, probes, weights, tol) -> CompiledExpertFn   (raises if it cannot)
 
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from relay_compile.dynamo_settings import dynamo_settings
-from relay_compile.passes.expert_fn import RegionExpertFn
+from relay_compile.runtime.dynamo_settings import dynamo_settings
+from relay_compile.runtime.region_fn import RegionExpertFn
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class CompiledExpertFn:
 
     def __init__(self, eager: RegionExpertFn, inner_compiler: str) -> None:
         if inner_compiler not in COMPILERS:
-            raise ValueError(f"expert_compile: inner compiler {inner_compiler!r} does not compile; use one of "
+            raise ValueError(f"compiled_experts: inner compiler {inner_compiler!r} does not compile; use one of "
                              f"{COMPILERS}")
         self.eager, self.inner_compiler = eager, inner_compiler
         self._identity = (eager, inner_compiler)
@@ -143,7 +143,7 @@ class CompiledExpertFn:
 
     def _fail(self, e: Exception) -> None:
         self.failure = f"{type(e).__name__}: {e}"
-        log.warning("expert_compile: %s runs eagerly from now on: the compiled F failed: %s", self.__qualname__,
+        log.warning("compiled_experts: %s runs eagerly from now on: the compiled F failed: %s", self.__qualname__,
                     self.failure, exc_info=log.isEnabledFor(logging.DEBUG))
 
     def forward(self, x_SH: Tensor, counts_NL: Tensor, splits_S: Tensor, weights: Sequence[Tensor]) -> Tensor:
@@ -234,7 +234,7 @@ def compile_expert_fn(eager: RegionExpertFn, inner_compiler: str, probes: Sequen
         got_dx, got_ds, got_dw = compiled.pull_back(x_SH, counts_NL, splits_S, weights, dy_SH, score_S)
         error = _max_error([got, got_dx, got_ds, *got_dw], [want, want_dx, want_ds, *want_dw])
         if not error <= tol:
-            raise ValueError(f"expert_compile: F compiled by {inner_compiler} differs from F by {error:.2e} on "
+            raise ValueError(f"compiled_experts: F compiled by {inner_compiler} differs from F by {error:.2e} on "
                              f"{x_SH.shape[0]} probe rows")
     _COMPILED[key] = compiled
     return compiled
