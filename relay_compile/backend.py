@@ -20,7 +20,8 @@ Per Dynamo graph:
 
 Options are ``relay_compile.config`` values overridden per call (``relay_compile.options``). Every graph's
 report (``relay_compile.report``) goes to the log, to ``<dump_dir>/.../report.json`` with readable code of
-the graph before and after the rewrite and of the ring programs, and to ``trace_structured`` (tlparse).
+the graph before and after the rewrite, and to ``trace_structured`` (tlparse); the ring programs a region
+runs are written beside them by the op, when it first runs each (``runtime.program_dumps``).
 """
 
 from __future__ import annotations
@@ -37,20 +38,15 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._logging import trace_structured
 
-from relay_compile.experts import GroupedExperts
 from relay_compile.options import Options, resolve
 from relay_compile.passes import find_moe_regions, keep_all_to_all, kept_at_compile_time, rewrite_moe_region
 from relay_compile.passes.expert_lowering import choose_expert_fn
-from relay_compile.passes.fx_nodes import node_value, report_size
 from relay_compile.passes.refusals import Refusal
 from relay_compile.passes.region import Region
 from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
+from relay_compile.runtime import program_dumps
 from relay_compile.runtime.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
-from relay_compile.runtime.programs.pipeline import forward_owners, program_for
-from relay_compile.runtime.ring_options import HopShape
-from relay_compile.runtime.specs import spec_state
-from relay_compile.runtime.weight_grads import pack_weights
 
 log = logging.getLogger(__name__)
 
@@ -66,30 +62,6 @@ def compiled_reports() -> list[GraphReport]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _ring_programs_text(region: Region, key: str) -> dict[str, str]:
-    """Readable code of the ring programs the region's spec runs, for the routings it may take."""
-    spec = spec_state(key).spec
-    asked = spec.options.routing
-    # Owners per forward hop as a call with this rank's shapes decides them (every rank's tokens alike).
-    block = region.block_shape()
-    grouped = spec.expert_fn if isinstance(spec.expert_fn, GroupedExperts) else None
-    # The weights as they circulate (packed), on the meta device: their shapes are what the rule reads.
-    metas = [torch.empty([report_size(n) for n in v.shape], dtype=v.dtype, device="meta")
-             for v in map(node_value, region.weights)]
-    hop_shape = HopShape.of(region.group_size, [block.tokens], block.top_k,
-                            [(tuple(w.shape), w.numel() * w.element_size()) for w in pack_weights(grouped, metas)],
-                            block.hidden, block.elem_bytes)
-    out = {}
-    for mode in ("expert", "token"):
-        if asked not in ("auto", mode):
-            continue
-        for direction in ("forward", "backward"):
-            owners = forward_owners(direction, mode, grouped is not None, hop_shape)
-            program = program_for(spec, direction, mode, region.group_size, len(region.weights), owners)
-            out[f"ring_{mode}_{direction}.py"] = program.code
-    return out
 
 
 def _inner_compiler(name: str) -> Callable:
@@ -200,8 +172,8 @@ def _apply(
             keep_rings_saved(scope)
         entry.status, entry.ring_op = "rewritten", str(node.args[-1])
         entry.experts = node.meta["relaymoe_experts"].summary()
-        for name, code in _ring_programs_text(region, entry.ring_op).items():
-            dump.write(f"region{i}_{name}", code, header=f"ring program of region {i}, after remat/overlap")
+        if dump.dir is not None:  # the op writes each program it runs, from the decision it makes
+            program_dumps.dump_to(entry.ring_op, dump.dir, f"region{i}")
     else:
         entry.experts = choose_expert_fn(region, opts.inner_compiler)[1].summary()
 

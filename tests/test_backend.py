@@ -229,11 +229,43 @@ class BackendEndToEnd(DistributedTestCase):
             self.assertEqual((region["status"], region["group_size"]), ("rewritten", world))
             self.assertIn(region["routing_predicted"], ("expert", "token"))
             files = {p.name for p in next(Path(dump_dir).glob(f"graph*_rank{self.rank}")).iterdir()}
-            self.assertLessEqual({"0_dynamo_graph.py", "1_rewritten_graph.py", "region0_ring_expert_forward.py",
-                                  "region0_ring_token_backward.py", "report.json"}, files)
+            self.assertLessEqual({"0_dynamo_graph.py", "1_rewritten_graph.py", "region0_decisions.txt", "report.json"},
+                                 files)
+            ran = sorted(f for f in files if f.startswith("region0_ring_"))  # written by the op, as it ran them
+            self.assertTrue(any("_forward" in f for f in ran) and any("_backward" in f for f in ran), ran)
             rewritten = (next(Path(dump_dir).glob(f"graph*_rank{self.rank}")) / "1_rewritten_graph.py").read_text()
             self.assertIn("relaymoe.ring_moe", rewritten)
             self.assertNotIn("all_to_all_single", rewritten)
+
+    def test_dumped_programs_are_the_ones_the_op_ran_with_uneven_tokens_across_ranks(self) -> None:
+        # Rank r has 6 + 7 r tokens: what a call runs is decided from every rank's counts (the agreement), so
+        # the dump is written by the op from that decision: the same files on every rank, naming both counts.
+        self.init_pg()
+        world = dist.get_world_size()
+        weights = self.weights(world)
+        tokens = [6 + 7 * r for r in range(world)]
+        gen = torch.Generator().manual_seed(7 + self.rank)
+        x = torch.randn(tokens[self.rank], H, generator=gen)
+        ids = torch.stack([torch.randperm(E_L * world, generator=gen)[:K] for _ in range(tokens[self.rank])])
+        scores = torch.rand(tokens[self.rank], K, generator=gen)
+        with tempfile.TemporaryDirectory() as dump_dir:
+            torch._dynamo.reset()
+            compiled = torch.compile(block, backend="relaymoe", options={"inner_compiler": "aot_eager",
+                                                                         "dump_dir": dump_dir})
+            for _ in range(2):
+                got = step_outputs(compiled, x, ids, scores, weights)
+            for g, w in zip(got, step_outputs(block, x, ids, scores, weights)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+            (rank_dir,) = Path(dump_dir).glob(f"graph*_rank{self.rank}")
+            dumped = {p.name: p.read_text() for p in rank_dir.iterdir() if p.name.startswith("region0_")}
+        programs = sorted(n for n in dumped if n.startswith("region0_ring_"))
+        self.assertTrue(programs, sorted(dumped))
+        for name in programs:
+            self.assertIn(f"tokens per rank {tokens}", dumped[name].splitlines()[0])
+            self.assertIn("def forward(", dumped[name])
+        everyone: list[object] = [None] * world
+        dist.all_gather_object(everyone, (programs, dumped["region0_decisions.txt"]))
+        self.assertEqual(everyone, [everyone[0]] * world)
 
     def test_region_split_by_a_graph_break_is_refused_and_other_backends_keep_dynamo_defaults(self) -> None:
         self.init_pg()

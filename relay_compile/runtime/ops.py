@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.routing import PairRouting, summed_bytes
-from relay_compile.runtime import equal_groups
+from relay_compile.runtime import equal_groups, program_dumps
 from relay_compile.runtime.agreement import BadArgument, BlockSizes, Claims, agree, agree_kept, remember_status
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
@@ -143,13 +143,17 @@ def _run(
                  agreed.volumes)
     state.resolved, state.volumes, state.choice = agreed.execution, agreed.volumes, agreed.choice
     assert local.packed is not None, "ring_moe: an agreed call has its weights packed"
+    reason = agreed.choice.reason if agreed.choice else f"routing {spec.options.routing}"
     if agreed.execution == "all_to_all":
+        program_dumps.record(key, direction, "all_to_all", reason, tokens_N=agreed.counts.tokens_N)
         a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
                            counts_E=local.counts_E, packed=local.packed)
         return a2a.forward() if direction == "forward" else a2a.backward()
     owners = forward_owners(direction, agreed.routing, cfg.grouped is not None,
                             _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
+    program_dumps.record(key, direction, agreed.routing, reason, tokens_N=agreed.counts.tokens_N, program=program,
+                         owners=owners)
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
     # Failure status travels only where results depend on other ranks' hops (trailing accumulators).
     sched: RingSchedule = program.meta["schedule"]
