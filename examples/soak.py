@@ -57,7 +57,7 @@ from train_moe import Trainer, _free_port, _global_mean, synthetic_batch
 from relay_compile.backend import compiled_reports
 from relay_compile.runtime import specs
 
-ROUTINGS = ("expert", "token")
+RING_ROUTINGS = ("expert", "token")
 # Graphs per compiled model: one with the first T static, one with a symbolic T (automatic dynamic).
 SHAPE_CLASSES_PER_MODEL = 2
 
@@ -113,7 +113,7 @@ def soak(rank: int, args: argparse.Namespace) -> RankResult:
     cfg = MoEModelConfig(**CFG)
     result = RankResult(rank=rank)
     trainers = []
-    for routing in ROUTINGS:
+    for routing in RING_ROUTINGS:
         model = MoETransformer(cfg, group, seed=args.seed, use_grouped_mm=False)  # fp32: per-expert loop
         compiled = torch.compile(
             model, backend="relaymoe", options={"routing": routing, "inner_compiler": "aot_eager"}
@@ -210,7 +210,7 @@ class Verdict:
 
 
 def judge(results: list[RankResult], args: argparse.Namespace) -> Verdict:
-    bound = SHAPE_CLASSES_PER_MODEL * len(ROUTINGS)
+    bound = SHAPE_CLASSES_PER_MODEL * len(RING_ROUTINGS)
     growth, graphs, frames = {}, {}, {}
     for res in results:
         base = next(r for r in res.records if r.step == args.rss_from)
@@ -241,7 +241,7 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, Verdict | None, list[Ra
     """Spawn the ranks, print the table and the verdict; (exit status, verdict, per-rank results)."""
     args = parse_args(argv)
     print(f"soak: {args.world} gloo ranks on CPU, {args.steps} steps of SGD lr {args.lr}, model {CFG}, "
-          f"T = {args.batch} x seq, seq cycling {args.seqs}, two compiled models (routing {ROUTINGS}) "
+          f"T = {args.batch} x seq, seq cycling {args.seqs}, two compiled models (routing {RING_ROUTINGS}) "
           f"alternating per step; backend relaymoe, inner_compiler aot_eager", flush=True)
     start = time.perf_counter()
     reported, errors = run_ranks(args)
@@ -263,7 +263,7 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, Verdict | None, list[Ra
               f"({res.rewritten} MoE regions rewritten), ring specs {res.records[-1].specs}; "
               f"{res.seconds:.1f} s of steps")
     print(f"bar: RSS growth < {args.max_rss_growth}% from step {args.rss_from}: {'ok' if v.rss_ok else 'FAIL'}; "
-          f"compilations <= {v.bound} (2 shape classes x {len(ROUTINGS)} models): "
+          f"compilations <= {v.bound} (2 shape classes x {len(RING_ROUTINGS)} models): "
           f"{'ok' if v.compile_ok else 'FAIL'}")
     print(f"verdict: {'PASS' if v.ok else 'FAIL'}; wall time {time.perf_counter() - start:.1f} s", flush=True)
     return (0 if v.ok else 1), v, results

@@ -30,8 +30,8 @@ overlap: bool = Config(default=True, env_name_default="RELAYMOE_OVERLAP")
 remat: bool = Config(default=True, env_name_default="RELAYMOE_REMAT")
 
 # Rows of one expert call: hops with more (token, expert) pairs run in chunks, so the block's peak memory stops
-# growing with tokens. "auto": a quarter of the rank's tokens, at least 16384 rows
-# (``runtime.ring_options.hop_row_bound``: chosen from H200 measurements); 0 leaves hops whole; a positive int
+# growing with tokens. "auto": the shape-derived bound
+# (``runtime.ring_options.hop_row_bound``); 0 leaves hops whole; a positive int
 # is the bound. (RELAYMOE_MAX_HOP_ROWS is read by ``options.resolve``: torch config entries read from the
 # environment must be bool or str.)
 max_hop_rows: int | str = "auto"

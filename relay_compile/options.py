@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_compile import config
-from relay_compile.runtime.ring_options import ChunkGraphs, HopRows, InvalidRingOption, RingOptions
+from relay_compile.runtime.ring_options import ChunkGraphs, InvalidRingOption, MaxHopRows, RingOptions
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
@@ -72,7 +72,7 @@ def _str(name: str, value: Any, parse: bool) -> str:
     raise ValueError(f"relaymoe: option {name}={value!r} must be a str{spelling}")
 
 
-def _hop_bound(value: Any, parse: bool) -> HopRows:
+def _hop_bound(value: Any, parse: bool) -> MaxHopRows:
     """``max_hop_rows`` as the ring takes it: a positive int, ``"auto"``, or None for the config's 0 (no bound)."""
     if value == "auto":
         return "auto"

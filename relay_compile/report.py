@@ -21,7 +21,7 @@ from typing import Any
 
 from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
 from relay_compile.runtime.cost_model import H200, BlockShape, choose, predicted_peak_bytes
-from relay_compile.runtime.ring_options import HopRows
+from relay_compile.runtime.ring_options import MaxHopRows
 
 __all__ = ["BlockShape", "GraphDump", "GraphReport", "RegionReport", "predicted_peak_bytes"]
 
@@ -54,7 +54,7 @@ class RegionReport:
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
-                max_hop_rows: HopRows, fp32_accumulation: bool = True, ring: str = "auto") -> RegionReport:
+                max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto") -> RegionReport:
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
         volume_args = dict(
@@ -73,7 +73,7 @@ class RegionReport:
         )
 
 
-def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: HopRows) -> dict[str, Any]:
+def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows) -> dict[str, Any]:
     """The report's view of ``cost_model.choose`` (one owner per forward hop: the rule needs the packed weights)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)"}

@@ -22,9 +22,9 @@ from torch import Tensor
 
 from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_fn
 from relay_compile.runtime.agreement import BadArgument, fail_together
-from relay_compile.runtime.fn_identity import describe
+from relay_compile.runtime.fn_identity import identify
 from relay_compile.runtime.ops import check_routing_args, ring_moe_op
-from relay_compile.runtime.ring_options import ChunkGraphs, HopRows, RingOptions
+from relay_compile.runtime.ring_options import ChunkGraphs, MaxHopRows, RingOptions
 from relay_compile.runtime.specs import SCORES_APPLIED, RingSpec, ScoresApplied, register_spec
 from relay_compile.runtime.transport import RingGroup
 
@@ -120,7 +120,7 @@ def ring_moe_experts(
     routing: str = "auto",
     overlap: bool = True,
     remat: bool = True,
-    max_hop_rows: HopRows = "auto",
+    max_hop_rows: MaxHopRows = "auto",
     fp32_accumulation: bool = True,
     chunk_graphs: ChunkGraphs = False,
     ring: str = "auto",
@@ -164,7 +164,7 @@ def _register(
     spec exists (pinned) before the graph first runs; a registration traced as a side effect would be
     applied only after the graph ran.
     """
-    fn_name, identity = (name, name) if name else describe(expert_fn)
+    fn_name, identity = (name, name) if name else identify(expert_fn)
     spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name,
                     options=RingOptions.checked("ring_moe", **options), scores_applied=scores_applied)
     return register_spec(spec, fn_name, identity=identity, functional=True, pinned=compiling)
@@ -183,7 +183,7 @@ def ring_moe(
     activation: Activation = "swiglu",
     overlap: bool = True,
     remat: bool = True,
-    max_hop_rows: HopRows = "auto",
+    max_hop_rows: MaxHopRows = "auto",
     fp32_accumulation: bool = True,
     chunk_graphs: ChunkGraphs = False,
     ring: str = "auto",
@@ -204,8 +204,8 @@ def ring_moe(
         remat: backward hops recompute their activations and release them (False: replay the whole block
             first and keep every hop's activations, as whole-block checkpointing would; for ablation).
         max_hop_rows: bound the rows of one expert call; hops with more pairs run in chunks, so peak memory
-            stops growing with tokens (None: one call per hop; ``"auto"``, the default: a quarter of this
-            rank's tokens, at least 16384 rows: ``runtime.ring_options.hop_row_bound``).
+            stops growing with tokens (None: one call per hop; ``"auto"``, the default: a fraction of this
+            rank's tokens, with a floor: ``runtime.ring_options.hop_row_bound``).
         fp32_accumulation: sum what the ring accumulates across hops (weight gradients; token routing's
             travelling outputs and input gradients) in fp32, like the all-to-all layer's fp32-accumulating
             GEMMs; False: in the summands' dtype (in bf16 half the bytes of those transfers, one rounding per hop).

@@ -23,7 +23,8 @@ from relay_compile.runtime.programs import pipeline
 from tests.distributed import DistributedTestCase
 
 H, F, K = 16, 8, 3
-ROUTINGS = ("random", "one_expert", "one_rank", "duplicates", "uneven", "halves")
+# Router outputs the ring is tested under (``routed_inputs``): random and adversarial assignments.
+ROUTER_CASES = ("random", "one_expert", "one_rank", "duplicates", "uneven", "halves")
 
 
 def routed_inputs(case: str, rank: int, world: int, num_experts: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,7 +91,7 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
     def test_both_routings_match_a2a_for_every_routing_case_overlap_on_and_off(self) -> None:
         self.init_pg()
         for routing in ("expert", "token"):
-            for case in ROUTINGS:
+            for case in ROUTER_CASES:
                 for overlap in (True, False):
                     self.assert_matches_a2a(case, routing=routing, overlap=overlap)
 
@@ -110,7 +111,7 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
         # chunk_graphs=True on the CPU: padded chunks run their static-shape programs eagerly (no capture).
         self.init_pg()
         before = chunk_graphs.runs()
-        for case in (*ROUTINGS, "many"):
+        for case in (*ROUTER_CASES, "many"):
             for overlap in (True, False):
                 self.assert_matches_a2a(case, routing="expert", overlap=overlap, chunk_graphs=True)
         self.assertGreater(chunk_graphs.runs(), before, "no chunk ran through a program")
@@ -132,7 +133,7 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
         with mock.patch.object(equal_groups, "applies", return_value=True), \
                 mock.patch.object(equal_groups, "MAX_PAD_DIVISOR", 1), \
                 mock.patch.object(equal_groups.EqualGroups, "plan", plan):
-            for case in ROUTINGS:
+            for case in ROUTER_CASES:
                 for overlap in (True, False):
                     self.assert_matches_a2a(case, routing="expert", overlap=overlap)
                 self.assert_matches_a2a(case, routing="expert", max_hop_rows=5)
@@ -202,7 +203,7 @@ class RingMoEOnOneProcess(TestCase):
 
     def test_matches_the_dense_loop_without_a_process_group_for_every_routing_case_and_scores_placement(self) -> None:
         weights = local_weights(0, 4, 1)
-        for case in ROUTINGS:
+        for case in ROUTER_CASES:
             x, ids, scores = routed_inputs(case, 0, 1, 4, seed=3)
             for scores_applied in ("after", "before"):
                 want = forward_backward(dense_moe, x, ids, scores, weights, 0, scores_applied=scores_applied)
@@ -287,7 +288,7 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
         # tests/runtime/test_ring_options.py's): stacks of distinct ranks' weights, wrapping around on rank 2.
         self.init_pg()
         with mock.patch.object(pipeline, "owners_per_hop", return_value=2) as rule:
-            for case in ROUTINGS:
+            for case in ROUTER_CASES:
                 for overlap in (True, False):
                     self.assert_matches_a2a(case, routing="expert", overlap=overlap)
             self.assert_matches_a2a("random", routing="expert", max_hop_rows=2)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
 from relay_compile.runtime.cost_model import H200, BlockShape, Choice, Execution, choose
-from relay_compile.runtime.ring_options import RINGS, HopRows, RingOptions
+from relay_compile.runtime.ring_options import RINGS, MaxHopRows, RingOptions
 from relay_compile.runtime.transport import RingGroup, RingPeerError, all_gather_rows, peer_failure
 
 Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
@@ -217,7 +217,7 @@ class BlockSizes:
 
     ffn: int
     expert_params: int
-    max_hop_rows: HopRows
+    max_hop_rows: MaxHopRows
     owners: Callable[[list[int]], int]
 
 

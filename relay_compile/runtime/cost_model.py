@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from relay_compile.routing import Routing, per_hop_bytes
-from relay_compile.runtime.ring_options import HopRows, hop_row_bound
+from relay_compile.runtime.ring_options import MaxHopRows, hop_row_bound
 
 Execution = Literal["expert", "token", "all_to_all"]
 
@@ -73,7 +73,7 @@ class BlockShape:
         return self.expert_params or self.expert_bytes // max(1, self.elem_bytes)
 
 
-def predicted_peak_bytes(shape: BlockShape, max_hop_rows: HopRows = None) -> dict[str, int]:
+def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None) -> dict[str, int]:
     """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring)."""
     s = shape
     pairs = s.tokens * s.top_k
@@ -156,7 +156,7 @@ def _chunks(rows: int, bound: int | None) -> int:
 
 
 def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
-              max_hop_rows: HopRows = "auto") -> TimeEstimate:
+              max_hop_rows: MaxHopRows = "auto") -> TimeEstimate:
     """Predicted time of the ring in ``routing`` (``owners_per_hop``: the grouped forward of expert routing)."""
     s, n = shape, shape.group_size
     pairs = s.tokens * s.top_k
@@ -221,7 +221,7 @@ class Choice:
 
 
 def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners_per_hop: int = 1,
-           max_hop_rows: HopRows = "auto") -> Choice:
+           max_hop_rows: MaxHopRows = "auto") -> Choice:
     """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
 
     ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also

@@ -2,7 +2,7 @@
 
 ``ring_moe_experts`` registers a ring spec per expert function. Code that builds a closure (or takes a bound
 method, or a ``functools.partial``) at every step hands it a new object each time; keying specs by object
-identity grew the registry by one spec (and everything the closure captured) per step. ``describe`` gives two
+identity grew the registry by one spec (and everything the closure captured) per step. ``identify`` gives two
 strings instead:
 
 - ``key``: the spec key's function part in this process. Functions: module, qualified name and a digest of
@@ -92,7 +92,7 @@ def _describe(fn: Callable[..., object], path: tuple[int, ...]) -> tuple[str, st
     return f"{identity}@{id(fn):x}", identity
 
 
-def describe(fn: Callable[..., object]) -> tuple[str, str]:
+def identify(fn: Callable[..., object]) -> tuple[str, str]:
     """``(key, identity)`` of an expert function (see the module docstring)."""
     return _describe(fn, ())
 

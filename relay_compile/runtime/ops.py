@@ -42,7 +42,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import forward_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
-from relay_compile.runtime.ring_options import HopRows, HopShape, hop_row_bound
+from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 from relay_compile.runtime.weight_grads import pack_weights
@@ -170,7 +170,7 @@ def _hop_shape(size: int, tokens_N: list[int], topk_ids: Tensor, x: Tensor, pack
                        x.shape[1], x.element_size())
 
 
-def _block_sizes(max_hop_rows: HopRows, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor,
+def _block_sizes(max_hop_rows: MaxHopRows, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor,
                  packed: Sequence[Tensor] | None) -> BlockSizes | None:
     """The cost model's sizes from the circulating weights' ``(E_l, out, in)`` matrices (None: none to read).
     Forward and backward calls predict the same forward + backward (the forward's owners per hop), so they

@@ -21,18 +21,17 @@ import torch
 
 from relay_compile.routing import ROUTINGS
 
-HopRows = int | None | Literal["auto"]
+# The ``max_hop_rows`` option: rows a hop computes at most (None: a whole hop; "auto": the shape-derived bound).
+MaxHopRows = int | None | Literal["auto"]
 # Whether a block runs as a ring (``runtime.cost_model.choose``): "auto" where it is predicted no slower than
 # the all-to-all, "memory" also where it is slower but saves memory, "always", or "never" (the block's
 # all-to-all, ``runtime.all_to_all``: for comparisons and tests).
 RINGS: tuple[str, ...] = ("auto", "memory", "always", "never")
 ChunkGraphs = bool | Literal["auto"]
-# ``max_hop_rows="auto"``: a chunk holds at most this fraction of the rank's tokens (its gathered rows, their
-# gradients and the expert activations then stay below the token-sized sums the step holds anyway), and never
-# fewer than AUTO_MIN_HOP_ROWS rows: each chunk costs a fixed host time (~0.5 ms per chunk and pass on the
-# H200), which below that size outweighs what it saves. Measured on the H200, Qwen3 layer, EP=8, 65536 tokens
-# (docs/BENCHMARKS.md, "Bounded hops by default"): whole hops 6.2x lower peak than a2a at 0.78x its time,
-# 16384-row chunks 8.2x at 0.86x, 8192-row chunks 8.6x at 1.38x.
+# ``max_hop_rows="auto"``: a chunk holds at most 1/AUTO_HOP_ROWS_FRACTION of the rank's tokens (its gathered
+# rows, their gradients and the expert activations then stay below the token-sized sums the step holds
+# anyway), and never fewer than AUTO_MIN_HOP_ROWS rows: each chunk costs a fixed host time, which below that
+# size outweighs the memory it saves (docs/BENCHMARKS.md, "Bounded hops by default").
 AUTO_HOP_ROWS_FRACTION = 4
 AUTO_MIN_HOP_ROWS = 16384
 # A forward chunk under ``"auto"`` may hold this many times a backward chunk's rows: a forward row keeps its
@@ -42,7 +41,7 @@ AUTO_MIN_HOP_ROWS = 16384
 AUTO_FORWARD_ROWS_FACTOR = 2
 
 
-def hop_row_bound(max_hop_rows: HopRows, tokens: int, *, forward: bool = False) -> int | None:
+def hop_row_bound(max_hop_rows: MaxHopRows, tokens: int, *, forward: bool = False) -> int | None:
     """The rows of one expert call for a rank with ``tokens`` tokens (None: whole hops); ``forward``: in the
     forward ring (``"auto"`` allows it ``AUTO_FORWARD_ROWS_FACTOR`` times the rows; an explicit bound holds in
     both directions)."""
@@ -132,7 +131,7 @@ class RingOptions:
     - ``overlap``: post each hop's transfer before its compute (False: the sequential ring).
     - ``remat``: backward hops recompute and release their activations (False: replay the block first).
     - ``max_hop_rows``: rows of one expert call; hops with more pairs run in chunks (None: whole hops;
-      ``"auto"``: ``hop_row_bound``, a quarter of the rank's tokens and at least 16384 rows). A per-rank
+      ``"auto"``: ``hop_row_bound``, ``1 / AUTO_HOP_ROWS_FRACTION`` of the rank's tokens and at least ``AUTO_MIN_HOP_ROWS`` rows). A per-rank
       memory knob: nothing that travels depends on it.
     - ``chunk_graphs``: a hop's chunks run at bucketed row counts as CUDA graphs captured once and replayed
       (``runtime.chunk_graphs``): less host work per hop, for about one chunk's working set held between steps
@@ -154,7 +153,7 @@ class RingOptions:
     routing: str = "auto"
     overlap: bool = True
     remat: bool = True
-    max_hop_rows: HopRows = "auto"
+    max_hop_rows: MaxHopRows = "auto"
     fp32_accumulation: bool = True
     chunk_graphs: ChunkGraphs = False
     ring: str = "auto"
@@ -178,7 +177,7 @@ class RingOptions:
     @classmethod
     def checked(
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
-        max_hop_rows: HopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
+        max_hop_rows: MaxHopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
         ring: str = "auto",
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""

@@ -32,7 +32,14 @@ from relay_compile.runtime.transport import RingPeerError
 from tests import distributed
 from tests.distributed import DistributedTestCase
 from tests.test_backend import E_L, F, H, block, inputs, step_outputs
-from tests.test_ring_moe import ROUTINGS, assert_close_rel, forward_backward, local_weights, ring_with_plain_ffn, routed_inputs
+from tests.test_ring_moe import (
+    ROUTER_CASES,
+    assert_close_rel,
+    forward_backward,
+    local_weights,
+    ring_with_plain_ffn,
+    routed_inputs,
+)
 
 # The calibration's constants a threshold test zeroes (all but the GEMMs and the all-to-all's host time).
 ZEROED = ("host_hop_us", "host_hop_expert_us", "host_chunk_us", "host_token_hop_us", "host_token_expert_us",
@@ -109,7 +116,7 @@ class AllToAllPath(DistributedTestCase):
 
     def test_the_all_to_all_path_matches_the_reference_for_every_routing_case_and_expert_function(self) -> None:
         self.init_pg()
-        for case in ROUTINGS:
+        for case in ROUTER_CASES:
             self.check_matches_a2a(case)
         for case in ("random", "one_expert", "uneven"):
             self.check_matches_a2a(case, ring=ring_with_plain_ffn)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from relay_compile import ring_moe_experts
 from relay_compile.runtime import specs
-from relay_compile.runtime.fn_identity import describe, identity_code
+from relay_compile.runtime.fn_identity import identify, identity_code
 from tests.test_ring_moe import assert_close_rel, local_weights, plain_ffn, routed_inputs
 
 
@@ -40,31 +40,31 @@ class Experts:
 
 class DescribeKeysByWhatAFunctionComputes(unittest.TestCase):
     def test_closures_over_equal_values_share_a_key_and_other_values_only_share_the_identity(self) -> None:
-        self.assertEqual(describe(scaled(2.0)), describe(scaled(2.0)))
-        key2, identity2 = describe(scaled(2.0))
-        key3, identity3 = describe(scaled(3.0))
+        self.assertEqual(identify(scaled(2.0)), identify(scaled(2.0)))
+        key2, identity2 = identify(scaled(2.0))
+        key3, identity3 = identify(scaled(3.0))
         self.assertNotEqual(key2, key3)
         self.assertEqual(identity2, identity3)
         self.assertIn("scaled.<locals>.<lambda>", identity2)
 
     def test_different_code_has_a_different_identity(self) -> None:
-        self.assertNotEqual(describe(plain_ffn)[1], describe(other_fn)[1])
-        self.assertNotEqual(describe(plain_ffn)[1], describe(scaled(1.0))[1])
+        self.assertNotEqual(identify(plain_ffn)[1], identify(other_fn)[1])
+        self.assertNotEqual(identify(plain_ffn)[1], identify(scaled(1.0))[1])
 
     def test_captured_objects_count_by_identity_in_the_key_and_not_at_all_in_the_identity(self) -> None:
         a, b = torch.ones(1), torch.ones(1)
-        self.assertEqual(describe(scaled(a)), describe(scaled(a)))
-        self.assertNotEqual(describe(scaled(a))[0], describe(scaled(b))[0])
-        self.assertEqual(describe(scaled(a))[1], describe(scaled(b))[1])
+        self.assertEqual(identify(scaled(a)), identify(scaled(a)))
+        self.assertNotEqual(identify(scaled(a))[0], identify(scaled(b))[0])
+        self.assertEqual(identify(scaled(a))[1], identify(scaled(b))[1])
 
     def test_bound_methods_and_partials_are_keyed_by_their_function_and_what_they_bind(self) -> None:
         e, f = Experts(2.0), Experts(2.0)
-        self.assertEqual(describe(e.forward), describe(e.forward))  # a new bound-method object per access
-        self.assertNotEqual(describe(e.forward)[0], describe(f.forward)[0])
-        self.assertEqual(describe(e.forward)[1], describe(f.forward)[1])
+        self.assertEqual(identify(e.forward), identify(e.forward))  # a new bound-method object per access
+        self.assertNotEqual(identify(e.forward)[0], identify(f.forward)[0])
+        self.assertEqual(identify(e.forward)[1], identify(f.forward)[1])
         p, q = functools.partial(other_fn, counts_NL=None), functools.partial(other_fn, counts_NL=None)
-        self.assertEqual(describe(p), describe(q))
-        self.assertNotEqual(describe(p)[0], describe(functools.partial(other_fn, counts_NL=1))[0])
+        self.assertEqual(identify(p), identify(q))
+        self.assertNotEqual(identify(p)[0], identify(functools.partial(other_fn, counts_NL=1))[0])
 
     def test_a_self_referencing_closure_is_described(self) -> None:
         def outer():
@@ -72,7 +72,7 @@ class DescribeKeysByWhatAFunctionComputes(unittest.TestCase):
                 return fn if x_SH is None else plain_ffn(x_SH, counts_NL, splits_N, weights)
             return fn
 
-        self.assertEqual(describe(outer()), describe(outer()))
+        self.assertEqual(identify(outer()), identify(outer()))
 
     def test_identity_codes_are_62_bit_and_the_same_in_every_process(self) -> None:
         # The first 8 bytes of sha256, not the salted hash() of a str (which differs per process).

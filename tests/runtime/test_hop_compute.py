@@ -26,7 +26,7 @@ from relay_compile.runtime.transport import RingGroup
 
 H, F = 8, 4  # fp32 rows of 32 bytes: 16-byte aligned, so ffn_expert_fn() picks torch._grouped_mm on CPU
 REL = 1e-5
-ROUTINGS = ("expert", "token")
+RING_ROUTINGS = ("expert", "token")
 # (dtype, use_grouped_mm): fp32 through torch._grouped_mm, fp64 through the loop over experts.
 NUMERICS = ((torch.float32, None), (torch.float64, False))
 
@@ -119,7 +119,7 @@ class HopComputeCase(unittest.TestCase):
         for dtype, grouped_mm in numerics:
             fn = (expert_fn_for or (lambda d, g: ffn_expert_fn(inp["activation"], g)))(dtype, grouped_mm)
             cfg = config(fn, num_experts, max_hop_rows, scores_before)
-            for routing in ROUTINGS:
+            for routing in RING_ROUTINGS:
                 args = step_inputs(inp, dtype)
                 before = [t.clone() for t in (*args[:3], *args[3], args[4])]
                 where = f"{label} {routing} {dtype} max_hop_rows={max_hop_rows}"
