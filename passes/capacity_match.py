@@ -4,18 +4,18 @@ The idiom (DeepSpeed ``sharded_moe.py``: ``top2gating`` + ``MOELayer``; names ar
 
     locations  = cumsum(one_hot(argmax(gates)), dim=0) - 1             # each token's slot in its expert's buffer
     mask       = one_hot(...) * (locations < C)                         # tokens over capacity C are dropped
-    combine_weights_SEC = gates * one_hot(location, C)                 # (S, E, C), 0 where not dispatched
-    dispatch_mask_SEC   = combine_weights_SEC.bool()
+    combine_weights_TEC = gates * one_hot(location, C)                 # (T, E, C), 0 where not dispatched
+    dispatch_mask_TEC   = combine_weights_TEC.bool()
     send_ECH   = einsum("sec,sm->ecm", dispatch_mask.type_as(x), x)     # every expert's capacity buffer (fairseq:
-                                                                        # mm(mask.permute(1, 2, 0).view(E*C, S), x))
+                                                                        # mm(mask.permute(1, 2, 0).view(E*C, T), x))
     recv       = wait(all_to_all_single(send, [E_l] * N, [E_l] * N))   # equal splits: (N, E_l, C, H) rows
     out        = F(recv, weights)                                       # the local experts on their buffers
     back       = wait(all_to_all_single(out, equal splits))             # (E, C, H): every expert's output
-    y_SH       = einsum("sec,ecm->sm", combine_weights, back)
+    y_TH       = einsum("sec,ecm->sm", combine_weights, back)
 
 Drop decisions are local (the masks are computed before the dispatch, from this rank's tokens), so the block is
-``y[s] = sum_e score[s, e] * F_e(x[s])`` over the pairs (s, e) that ``dispatch_mask`` keeps, with
-``score[s, e] = sum_c combine_weights[s, e, c]``: a ring over those (token, expert) pairs computes the same,
+``y[t] = sum_e score[t, e] * F_e(x[t])`` over the pairs (t, e) that ``dispatch_mask`` keeps, with
+``score[t, e] = sum_c combine_weights[t, e, c]``: a ring over those (token, expert) pairs computes the same,
 and its rewrite (``capacity_pairs``) derives the pairs from the two masks, which stay in the graph.
 
 Contract:
@@ -45,14 +45,14 @@ Pseudo-code:
     #         equal-split buffer, to refuse it by name).
     # Step 2: the combine partner: the closest token all-to-all downstream whose result, through views,
     #         feeds an einsum("sec,ecm->sm") as its (E, C, H) operand.
-    # Step 3: the masks: the dispatch operand peels to a boolean (S, E, C) tensor; combine weights (S, E, C)
+    # Step 3: the masks: the dispatch operand peels to a boolean (T, E, C) tensor; combine weights (T, E, C)
     #         floating; slots from a cumsum over tokens; K from the gate's argmax / topk.
     # Step 4: equal static splits, E = N * E_l, C constant.
     # Step 5: F = backward slice from the combine input down to the receive and the weights; copy it;
     #         recognize it as an FFN of experts (from its graph; the rewrite proves the lowering).
     # Step 6: what dies once the output is replaced; refuse if an all-to-all would survive.
 
-Legend: S tokens, H hidden, E experts, E_l experts per rank, N ranks, C capacity, K the gate's top-k.
+Legend: T tokens (the einsums' s), H hidden, E experts, E_l experts per rank, N ranks, C capacity, K the gate's top-k.
 """
 
 from __future__ import annotations
@@ -119,10 +119,10 @@ class CapacityRegion:
     combine: fx.Node  # the reverse all_to_all_single
     recv: fx.Node  # end of the dispatch's wait chain: F's input
     back: fx.Node  # end of the combine's wait chain
-    x: fx.Node  # tokens (S, H): the einsum's "sm" operand
-    dispatch_mask: fx.Node  # (S, E, C) boolean: the pairs kept (pinned: the rewrite reads it)
-    combine_weights: fx.Node  # (S, E, C) the combine einsum's operand (pinned: the rewrite reads it)
-    output: fx.Node  # y (S, H): the combine einsum
+    x: fx.Node  # tokens (T, H): the einsum's "sm" operand
+    dispatch_mask: fx.Node  # (T, E, C) boolean: the pairs kept (pinned: the rewrite reads it)
+    combine_weights: fx.Node  # (T, E, C) the combine einsum's operand (pinned: the rewrite reads it)
+    output: fx.Node  # y (T, H): the combine einsum
     weights: tuple[fx.Node, ...]
     expert_fn: fx.GraphModule  # F: recv, weights -> the combine's input
     binding: ExpertFnBinding
@@ -223,7 +223,7 @@ def _mm_operands(n: object) -> tuple[fx.Node, fx.Node] | None:
 
 
 def _dispatch_mm(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """``(mask operand, x)`` of fairseq's ``mm(mask.to(x.dtype).permute(1, 2, 0).reshape(E * C, S), x)``."""
+    """``(mask operand, x)`` of fairseq's ``mm(mask.to(x.dtype).permute(1, 2, 0).reshape(E * C, T), x)``."""
     operands = _mm_operands(n)
     if operands is None:
         return None
@@ -238,8 +238,8 @@ def _dispatch_mm(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 def _combine_mm(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """``(combine weights (S, E, C), expert output view)`` of fairseq's
-    ``combine_weights.view(S, E * C).mm(expert_output.view(E * C, M))``."""
+    """``(combine weights (T, E, C), expert output view)`` of fairseq's
+    ``combine_weights.view(T, E * C).mm(expert_output.view(E * C, M))``."""
     operands = _mm_operands(n)
     if operands is None:
         return None
@@ -302,7 +302,7 @@ def _combine_side(dispatch: fx.Node, combine: fx.Node) -> tuple[fx.Node, fx.Node
 
 
 def _bool_mask(dispatch: fx.Node, operand: fx.Node) -> fx.Node:
-    """Step 3: the boolean ``(S, E, C)`` tensor the dispatch operand casts (the kept pairs)."""
+    """Step 3: the boolean ``(T, E, C)`` tensor the dispatch operand casts (the kept pairs)."""
     mask = peel(operand, CAST_METHODS)
     if isinstance(mask, fx.Node) and mask.op == "placeholder":
         raise Refusal(dispatch, f"the dispatch mask {mask.name} is an input of this graph: the gate is in another "
