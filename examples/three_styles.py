@@ -2,7 +2,7 @@
 
     python examples/three_styles.py                       # world 4, all three styles (~3-5 min on 2 cores)
     python examples/three_styles.py --world 2 --styles reference --steps 2 --tiny
-    python examples/three_styles.py --styles deepspeed,fairseq,gshard  # capacity-based dispatch (README)
+    python examples/three_styles.py --styles deepspeed,fairseq,gshard  # capacity-based dispatch (docs/USAGE.md)
 
 Styles: the project's reference layer (``relay_compile.reference.AllToAllMoE``), the Megatron-style layer
 (``tests.models.megatron_style``: all_gather counts, ModuleList experts, index_add_) and torchtitan 0.3.0's

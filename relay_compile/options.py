@@ -30,7 +30,7 @@ from relay_compile.runtime.ring_options import ChunkGraphs, InvalidRingOption, M
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
 _BACKEND_FIELDS = ("inner_compiler", "dump_dir", "verify", "activation_memory_budget")
-# Every option name, in the order the README lists them.
+# Every option name, in the order docs/USAGE.md lists them.
 OPTION_NAMES = (*_RING_FIELDS, *_BACKEND_FIELDS)
 
 
