@@ -15,7 +15,7 @@ When any step fails, F is compiled by the backend's inner compiler (``runtime.co
 vjp per hop), proven on the same probe inputs; when that fails too (or the inner compiler is ``"eager"``), F runs
 eagerly per hop (``RegionExpertFn``), and ``ExpertsPath.reason`` says why.
 
-Legend: S rows, H hidden, F expert FFN width, N ranks, E_l experts per rank, G = 2F.
+Legend (docs/ARCHITECTURE.md): S rows, H hidden, F expert FFN width, N ranks, E_l experts per rank, U = 2F.
 """
 
 from __future__ import annotations

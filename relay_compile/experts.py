@@ -20,7 +20,8 @@ points that take the rows' grouped-GEMM offsets (precomputed per step) and weigh
 range of experts. The hop loop then calls those directly, with no per-call counts arithmetic, and a bounded
 chunk computes (and differentiates) only the experts it holds. ``ffn_expert_fn`` returns one.
 
-Legend: S rows of a segment, H hidden, F expert FFN width, N ranks in the EP group, E_l experts per rank.
+Legend (docs/ARCHITECTURE.md): S rows of a segment, H hidden, F expert FFN width, U = 2F (gate and up
+stacked), G experts of a chunk, N ranks in the EP group, E_l (L) experts per rank.
 """
 
 from __future__ import annotations
@@ -165,17 +166,17 @@ def expert_ffn_swiglu_vjp(
         ``dx (S, H)``, ``d_score (S,)`` fp32, ``[dw1, dw2, dw3]`` like the weights.
     """
     offsets_L, counts_host = offsets_or_counts(x_SH, counts_L, use_grouped_mm, w1_LFH, w2_LHF)
-    w13_LGH = torch.cat([w1_LFH, w3_LFH], dim=1)
-    dx_SH, d_score_S, (dw13, dw2) = _swiglu_vjp(x_SH, offsets_L, counts_host, w13_LGH, w2_LHF, dy_SH, score_S)
+    w13_LUH = torch.cat([w1_LFH, w3_LFH], dim=1)
+    dx_SH, d_score_S, (dw13, dw2) = _swiglu_vjp(x_SH, offsets_L, counts_host, w13_LUH, w2_LHF, dy_SH, score_S)
     dw1, dw3 = _split_w13(dw13, w2_LHF.shape[-1])
     return dx_SH, d_score_S, [dw1, dw2, dw3]
 
 
-def _split_w13(w13_LGH: Tensor, ffn: int) -> list[Tensor]:
+def _split_w13(w13_LUH: Tensor, ffn: int) -> list[Tensor]:
     """``[w1, w3]`` of a stacked ``w13``, as copies: with one expert the halves are contiguous views, and
     results must not alias each other (custom-op outputs)."""
-    return [w13_LGH[:, :ffn].clone(memory_format=torch.contiguous_format),
-            w13_LGH[:, ffn:].clone(memory_format=torch.contiguous_format)]
+    return [w13_LUH[:, :ffn].clone(memory_format=torch.contiguous_format),
+            w13_LUH[:, ffn:].clone(memory_format=torch.contiguous_format)]
 
 
 def _recompute(
@@ -192,7 +193,7 @@ def _recompute(
 
 
 def _swiglu_vjp(
-    x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
+    x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LUH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
     rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
     d_score_out: Tensor | None = None,
@@ -209,21 +210,21 @@ def _swiglu_vjp(
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
-    dy_SH, g_SF, x_SH, h13_SG = _recompute(x_TH, dy_TH, tok_S, w13_LGH, w2_LHF, offsets_L, counts_host, b)
-    d_score_S = swiglu_backward_(h13_SG, g_SF, score_S, d_score_out)
+    dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b)
+    d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
         d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
-    act_scaled_SF, dh13_SG = g_SF, h13_SG
+    act_scaled_SF, dh13_SU = g_SF, h13_SU
     into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
     into13, into2, *into_b = into if into is not None else (None, None, None, None)
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
     dw2 = grouped_weight_grad(dy_SH, act_scaled_SF, offsets_L, wgrad_rows, grad_dtype, into2)
     del act_scaled_SF, g_SF
-    db = b.grads(dh13_SG, dy_SH, score_S, grad_dtype, into_b)
+    db = b.grads(dh13_SU, dy_SH, score_S, grad_dtype, into_b)
     del dy_SH
-    dw13 = grouped_weight_grad(dh13_SG, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
+    dw13 = grouped_weight_grad(dh13_SU, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
     del x_SH
-    dx_SH = grouped_matmul(dh13_SG, w13_LGH, offsets_L, counts_host)
+    dx_SH = grouped_matmul(dh13_SU, w13_LUH, offsets_L, counts_host)
     return dx_SH, d_score_S, [] if into is not None else [dw13, dw2, *db]
 
 
@@ -321,15 +322,15 @@ def _ffn(
 
 
 def _gated_packed(
-    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LGH: Tensor, w2_LHF: Tensor,
+    x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LUH: Tensor, w2_LHF: Tensor,
     activation: str, biases: _Biases | None = None,
 ) -> Tensor:
     """Gated experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3`` (their biases
     ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them)."""
     b = biases or _Biases()
     ffn = w2_LHF.shape[-1]
-    h13_SG = add_bias(grouped_linear(x_SH, w13_LGH, offsets_L, counts_host), b.first, b.expert_S)
-    h_SF = activation_fn(activation)(h13_SG[:, :ffn]) * h13_SG[:, ffn:]
+    h13_SU = add_bias(grouped_linear(x_SH, w13_LUH, offsets_L, counts_host), b.first, b.expert_S)
+    h_SF = activation_fn(activation)(h13_SU[:, :ffn]) * h13_SU[:, ffn:]
     return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
 
 

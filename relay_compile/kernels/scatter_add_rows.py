@@ -8,7 +8,7 @@ needs one dtype, so eager code widens the rows first: a copy of the rows in fp32
 CUDA one Triton program per (row, column block) loads the row in its own dtype, scales it in registers and
 adds it with fp32 atomics: one pass over the rows, no widened copy. Elsewhere (CPU tests, CI) ``reference``
 widens ``WIDENED_ROWS`` rows at a time, so no widened copy of a whole hop exists either. Same result up to the
-order of the fp32 additions. Legend: T tokens, C rows, H hidden.
+order of the fp32 additions. Legend (docs/ARCHITECTURE.md): T tokens, S rows, H hidden.
 """
 
 from __future__ import annotations
@@ -23,56 +23,56 @@ from torch import Tensor
 WIDENED_ROWS = 8192
 
 
-def _index_add_split_(sum_TH: Tensor, tail_TH: Tensor | None, tok_C: Tensor, rows_CH: Tensor) -> None:
+def _index_add_split_(sum_TH: Tensor, tail_TH: Tensor | None, tok_S: Tensor, rows_SH: Tensor) -> None:
     """``index_add_`` into a sum whose rows from ``len(sum_TH)`` on live in ``tail_TH``.
 
     Each block gets the rows of the other block as zeros (filled, not multiplied: an inf row stays out of the
     other block); no boolean indexing, so no device-to-host sync on CUDA.
     """
     if tail_TH is None:
-        sum_TH.index_add_(0, tok_C, rows_CH)
+        sum_TH.index_add_(0, tok_S, rows_SH)
         return
     split = sum_TH.shape[0]
-    in_tail = (tok_C >= split)[:, None]
-    sum_TH.index_add_(0, tok_C.clamp(max=split - 1), rows_CH.masked_fill(in_tail, 0))
-    tail_TH.index_add_(0, (tok_C - split).clamp(min=0), rows_CH.masked_fill(~in_tail, 0))
+    in_tail = (tok_S >= split)[:, None]
+    sum_TH.index_add_(0, tok_S.clamp(max=split - 1), rows_SH.masked_fill(in_tail, 0))
+    tail_TH.index_add_(0, (tok_S - split).clamp(min=0), rows_SH.masked_fill(~in_tail, 0))
 
 
 def reference(
-    sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None, *, tail_TH: Tensor | None = None
+    sum_TH: Tensor, tok_S: Tensor, rows_SH: Tensor, scale_S1: Tensor | None = None, *, tail_TH: Tensor | None = None
 ) -> None:
     """Eager, a block of rows at a time; the definition the kernel is tested against."""
-    for a in range(0, rows_CH.shape[0], WIDENED_ROWS):
-        block = rows_CH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
-        if scale_C1 is not None:
-            block.mul_(scale_C1[a : a + WIDENED_ROWS])
-        _index_add_split_(sum_TH, tail_TH, tok_C[a : a + WIDENED_ROWS], block)
+    for a in range(0, rows_SH.shape[0], WIDENED_ROWS):
+        block = rows_SH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
+        if scale_S1 is not None:
+            block.mul_(scale_S1[a : a + WIDENED_ROWS])
+        _index_add_split_(sum_TH, tail_TH, tok_S[a : a + WIDENED_ROWS], block)
 
 
 def scatter_add_rows_(
-    sum_TH: Tensor, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None, *, tail_TH: Tensor | None = None
+    sum_TH: Tensor, tok_S: Tensor, rows_SH: Tensor, scale_S1: Tensor | None = None, *, tail_TH: Tensor | None = None
 ) -> None:
     """``sum[tok[c]] += scale[c] * rows[c]`` in place, in ``sum``'s dtype (``scale`` None: 1).
 
     ``tail_TH``: the sum's rows from ``len(sum_TH)`` on, where it is stored in two blocks (same dtype and width).
     """
-    if rows_CH.dtype == sum_TH.dtype:
-        _index_add_split_(sum_TH, tail_TH, tok_C, rows_CH if scale_C1 is None else rows_CH * scale_C1)
+    if rows_SH.dtype == sum_TH.dtype:
+        _index_add_split_(sum_TH, tail_TH, tok_S, rows_SH if scale_S1 is None else rows_SH * scale_S1)
         return
-    kernel = _triton_kernel() if _kernel_applies(sum_TH, tail_TH, tok_C, rows_CH, scale_C1) else None
+    kernel = _triton_kernel() if _kernel_applies(sum_TH, tail_TH, tok_S, rows_SH, scale_S1) else None
     if kernel is None:
-        reference(sum_TH, tok_C, rows_CH, scale_C1, tail_TH=tail_TH)
+        reference(sum_TH, tok_S, rows_SH, scale_S1, tail_TH=tail_TH)
         return
-    rows, hidden = rows_CH.shape
+    rows, hidden = rows_SH.shape
     if rows:
-        scale = scale_C1 if scale_C1 is not None else rows_CH  # any pointer: HAS_SCALE=False never reads it
+        scale = scale_S1 if scale_S1 is not None else rows_SH  # any pointer: HAS_SCALE=False never reads it
         split = sum_TH.shape[0]
         # The tail addressed from the sum's pointer (an element offset between the two allocations, which are
         # both aligned to the element size): one pointer argument, no pointer select in the kernel.
         tail_offset = 0 if tail_TH is None else (tail_TH.data_ptr() - sum_TH.data_ptr()) // sum_TH.element_size()
         grid = (rows, -(-hidden // _BLOCK_H))
-        kernel[grid](sum_TH, tok_C, rows_CH, scale, hidden, sum_TH.stride(0), rows_CH.stride(0), split, tail_offset,
-                     HAS_SCALE=scale_C1 is not None, BLOCK_H=_BLOCK_H, num_warps=4)
+        kernel[grid](sum_TH, tok_S, rows_SH, scale, hidden, sum_TH.stride(0), rows_SH.stride(0), split, tail_offset,
+                     HAS_SCALE=scale_S1 is not None, BLOCK_H=_BLOCK_H, num_warps=4)
 
 
 # Columns per program: H=2048 (Qwen3) is two programs per row; 1024 bf16 = 2 KiB per load.
@@ -80,16 +80,16 @@ _BLOCK_H = 1024
 
 
 def _kernel_applies(
-    sum_TH: Tensor, tail_TH: Tensor | None, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None
+    sum_TH: Tensor, tail_TH: Tensor | None, tok_S: Tensor, rows_SH: Tensor, scale_S1: Tensor | None
 ) -> bool:
     """CUDA, an fp32 sum (and tail) of one row stride, unit column strides, outside of tracing (a traced graph
     takes the eager form)."""
-    tensors = [t for t in (sum_TH, tok_C, rows_CH, scale_C1, tail_TH) if t is not None]
+    tensors = [t for t in (sum_TH, tok_S, rows_SH, scale_S1, tail_TH) if t is not None]
     return (
         sum_TH.dtype == torch.float32 and all(t.is_cuda for t in tensors) and sum_TH.stride(-1) == 1
         and (tail_TH is None or (tail_TH.dtype == sum_TH.dtype and tail_TH.stride() == sum_TH.stride()))
-        and rows_CH.stride(-1) == 1 and tok_C.is_contiguous()
-        and (scale_C1 is None or scale_C1.numel() == rows_CH.shape[0])
+        and rows_SH.stride(-1) == 1 and tok_S.is_contiguous()
+        and (scale_S1 is None or scale_S1.numel() == rows_SH.shape[0])
         and not torch.compiler.is_compiling()
     )
 

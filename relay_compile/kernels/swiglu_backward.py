@@ -10,7 +10,8 @@ From ``h13 = [x @ w1, x @ w3]`` ``(S, 2F)`` and ``g = dy @ w2`` ``(S, F)`` (unsc
 In place because these are the largest buffers of a backward hop: writing the results over the inputs keeps
 a hop's transient memory at ``h13 + g`` where separate outputs would double it. On CUDA one Triton program
 per row streams the row through registers (``_kernel``); elsewhere (CPU tests, CI) ``reference`` computes the
-same in eager ops, a block of rows at a time, and copies back. Legend: S rows, F expert FFN width, G = 2F.
+same in eager ops, a block of rows at a time, and copies back. Legend: S rows, F expert FFN width, U = 2F
+(gate and up stacked).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 from torch import Tensor
 
 
-def reference(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def reference(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Out of place, eager: ``(score * act, dh1, dh3, d_score)``; the definition the kernel is tested against."""
     ffn = g_SF.shape[-1]
-    h1, h3, g = h13_SG[:, :ffn].float(), h13_SG[:, ffn:].float(), g_SF.float()
+    h1, h3, g = h13_SU[:, :ffn].float(), h13_SU[:, ffn:].float(), g_SF.float()
     sig = torch.sigmoid(h1)
     silu = h1 * sig
     act = silu * h3
@@ -34,11 +35,11 @@ def reference(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> tuple[Tensor, Te
     g = g * score
     dh3 = g * silu
     dh1 = g * h3 * (sig * (1 + h1 * (1 - sig)))
-    out = h13_SG.dtype
+    out = h13_SU.dtype
     return (act * score).to(out), dh1.to(out), dh3.to(out), d_score_S
 
 
-def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor, d_score_out: Tensor | None = None) -> Tensor:
+def swiglu_backward_(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor, d_score_out: Tensor | None = None) -> Tensor:
     """In place (see the module docstring): ``h13`` becomes ``[dh1, dh3]``, ``g`` becomes ``score * act``.
 
     ``d_score_out``: an fp32 ``(S,)`` tensor (a slice of the ring's per-pair score gradients) to write
@@ -47,25 +48,25 @@ def swiglu_backward_(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor, d_score_out:
     Returns:
         ``d_score (S,)`` fp32 (``d_score_out`` where given).
     """
-    assert h13_SG.shape[-1] == 2 * g_SF.shape[-1] and h13_SG.shape[0] == g_SF.shape[0] == score_S.shape[0]
+    assert h13_SU.shape[-1] == 2 * g_SF.shape[-1] and h13_SU.shape[0] == g_SF.shape[0] == score_S.shape[0]
     assert d_score_out is None or (d_score_out.shape == score_S.shape and d_score_out.dtype == torch.float32
                                    and d_score_out.is_contiguous()), "swiglu_backward_: d_score_out is (S,) fp32"
-    kernel = _triton_kernel() if _eager_cuda(h13_SG, g_SF, score_S) else None
+    kernel = _triton_kernel() if _eager_cuda(h13_SU, g_SF, score_S) else None
     if kernel is None:
-        if torch.compiler.is_compiling() or not isinstance(h13_SG.shape[0], int):
-            d_score_S = _reference_in_place(h13_SG, g_SF, score_S)  # a traced graph: one block of any size
+        if torch.compiler.is_compiling() or not isinstance(h13_SU.shape[0], int):
+            d_score_S = _reference_in_place(h13_SU, g_SF, score_S)  # a traced graph: one block of any size
             return d_score_S if d_score_out is None else d_score_out.copy_(d_score_S)
         # Blocks of rows (each row is independent): the eager form's fp32 temporaries, about ten (rows, F)
         # buffers, would otherwise outweigh the in-place buffers themselves.
         d_score_S = _d_score_buffer(g_SF, d_score_out)
-        for lo in range(0, h13_SG.shape[0], _EAGER_BLOCK_ROWS):
+        for lo in range(0, h13_SU.shape[0], _EAGER_BLOCK_ROWS):
             hi = lo + _EAGER_BLOCK_ROWS
-            d_score_S[lo:hi] = _reference_in_place(h13_SG[lo:hi], g_SF[lo:hi], score_S[lo:hi])
+            d_score_S[lo:hi] = _reference_in_place(h13_SU[lo:hi], g_SF[lo:hi], score_S[lo:hi])
         return d_score_S
     rows, ffn = g_SF.shape
     d_score_S = _d_score_buffer(g_SF, d_score_out)
     if rows:
-        kernel[(rows,)](h13_SG, g_SF, score_S, d_score_S, ffn, h13_SG.stride(0), g_SF.stride(0),
+        kernel[(rows,)](h13_SU, g_SF, score_S, d_score_S, ffn, h13_SU.stride(0), g_SF.stride(0),
                         BLOCK_F=_BLOCK_F, num_warps=4)
     return d_score_S
 
@@ -74,13 +75,13 @@ def _d_score_buffer(g_SF: Tensor, d_score_out: Tensor | None) -> Tensor:
     return torch.empty(g_SF.shape[0], dtype=torch.float32, device=g_SF.device) if d_score_out is None else d_score_out
 
 
-def _reference_in_place(h13_SG: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
+def _reference_in_place(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
     """``reference`` written back over its inputs; returns ``d_score``."""
-    act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SG, g_SF, score_S)
+    act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SU, g_SF, score_S)
     ffn = g_SF.shape[-1]
     g_SF.copy_(act_scaled_SF)
-    h13_SG[:, :ffn].copy_(dh1_SF)
-    h13_SG[:, ffn:].copy_(dh3_SF)
+    h13_SU[:, :ffn].copy_(dh1_SF)
+    h13_SU[:, ffn:].copy_(dh3_SF)
     return d_score_S
 
 

@@ -34,7 +34,7 @@ partials added into the sums instead of fp32 GEMMs into them, the padding rows: 
 holds about one chunk's working set per layout between steps (the arena and its pool, ``held_bytes()``; the
 benchmarks add it to the ring's peak; ``clear()`` drops it). Hence opt-in (``RingOptions.chunk_graphs``).
 
-Legend: P sorted pairs of a step, Q padded rows of a step, G experts of a chunk, C padded rows of a chunk,
+Legend: P sorted pairs of a step, Q padded rows of a step, G experts of a chunk, S padded rows of a chunk,
 H hidden.
 """
 
@@ -191,7 +191,7 @@ Body = Callable[["_Program"], None]
 
 
 class _Program:
-    """One pass's chunk body at one shape (C rows on G experts): reads and writes its arena's prefixes. Run
+    """One pass's chunk body at one shape (S rows on G experts): reads and writes its arena's prefixes. Run
     eagerly once, then (on CUDA) captured, and replayed from then on."""
 
     def __init__(self, arena: _Arena, groups: int, rows: int, body: Body, owner: object, backward: bool) -> None:
@@ -308,12 +308,12 @@ def _layout(x_TH: Tensor, score: Tensor, weights: Sequence[Tensor]) -> _Layout:
 
 def _fill(prog: _Program, padded: PaddedChunks, pc: PaddedChunk, x_TH: Tensor, weights: Sequence[Tensor]) -> Tensor:
     """The chunk's rows, offsets and weights into the program's buffers (one op each); the rows' tokens."""
-    tok_C = padded.tok_Q[pc.start : pc.end]
-    torch.index_select(x_TH, 0, tok_C, out=prog.x_QH)
+    tok_S = padded.tok_Q[pc.start : pc.end]
+    torch.index_select(x_TH, 0, tok_S, out=prog.x_QH)
     prog.offsets_G.copy_(padded.offsets[pc.offsets_at : pc.offsets_at + pc.groups])
     for static, w in zip(prog.weights, weights, strict=True):
         static.copy_(w)
-    return tok_C
+    return tok_S
 
 
 # The grouping is the device offsets alone (no host row counts): the program holds for any rows per expert.
@@ -325,16 +325,16 @@ def forward(
     add_rows: Callable[[Tensor, Tensor, Tensor], None],
 ) -> None:
     """One padded chunk's forward: ``add_rows(tok, F(x[tok]), score)`` (the caller's scaled scatter into ``y``)."""
-    score_C = padded.score_Q[pc.start : pc.end]
-    layout = _layout(x_TH, score_C, weights)
+    score_S = padded.score_Q[pc.start : pc.end]
+    layout = _layout(x_TH, score_S, weights)
 
     def body(p: _Program) -> None:
         p.out_QH.copy_(fn.forward_rows(p.x_QH, p.offsets_G, _NO_HOST_ROWS, p.weights))
 
     prog = _CACHE.program(("forward", id(fn), layout, pc.groups, pc.rows), layout, pc.groups, pc.rows, body, fn)
-    tok_C = _fill(prog, padded, pc, x_TH, weights)
+    tok_S = _fill(prog, padded, pc, x_TH, weights)
     prog.run()
-    add_rows(tok_C, prog.out_QH, score_C[:, None])
+    add_rows(tok_S, prog.out_QH, score_S[:, None])
 
 
 def backward(
@@ -347,20 +347,20 @@ def backward(
     the next chunk): the caller scatters ``dx``, keeps the first ``pc.real`` score gradients (those of the sorted
     pairs ``[pc.first, pc.first + pc.real)``) and adds the weight gradients, in the weights' dtype, into its sums.
     """
-    score_C = padded.score_Q[pc.start : pc.end]
-    layout = _layout(x_TH, score_C, weights)
+    score_S = padded.score_Q[pc.start : pc.end]
+    layout = _layout(x_TH, score_S, weights)
 
     def body(p: _Program) -> None:
-        dx_CH, _, dws = fn.vjp_rows(p.x_QH, None, p.offsets_G, _NO_HOST_ROWS, p.weights, p.dy_QH, p.score_Q,
+        dx_SH, _, dws = fn.vjp_rows(p.x_QH, None, p.offsets_G, _NO_HOST_ROWS, p.weights, p.dy_QH, p.score_Q,
                                     d_score_out=p.ds_Q)
-        p.out_QH.copy_(dx_CH)
+        p.out_QH.copy_(dx_SH)
         for static, g in zip(p.dws, dws, strict=True):
             static.copy_(g)
 
     prog = _CACHE.program(("backward", id(fn), layout, pc.groups, pc.rows), layout, pc.groups, pc.rows, body, fn,
                           backward=True)
-    tok_C = _fill(prog, padded, pc, x_TH, weights)
-    torch.index_select(dy_TH, 0, tok_C, out=prog.dy_QH)
-    prog.score_Q.copy_(score_C)
+    tok_S = _fill(prog, padded, pc, x_TH, weights)
+    torch.index_select(dy_TH, 0, tok_S, out=prog.dy_QH)
+    prog.score_Q.copy_(score_S)
     prog.run()
-    return tok_C, prog.out_QH, prog.ds_Q, prog.dws
+    return tok_S, prog.out_QH, prog.ds_Q, prog.dws

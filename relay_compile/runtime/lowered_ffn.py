@@ -8,7 +8,7 @@ copy otherwise), circulate packed, run as grouped GEMMs per chunk with the fused
 applies, and their gradients are unpacked to the region's layout at the end of the step. What makes one and
 proves it against F is the passes' (``passes.expert_lowering``); this is what runs in every hop.
 
-Legend: S rows, H hidden, F expert FFN width, N ranks, E_l experts per rank, G = 2F.
+Legend (docs/ARCHITECTURE.md): S rows, H hidden, F expert FFN width, N ranks, E_l experts per rank, U = 2F.
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ class RingOptions:
     - ``overlap``: post each hop's transfer before its compute (False: the sequential ring).
     - ``remat``: backward hops recompute and release their activations (False: replay the block first).
     - ``max_hop_rows``: rows of one expert call; hops with more pairs run in chunks (None: whole hops;
-      ``"auto"``: ``hop_row_bound``, ``1 / AUTO_HOP_ROWS_FRACTION`` of the rank's tokens and at least ``AUTO_MIN_HOP_ROWS`` rows). A per-rank
-      memory knob: nothing that travels depends on it.
+      ``"auto"``: ``hop_row_bound``, ``1 / AUTO_HOP_ROWS_FRACTION`` of the rank's tokens, at least
+      ``AUTO_MIN_HOP_ROWS`` rows). A per-rank memory knob: nothing that travels depends on it.
     - ``chunk_graphs``: a hop's chunks run at bucketed row counts as CUDA graphs captured once and replayed
       (``runtime.chunk_graphs``): less host work per hop, for about one chunk's working set held between steps
       and a few percent more GPU work; ``"auto"``: on CUDA; True off CUDA runs the same static-shape path

@@ -14,7 +14,7 @@ was read already. A copy of rows ``[a, b)`` reads bytes ``[4 a H, 4 b H)`` and w
 never overlaps itself when ``b <= 2 a``: after a first block narrowed through a small temporary, the blocks
 double (about ``log2(T / NARROW_FIRST)`` copies).
 
-Legend: T tokens, H hidden, C rows of a chunk.
+Legend (docs/ARCHITECTURE.md): T tokens, H hidden, S rows of a chunk.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class RowSum:
     def dtype(self) -> torch.dtype:
         return self.head_TH.dtype
 
-    def add_(self, tok_C: Tensor, rows_CH: Tensor, scale_C1: Tensor | None = None) -> None:
+    def add_(self, tok_S: Tensor, rows_SH: Tensor, scale_S1: Tensor | None = None) -> None:
         """``sum[tok[c]] += scale[c] * rows[c]`` (``kernels.scatter_add_rows``)."""
-        scatter_add_rows_(self.head_TH, tok_C, rows_CH, scale_C1, tail_TH=self.tail_TH)
+        scatter_add_rows_(self.head_TH, tok_S, rows_SH, scale_S1, tail_TH=self.tail_TH)
 
     def finish(self, dtype: torch.dtype) -> Tensor:
         """The sum in ``dtype``; a two-block sum is narrowed in place and must not be added into afterwards."""

@@ -24,7 +24,8 @@ On CUDA, expert routing's backward chunks of near-equal experts run padded to eq
 Opt-in (``chunk_graphs``): expert routing's chunks run padded to bucketed row counts through static-shape
 programs, replayed as CUDA graphs (``runtime.chunk_graphs``; ``HopRows.padded`` says which).
 
-Legend: T tokens, H hidden, K top-k, C rows of a chunk, N ranks, E experts, E_l = E / N.
+Legend (docs/ARCHITECTURE.md): T tokens, H hidden, K top-k, S sorted rows (a hop's, or a chunk's), N ranks, E
+experts, E_l = E / N.
 """
 
 from __future__ import annotations
@@ -135,13 +136,13 @@ def _chunk_weights(cfg: RingStepConfig, weights: Sequence[Tensor], chunk: Chunk)
 
 
 def _expert_forward(
-    cfg: RingStepConfig, chunk: Chunk, src: int, x_CH: Tensor, chunk_weights: Sequence[Tensor]
+    cfg: RingStepConfig, chunk: Chunk, src: int, x_SH: Tensor, chunk_weights: Sequence[Tensor]
 ) -> Tensor:
     """``F`` on one chunk: the grouped entry point, or the ``ExpertFn`` contract."""
     grouped = cfg.grouped
     if grouped is not None:
-        return grouped.forward_rows(x_CH, chunk.offsets_G, chunk.rows, chunk_weights)
-    return cfg.expert_fn(x_CH, _counts_NL(cfg, chunk, src), _splits_N(cfg, chunk, src), chunk_weights)
+        return grouped.forward_rows(x_SH, chunk.offsets_G, chunk.rows, chunk_weights)
+    return cfg.expert_fn(x_SH, _counts_NL(cfg, chunk, src), _splits_N(cfg, chunk, src), chunk_weights)
 
 
 def _counts_NL(cfg: RingStepConfig, chunk: Chunk, src: int) -> Tensor:
@@ -157,21 +158,21 @@ def _splits_N(cfg: RingStepConfig, chunk: Chunk, src: int) -> list[int]:
     return splits_N
 
 
-def _scaled_rows(x_CH: Tensor, score_C1: Tensor) -> Tensor:
+def _scaled_rows(x_SH: Tensor, score_S1: Tensor) -> Tensor:
     """``s * x`` per row, as F sees it when scores come first: in fp32, cast back (torchtitan's
     ``score_before_experts``; exact for fp32)."""
-    return (x_CH.to(ACC_DTYPE) * score_C1.to(ACC_DTYPE)).to(x_CH.dtype)
+    return (x_SH.to(ACC_DTYPE) * score_S1.to(ACC_DTYPE)).to(x_SH.dtype)
 
 
-def _gathered_scaled_rows(x_TH: Tensor, tok_C: Tensor, score_C1: Tensor) -> Tensor:
-    """``_scaled_rows(x[tok], s)`` without a second ``(C, H)`` buffer: the gather is scaled in place (the product
+def _gathered_scaled_rows(x_TH: Tensor, tok_S: Tensor, score_S1: Tensor) -> Tensor:
+    """``_scaled_rows(x[tok], s)`` without a second ``(S, H)`` buffer: the gather is scaled in place (the product
     is computed in fp32 and rounded once into the rows' dtype, as ``_scaled_rows`` rounds it)."""
-    return x_TH[tok_C].mul_(score_C1.to(ACC_DTYPE))
+    return x_TH[tok_S].mul_(score_S1.to(ACC_DTYPE))
 
 
-def _row_dot(a_CH: Tensor, b_CH: Tensor) -> Tensor:
-    """``<a[c], b[c]>`` per row in fp32, ``(C,)``, without an elementwise ``(C, H)`` product."""
-    return torch.bmm(a_CH.to(ACC_DTYPE).unsqueeze(1), b_CH.to(ACC_DTYPE).unsqueeze(2)).view(-1)
+def _row_dot(a_SH: Tensor, b_SH: Tensor) -> Tensor:
+    """``<a[c], b[c]>`` per row in fp32, ``(S,)``, without an elementwise ``(S, H)`` product."""
+    return torch.bmm(a_SH.to(ACC_DTYPE).unsqueeze(1), b_SH.to(ACC_DTYPE).unsqueeze(2)).view(-1)
 
 
 def segment_forward(
@@ -185,17 +186,17 @@ def segment_forward(
             assert cfg.grouped is not None and rows.padded is not None
             chunk_graphs.forward(cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), y.add_)
             continue
-        tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
-        score_C1 = rows.scores_S[chunk.start : chunk.end, None]
-        x_CH = _gathered_scaled_rows(x_TH, tok_C, score_C1) if cfg.scores_before else x_TH[tok_C]
-        out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, _chunk_weights(cfg, weights, chunk))
+        tok_S = rows.routing.tokens_P[chunk.start : chunk.end]
+        score_S1 = rows.scores_S[chunk.start : chunk.end, None]
+        x_SH = _gathered_scaled_rows(x_TH, tok_S, score_S1) if cfg.scores_before else x_TH[tok_S]
+        out_SH = _expert_forward(cfg, chunk, rows.src, x_SH, _chunk_weights(cfg, weights, chunk))
         if cfg.scores_before:
-            y.add_(tok_C, out_CH)
-        elif cfg.grouped is not None and out_CH.dtype == y.dtype:
-            out_CH.mul_(score_C1)  # our own expert function's fresh output: scale it in place
-            y.add_(tok_C, out_CH)
+            y.add_(tok_S, out_SH)
+        elif cfg.grouped is not None and out_SH.dtype == y.dtype:
+            out_SH.mul_(score_S1)  # our own expert function's fresh output: scale it in place
+            y.add_(tok_S, out_SH)
         else:
-            y.add_(tok_C, out_CH, score_C1)
+            y.add_(tok_S, out_SH, score_S1)
 
 
 @contextlib.contextmanager
@@ -217,21 +218,21 @@ def _autograd_enabled() -> Iterator[None]:
 def recompute_chunk(
     cfg: RingStepConfig, rows: HopRows, chunk: Chunk, x_TH: Tensor, weights: Sequence[Tensor]
 ) -> tuple[Chunk, Tensor, list[Tensor], Tensor]:
-    """Rerun ``F`` on one chunk with autograd: ``(chunk, rows leaf, weight leaves, out_CH)``.
+    """Rerun ``F`` on one chunk with autograd: ``(chunk, rows leaf, weight leaves, out_SH)``.
 
     The rows leaf is ``x[tok]``, or with scores before ``F`` the scaled rows ``u = s x[tok]`` (scaled in place,
     outside autograd: ``chunk_vjp`` turns ``vjp_F(u)`` into ``dx`` and ``d_score`` itself). Weight leaves: the
     chunk's expert slices (grouped ``F``) or whole partitions.
     """
-    tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
+    tok_S = rows.routing.tokens_P[chunk.start : chunk.end]
     if cfg.scores_before:
-        x_CH = _gathered_scaled_rows(x_TH, tok_C, rows.scores_S[chunk.start : chunk.end, None]).requires_grad_()
+        x_SH = _gathered_scaled_rows(x_TH, tok_S, rows.scores_S[chunk.start : chunk.end, None]).requires_grad_()
     else:
-        x_CH = x_TH[tok_C].detach().requires_grad_()
+        x_SH = x_TH[tok_S].detach().requires_grad_()
     w_leaves = [w.detach().requires_grad_() for w in _chunk_weights(cfg, weights, chunk)]
     with _autograd_enabled():
-        out_CH = _expert_forward(cfg, chunk, rows.src, x_CH, w_leaves)
-    return chunk, x_CH, w_leaves, out_CH
+        out_SH = _expert_forward(cfg, chunk, rows.src, x_SH, w_leaves)
+    return chunk, x_SH, w_leaves, out_SH
 
 
 def chunk_vjp(
@@ -240,27 +241,27 @@ def chunk_vjp(
 ) -> None:
     """Consume the first recomputed chunk of ``pending``: add its ``dx``, ``d_scores`` and weight-gradient
     contributions. It is popped, so its rows and output are released here as soon as they are used."""
-    chunk, x_CH, w_leaves, out_CH = pending.pop(0)
-    tok_C = rows.routing.tokens_P[chunk.start : chunk.end]
-    dy_CH = dy_TH[tok_C]
-    if cfg.scores_before:  # x_CH is u = s x: with g = vjp_F(u)[dy], dx = s g and d_score = <g, x>
+    chunk, x_SH, w_leaves, out_SH = pending.pop(0)
+    tok_S = rows.routing.tokens_P[chunk.start : chunk.end]
+    dy_SH = dy_TH[tok_S]
+    if cfg.scores_before:  # x_SH is u = s x: with g = vjp_F(u)[dy], dx = s g and d_score = <g, x>
         with _autograd_enabled():
-            g_CH, *dws = torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True)
-        del out_CH, dy_CH, x_CH
-        if g_CH is None:  # F ignores its rows
+            g_SH, *dws = torch.autograd.grad(out_SH, [x_SH, *w_leaves], dy_SH, allow_unused=True)
+        del out_SH, dy_SH, x_SH
+        if g_SH is None:  # F ignores its rows
             ds_S[chunk.start : chunk.end] = 0
         else:
-            ds_S[chunk.start : chunk.end] = _row_dot(g_CH, x_TH[tok_C])
+            ds_S[chunk.start : chunk.end] = _row_dot(g_SH, x_TH[tok_S])
             # autograd's fresh gradient rows (or our own dy gather): scaled in place, rounded once as autograd's
-            dx.add_(tok_C, g_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
+            dx.add_(tok_S, g_SH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
         dw.add(dws, chunk if cfg.grouped is not None else None)
         return
-    ds_S[chunk.start : chunk.end] = _row_dot(dy_CH, out_CH.detach())
-    # dy_CH is this chunk's own gather: scaled in place (as dy * s rounds it), not copied.
-    dy_CH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(dy_CH.dtype))
+    ds_S[chunk.start : chunk.end] = _row_dot(dy_SH, out_SH.detach())
+    # dy_SH is this chunk's own gather: scaled in place (as dy * s rounds it), not copied.
+    dy_SH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(dy_SH.dtype))
     with _autograd_enabled():
-        grads = list(torch.autograd.grad(out_CH, [x_CH, *w_leaves], dy_CH, allow_unused=True))
-    dx.add_(tok_C, grads[0])
+        grads = list(torch.autograd.grad(out_SH, [x_SH, *w_leaves], dy_SH, allow_unused=True))
+    dx.add_(tok_S, grads[0])
     dw.add(grads[1:], chunk if cfg.grouped is not None else None)
 
 
@@ -292,28 +293,30 @@ def segment_backward(
         if equal is not None:  # padded to equal groups: the padded rows' tokens, scores and score gradients
             assert rows.equal is not None
             q0, q1 = equal.start, equal.end
-            tok_C, score_C, ds_C = rows.equal.tok_Q[q0:q1], rows.equal.score_Q[q0:q1], rows.equal.ds_Q[q0:q1]
+            equal_rows = slice(q0, q1)
+            tok_S, chunk_score_S = rows.equal.tok_Q[equal_rows], rows.equal.score_Q[equal_rows]
+            chunk_ds_S = rows.equal.ds_Q[equal_rows]
             offsets_G, rows_G = equal.offsets_G, (equal.rows,) * equal.groups
         else:
             c0, c1 = chunk.start, chunk.end
-            tok_C, score_C, ds_C = rows.routing.tokens_P[c0:c1], rows.scores_S[c0:c1], ds_S[c0:c1]
+            tok_S, chunk_score_S, chunk_ds_S = rows.routing.tokens_P[c0:c1], rows.scores_S[c0:c1], ds_S[c0:c1]
             offsets_G, rows_G = chunk.offsets_G, chunk.rows
         if grouped is not None:
             chunk_weights = _chunk_weights(cfg, weights, chunk)
             # The score gradients are written in place into the step's (no buffer and copy per chunk).
-            dx_CH, ds_out, dws = grouped.vjp_rows(
-                x_TH, tok_C, offsets_G, rows_G, chunk_weights, dy_TH, score_C,
+            dx_SH, ds_out, dws = grouped.vjp_rows(
+                x_TH, tok_S, offsets_G, rows_G, chunk_weights, dy_TH, chunk_score_S,
                 grad_dtype=cfg.sum_dtype(chunk_weights[0]), grad_into=functools.partial(dw.sink, chunk),
-                d_score_out=ds_C,
+                d_score_out=chunk_ds_S,
             )
         else:
-            dx_CH, ds_out, dws = fused(
-                x_TH[tok_C], _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src), weights,
-                dy_TH[tok_C], score_C,
+            dx_SH, ds_out, dws = fused(
+                x_TH[tok_S], _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src), weights,
+                dy_TH[tok_S], chunk_score_S,
             )
-        if ds_out is not ds_C:
-            ds_C.copy_(ds_out)
-        dx.add_(tok_C, dx_CH)
+        if ds_out is not chunk_ds_S:
+            chunk_ds_S.copy_(ds_out)
+        dx.add_(tok_S, dx_SH)
         if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
             dw.add(dws, chunk if grouped is not None else None)
 
@@ -326,10 +329,10 @@ def _padded_vjp(
     the pairs' score gradients copied, the weight gradients added into the sums (in their dtype), or kept as a
     copy in it where they start them (the next chunk's program overwrites its buffers)."""
     assert cfg.grouped is not None and rows.padded is not None
-    tok_C, dx_CH, ds_C, dws = chunk_graphs.backward(
+    tok_S, dx_SH, chunk_ds_S, dws = chunk_graphs.backward(
         cfg.grouped, rows.padded, padded, x_TH, _chunk_weights(cfg, weights, chunk), dy_TH)
-    ds_S[padded.first : padded.first + padded.real] = ds_C[: padded.real]
-    dx.add_(tok_C, dx_CH)
+    ds_S[padded.first : padded.first + padded.real] = chunk_ds_S[: padded.real]
+    dx.add_(tok_S, dx_SH)
     sinks = dw.sink(chunk)  # may wait for the ring's incoming sums: after the chunk's compute
     if sinks is None:
         dw.add([g.to(cfg.sum_dtype(g), copy=True) for g in dws], chunk)
@@ -348,32 +351,32 @@ def _scores_before_fused_vjp(
     The fused entry points differentiate ``score * F(rows)``: on the scaled rows ``u = s x`` with unit scores
     they return ``g = vjp_F(u)[dy]`` and ``F``'s weight gradients at ``u``; then ``dx += s g`` (scaled while
     scattered) and ``d_s = <g, x>`` (a row dot in fp32). The gradient rows of the scaled rows are the
-    only extra ``(C, H)`` buffer beside what the scores-after path holds; autograd over a recomputed forward
+    only extra ``(S, H)`` buffer beside what the scores-after path holds; autograd over a recomputed forward
     held the leaf, the product, every intermediate of ``F`` and their gradients at once.
     """
     c0, c1 = chunk.start, chunk.end
-    tok_C = rows.routing.tokens_P[c0:c1]
-    score_C1 = rows.scores_S[c0:c1, None]
-    unit_C = score_C1.new_ones(c1 - c0, dtype=ACC_DTYPE)
+    tok_S = rows.routing.tokens_P[c0:c1]
+    score_S1 = rows.scores_S[c0:c1, None]
+    unit_S = score_S1.new_ones(c1 - c0, dtype=ACC_DTYPE)
     grouped = cfg.grouped
     if grouped is not None:
         chunk_weights = _chunk_weights(cfg, weights, chunk)
         # tok_S=None: the rows are given (gathered and scaled here); the entry point drops them after use.
-        g_CH, _, dws = grouped.vjp_rows(
-            _gathered_scaled_rows(x_TH, tok_C, score_C1), None, chunk.offsets_G, chunk.rows, chunk_weights,
-            dy_TH[tok_C], unit_C, grad_dtype=cfg.sum_dtype(chunk_weights[0]),
+        g_SH, _, dws = grouped.vjp_rows(
+            _gathered_scaled_rows(x_TH, tok_S, score_S1), None, chunk.offsets_G, chunk.rows, chunk_weights,
+            dy_TH[tok_S], unit_S, grad_dtype=cfg.sum_dtype(chunk_weights[0]),
             grad_into=functools.partial(dw.sink, chunk),
         )
     else:
         assert vjp is not None, "hop_compute: no fused backward for scores before the experts"
-        g_CH, _, dws = vjp(
-            _gathered_scaled_rows(x_TH, tok_C, score_C1), _counts_NL(cfg, chunk, rows.src),
-            _splits_N(cfg, chunk, rows.src), weights, dy_TH[tok_C], unit_C,
+        g_SH, _, dws = vjp(
+            _gathered_scaled_rows(x_TH, tok_S, score_S1), _counts_NL(cfg, chunk, rows.src),
+            _splits_N(cfg, chunk, rows.src), weights, dy_TH[tok_S], unit_S,
         )
-    ds_S[c0:c1] = _row_dot(g_CH, x_TH[tok_C])
+    ds_S[c0:c1] = _row_dot(g_SH, x_TH[tok_S])
     if grouped is not None:  # our own entry point's fresh rows: scale them in place (rounded once, as autograd's)
-        dx.add_(tok_C, g_CH.mul_(score_C1.to(ACC_DTYPE)))
+        dx.add_(tok_S, g_SH.mul_(score_S1.to(ACC_DTYPE)))
     else:
-        dx.add_(tok_C, g_CH, score_C1.to(g_CH.dtype))
+        dx.add_(tok_S, g_SH, score_S1.to(g_SH.dtype))
     if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
         dw.add(dws, chunk if grouped is not None else None)
