@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
 import torch.fx as fx
 
 from relay_compile.passes.fx_nodes import (
     all_to_all_args,
     describe,
+    dtype_of,
     flat_nodes,
     is_assert,
     is_collective,
@@ -62,8 +64,11 @@ def slice_expert_fn(
             raise Refusal(dispatch, f"F reads {describe(n)}, which is neither a tensor nor a split size of the "
                                     "receive")
         if is_collective(n):
+            integer = not (dtype_of(n) or torch.float32).is_floating_point
+            hint = (": experts may read all-gathered counts only as this rank's columns, t.view(N, E)[:, r * E_l:"
+                    "(r + 1) * E_l] with constant bounds" if integer else "")
             raise Refusal(dispatch, f"F reads {describe(n)}, a collective that is neither the token receive "
-                                    "nor the counts exchange")
+                                    f"nor the counts exchange{hint}")
         body.add(n)
         stack.extend(n.all_input_nodes)
         for u in n.users:

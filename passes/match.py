@@ -116,6 +116,7 @@ from relay_compile.passes.roles import (
 from relay_compile.runtime.cost_model import BlockShape
 from relay_compile.runtime.region_fn import ExpertFnBinding, SplitKind
 from relay_compile.runtime.specs import ScoresApplied
+from relay_compile.runtime.transport import RingGroup
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +373,36 @@ def _match_combine_side(
                            "after the combine (scores applied elsewhere, or another reduction)")
 
 
+def _gathered_local_counts(exchange: fx.Node, group_name: str, group_size: int, e_l: int) -> fx.Node | None:
+    """This rank's columns ``(N, E_l)`` of an all-gathered ``(N, E)`` counts tensor, where the graph slices them
+    with constant bounds (megatron-core's ``num_global_tokens_per_local_expert``): what the ``ExpertFn`` contract
+    gives F as its counts, so F may read them (``SequentialMLP``'s ``tokens_per_expert``). None where the graph
+    takes no such slice: F then may not read the gathered counts (``expert_fn.slice_expert_fn`` refuses)."""
+    rank = RingGroup.resolve(group_name).rank
+    found, todo = [], [wait_end(exchange)]
+    while todo:
+        for u in todo.pop().users:
+            if is_method_call(u, "view", "reshape") or is_call(u, torch.reshape):
+                todo.append(u)  # the gathered counts as (N, E)
+            elif (_column_bounds(u) == (rank * e_l, (rank + 1) * e_l)
+                  and same_shape(shape_of(u), (group_size, e_l))):
+                found.append(u)
+    return found[0] if len(found) == 1 else None
+
+
+def _column_bounds(n: fx.Node) -> tuple[int, int] | None:
+    """``(lo, hi)`` of ``t[:, lo:hi]`` or ``t.narrow(1, lo, hi - lo)`` with constant bounds, else None."""
+    if is_call(n, operator.getitem) and isinstance(n.args[1], tuple) and len(n.args[1]) == 2:
+        rows, cols = n.args[1]
+        if rows == slice(None) and isinstance(cols, slice) and cols.step in (None, 1):
+            lo, hi = cols.start or 0, cols.stop
+            return (lo, hi) if isinstance(lo, int) and isinstance(hi, int) else None
+    if is_method_call(n, "narrow") and len(n.args) == 4 and n.args[1] in (1, -1):
+        lo, length = n.args[2], n.args[3]
+        return (lo, lo + length) if isinstance(lo, int) and isinstance(length, int) else None
+    return None
+
+
 def _match_splits(
     dispatch: fx.Node, group_size: int
 ) -> tuple[SplitKind, list[list[fx.Node]], fx.Node, int]:
@@ -469,7 +500,10 @@ def _match_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, weak:
     if exchange_group != group_name:
         raise Refusal(dispatch, f"counts exchange {exchange.name} runs on group {exchange_group!r}, the tokens on "
                                 f"{group_name!r}")
-    counts = wait_end(exchange) if is_all_to_all(exchange) else None
+    if is_all_to_all(exchange):
+        counts: fx.Node | None = wait_end(exchange)
+    else:
+        counts = _gathered_local_counts(exchange, group_name, group_size, e_l)
     num_experts = router_num_experts(topk_ids)
     if num_experts is not None and not same_size(num_experts, e_l * group_size):
         raise Refusal(dispatch, f"the router picks among {num_experts} experts but the counts exchange "

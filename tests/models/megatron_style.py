@@ -11,6 +11,10 @@ Modelled on megatron-core's ``MoEAlltoAllTokenDispatcher`` + ``SequentialMLP`` (
                 loop over nn.ModuleList experts (fc1 -> silu(gate) * up -> fc2), back to rank-major
     combine     all_to_all_single_autograd; y = zeros(T, H).index_add_(0, order // K, back * scores[order])
 
+With ``counts_in_experts`` the expert side is megatron-core's ``sort_chunks_by_idxs`` + ``SequentialMLP``: rows
+sorted expert-major, split by ``tokens_per_expert.tolist()`` (the experts read this rank's columns of the gathered
+counts as a tensor), sorted back.
+
 y[t] = sum_k score[t, k] * expert_{ids[t, k]}(x[t]); rank r owns experts [r*E_l, (r+1)*E_l).
 
 Legend: T tokens, H hidden, F expert width, E experts, E_l local experts, K top-k, N ranks, R received rows.
@@ -52,11 +56,16 @@ class MegatronStyleMoE(nn.Module):
         seed: every rank builds all E experts and the router from this seed and keeps its own experts,
             so ``all_experts(seed)`` gives the same weights for a dense reference.
         bias: experts' ``nn.Linear`` layers with biases.
+        counts_in_experts: megatron-core's expert side: the received rows sorted expert-major
+            (``sort_chunks_by_idxs``), split per expert by ``tokens_per_expert.tolist()`` with
+            ``tokens_per_expert = num_global_tokens_per_local_expert.sum(dim=0)`` (``SequentialMLP``), so the
+            experts read this rank's columns of the all-gathered counts as a tensor.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group: dist.ProcessGroup,
-                 *, seed: int = 0, bias: bool = False) -> None:
+                 *, seed: int = 0, bias: bool = False, counts_in_experts: bool = False) -> None:
         super().__init__()
+        self.counts_in_experts = counts_in_experts
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
@@ -106,6 +115,11 @@ class MegatronStyleMoE(nn.Module):
         recv_RH = funcol.all_to_all_single_autograd(permuted_NH, output_splits, input_splits, self.group)
 
         chunks = torch.split(recv_RH, chunk_sizes)
+        if self.counts_in_experts:
+            expert_out_RH = self._sequential_mlp(chunks, chunk_sizes, num_global_tokens_per_local_expert_NEl)
+            back_NH = funcol.all_to_all_single_autograd(expert_out_RH, input_splits, output_splits, self.group)
+            scores_N = scores_TK.reshape(-1)[order_N].to(back_NH.dtype)
+            return torch.zeros_like(x_TH).index_add_(0, token_idx_N, back_NH * scores_N.unsqueeze(-1))
         out_chunks: list[Tensor | None] = [None] * (N * El)
         for e, expert in enumerate(self.local_experts):
             x_e = torch.cat([chunks[s * El + e] for s in range(N)])
@@ -119,3 +133,14 @@ class MegatronStyleMoE(nn.Module):
 
         scores_N = scores_TK.reshape(-1)[order_N].to(back_NH.dtype)
         return torch.zeros_like(x_TH).index_add_(0, token_idx_N, back_NH * scores_N.unsqueeze(-1))
+
+    def _sequential_mlp(self, chunks: tuple[Tensor, ...], chunk_sizes: list[int], counts_NEl: Tensor) -> Tensor:
+        """megatron-core's expert side: (source, expert) chunks sorted expert-major, ``SequentialMLP`` over
+        ``tokens_per_expert.tolist()`` splits, sorted back source-major."""
+        N, El = self.ep_size, self.num_local_experts
+        x_RH = torch.cat([chunks[s * El + e] for e in range(El) for s in range(N)])
+        tokens_per_expert_El = counts_NEl.sum(dim=0)
+        rows_per_expert = torch.split(x_RH, tokens_per_expert_El.tolist())
+        outs = [expert(x_e) for expert, x_e in zip(self.local_experts, rows_per_expert)]
+        parts = torch.split(torch.cat(outs), [chunk_sizes[s * El + e] for e in range(El) for s in range(N)])
+        return torch.cat([parts[e * N + s] for s in range(N) for e in range(El)])

@@ -322,8 +322,10 @@ class GraphModule(torch.nn.Module):
 
     # --- Megatron style --------------------------------------------------------------------------------
 
-    def check_megatron_layer(self) -> None:
-        moe = MegatronStyleMoE(H, F, E, K, dist.group.WORLD, seed=5)
+    def check_megatron_layer(self, counts_in_experts: bool = False) -> None:
+        # counts_in_experts: megatron-core's SequentialMLP splits the rows by tokens_per_expert.tolist(), the sum
+        # of this rank's columns of the all-gathered counts: F reads that (N, E_l) slice as its counts.
+        moe = MegatronStyleMoE(H, F, E, K, dist.group.WORLD, seed=5, counts_in_experts=counts_in_experts)
         batches = routed_batches(self.rank, 2, (12, H))
         want = run_steps(moe, moe, batches, grad_seed=self.rank)
 
@@ -334,8 +336,10 @@ class GraphModule(torch.nn.Module):
                 for e in range(e_l) for i in (1, 2)
             ]
             region = self.check_region_common(record, 0, weights=expected_weights, split_kind="source_expert",
-                                              counts=False)
+                                              counts=counts_in_experts)
             self.assertIs(region.counts_exchange.target, torch.ops._c10d_functional.all_gather_into_tensor)
+            if counts_in_experts:  # the slice of this rank's columns, (N, E_l), is F's counts input
+                self.assertEqual(region.binding.counts_shape, (self.world_size, e_l))
             self.assertEqual(region.x.op, "placeholder")
             self.assertEqual(region.output.target, "index_add_")
 
@@ -443,6 +447,7 @@ class MatchRewriteWorld2(Cases):
         self.init_pg()
         self.check_reference_layers(layers=1, golden=self.rank == 0)
         self.check_megatron_layer()
+        self.check_megatron_layer(counts_in_experts=True)
 
     def test_torchtitan_moe_layer_is_rewritten_and_equal_to_a2a_to_bf16_rounding(self) -> None:
         if not torchtitan_available():
