@@ -219,16 +219,29 @@ def _pair_token_a2as(token_a2as: list[fx.Node]) -> tuple[list[tuple[fx.Node, fx.
             continue
         paired |= {dispatch, combine}
         pairs.append((dispatch, combine))
-    hint = _graph_break_hint() if len(paired) < len(token_a2as) else ""
     refused = [
-        RefusedRegion(
-            n,
-            f"all_to_all {n.name} has no partner in this graph (no all_to_all with swapped splits reads its "
-            f"result, nor is it the answer to one): the region is probably split by a graph break ({hint})",
-        )
+        RefusedRegion(n, f"all_to_all {n.name} has no partner in this graph (no all_to_all with swapped splits reads "
+                         f"its result, nor is it the answer to one): {_why_unpaired(n, token_a2as)}")
         for n in token_a2as if n not in paired
     ]
     return pairs, refused
+
+
+def _why_unpaired(n: fx.Node, token_a2as: list[fx.Node]) -> str:
+    """The likely cause of an all-to-all without a partner: a partner whose splits are not swapped, else a graph
+    break (named from Dynamo's config and recorded breaks), else, where Dynamo recorded none, something else."""
+    token_set = set(token_a2as)
+    upstream = closest(upstream_collectives([all_to_all_args(n)[0]]) & token_set)
+    answers = [m for m in token_a2as if m is not n
+               and closest(upstream_collectives([all_to_all_args(m)[0]]) & token_set) == {n}]
+    partner = answers[0] if answers else (next(iter(upstream)) if len(upstream) == 1 else None)
+    if partner is not None:
+        return (f"{partner.name} answers it, but with splits that are not its swapped ones (the combine sends "
+                "back what the dispatch received: output_split_sizes = the dispatch's input_split_sizes)")
+    if not torch._dynamo.utils.counters.get("graph_break"):
+        return ("Dynamo recorded no graph break, so the block is whole: this all-to-all is not one of an MoE "
+                "block's pair (or its partner is reached through a dataflow the matcher does not follow)")
+    return f"the region is probably split by a graph break ({_graph_break_hint()})"
 
 
 def _graph_break_hint() -> str:

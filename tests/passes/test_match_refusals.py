@@ -73,11 +73,22 @@ class DispatchAndCombineRefusals(MatchTestCase):
         # torch._dynamo.graph_break() after the dispatch (tests.models.variants.a2a_moe_graph_break): the first
         # graph ends with the receive.
         gm, r = moe_graph(experts=None, combine=None, scatter=None, outputs=lambda r: [r.recv])
-        with torch._dynamo.config.patch(capture_scalar_outputs=False):  # the hint depends on it
+        breaks = {"graph_break": collections.Counter({"moe.py:40 in dispatch: Tensor.tolist": 1})}
+        with torch._dynamo.config.patch(capture_scalar_outputs=False), \
+                unittest.mock.patch.dict(torch._dynamo.utils.counters, breaks):  # the hint depends on both
             reason = self.refusal(gm, r.dispatch)
         self.assertRegex(reason, r"^all_to_all dispatch has no partner in this graph \(no all_to_all with swapped "
                                  r"splits reads its result, nor is it the answer to one\)")
+        self.assertIn("probably split by a graph break", reason)
         self.assertIn("compile with torch._dynamo.config.capture_scalar_outputs=True", reason)
+
+    def test_a_lone_all_to_all_without_any_recorded_graph_break_is_not_blamed_on_one(self) -> None:
+        # The same graph where Dynamo recorded no break: the block is whole, so the cause is something else.
+        gm, r = moe_graph(experts=None, combine=None, scatter=None, outputs=lambda r: [r.recv])
+        with unittest.mock.patch.dict(torch._dynamo.utils.counters, {"graph_break": collections.Counter()}):
+            reason = self.refusal(gm, r.dispatch)
+        self.assertIn("Dynamo recorded no graph break", reason)
+        self.assertNotIn("split by a graph break", reason)
 
     def test_a_split_region_names_the_likely_break_from_dynamos_config_and_recorded_breaks(self) -> None:
         # The same graph under the two other configurations: scalar outputs captured already, then also
@@ -103,8 +114,10 @@ class DispatchAndCombineRefusals(MatchTestCase):
         regions, refused = self.match(gm)
         self.assertEqual(regions, [])
         self.assertEqual([x.node for x in refused], [r.dispatch, r.combine])
-        for x in refused:
+        for x, other in zip(refused, (r.combine, r.dispatch)):
             self.assertRegex(x.reason, rf"^all_to_all {x.node.name} has no partner in this graph")
+            self.assertIn(f"{other.name} answers it, but with splits that are not its swapped ones", x.reason)
+            self.assertNotIn("graph break", x.reason)
 
     # --- step 1: collectives inside a user autograd.Function ---------------------------------------------
 
