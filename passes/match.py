@@ -229,7 +229,7 @@ def _pair_token_a2as(token_a2as: list[fx.Node]) -> tuple[list[tuple[fx.Node, fx.
 
 def _why_unpaired(n: fx.Node, token_a2as: list[fx.Node]) -> str:
     """The likely cause of an all-to-all without a partner: a partner whose splits are not swapped, else a graph
-    break (named from Dynamo's config and recorded breaks), else, where Dynamo recorded none, something else."""
+    break (named from Dynamo's config and counted breaks), else, where Dynamo counted none, how to tell."""
     token_set = set(token_a2as)
     upstream = closest(upstream_collectives([all_to_all_args(n)[0]]) & token_set)
     answers = [m for m in token_a2as if m is not n
@@ -239,8 +239,11 @@ def _why_unpaired(n: fx.Node, token_a2as: list[fx.Node]) -> str:
         return (f"{partner.name} answers it, but with splits that are not its swapped ones (the combine sends "
                 "back what the dispatch received: output_split_sizes = the dispatch's input_split_sizes)")
     if not torch._dynamo.utils.counters.get("graph_break"):
-        return ("Dynamo recorded no graph break, so the block is whole: this all-to-all is not one of an MoE "
-                "block's pair (or its partner is reached through a dataflow the matcher does not follow)")
+        # Not proof: a frame Dynamo skips (a function it declines inside a context manager, nested breaks) is
+        # not counted, so the reason says how to look.
+        return ("Dynamo counted no graph break: unless TORCH_LOGS=graph_breaks shows one it did not count (a "
+                "frame skipped inside a context manager), the block is whole and this all-to-all is not one of "
+                "an MoE block's pair, or its partner is reached through a dataflow the matcher does not follow")
     return f"the region is probably split by a graph break ({_graph_break_hint()})"
 
 
