@@ -142,13 +142,14 @@ def grouped_weight_grad(
         dw_EOI = dy_SO.new_empty((groups, dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype or dy_SO.dtype)
         mm_widened(dy_EOS, x_ESI, dw_EOI)
         return dw_EOI
-    if offsets_E is not None and (into_EOI is not None or grad_dtype not in (None, dy_SO.dtype)):
+    sum_dtype = into_EOI.dtype if into_EOI is not None else grad_dtype or dy_SO.dtype
+    if offsets_E is not None and grouped_weight_grad_kernel.applies(dy_SO, x_SI, sum_dtype, into_EOI):
         out_EOI = into_EOI if into_EOI is not None else dy_SO.new_empty(
-            (offsets_E.shape[0], dy_SO.shape[1], x_SI.shape[1]), dtype=grad_dtype)
-        if grouped_weight_grad_kernel.applies(dy_SO, x_SI, out_EOI):  # one launch, fp32 sums (CUDA)
-            grouped_weight_grad_kernel.grouped_weight_grad_(dy_SO, x_SI, offsets_E, out_EOI,
-                                                            accumulate=into_EOI is not None)
-            return out_EOI
+            (offsets_E.shape[0], dy_SO.shape[1], x_SI.shape[1]), dtype=sum_dtype)
+        # One launch for every expert's fp32 sums (CUDA).
+        grouped_weight_grad_kernel.grouped_weight_grad_(dy_SO, x_SI, offsets_E, out_EOI,
+                                                        accumulate=into_EOI is not None)
+        return out_EOI
     if into_EOI is not None:
         if into_EOI.dtype == dy_SO.dtype and offsets_E is not None:
             return into_EOI.add_(torch._grouped_mm(dy_SO.t(), x_SI, offs=offsets_E))

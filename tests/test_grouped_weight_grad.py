@@ -53,7 +53,7 @@ class GroupedWeightGrad(unittest.TestCase):
             from tests.test_grouped_weight_grad import COUNTS, _case, _exact
             for counts in (COUNTS, [0, 0, 3], [70]):
                 dy, x, offsets, base = _case(torch.float16, counts=counts, width_o=33, width_i=20)
-                assert k.applies(dy, x, base), "the kernel must run under the interpreter"
+                assert k.applies(dy, x, base.dtype, base), "the kernel must run under the interpreter"
                 want = _exact(dy, x, counts)
                 got = torch.full_like(base, float("nan"))
                 k.grouped_weight_grad_(dy, x, offsets, got, accumulate=False)

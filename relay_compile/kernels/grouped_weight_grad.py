@@ -13,12 +13,14 @@ interpreter. Legend: S rows sorted by expert, E experts, O/I the weight's output
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from relay_compile.kernels import triton_kernel
 
 
 def reference(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool) -> None:
@@ -32,21 +34,23 @@ def reference(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *
             out_EOI[e].copy_(part)
 
 
-def applies(dy_SO: Tensor, x_SI: Tensor, out_EOI: Tensor) -> bool:
-    """Where the kernel runs: CUDA (or Triton's interpreter), an fp32 ``out`` wider than 16-bit rows, unit column
-    strides, contiguous experts, Triton importable, outside of tracing (a traced graph takes the eager form)."""
-    on_device = all(t.is_cuda for t in (dy_SO, x_SI, out_EOI)) or _interpreted()
+def applies(dy_SO: Tensor, x_SI: Tensor, out_dtype: torch.dtype, out_EOI: Tensor | None = None) -> bool:
+    """Where the kernel runs: CUDA (or Triton's interpreter), fp32 sums (``out_dtype``) of 16-bit rows, unit column
+    strides (``out_EOI``'s too, where given), Triton importable, outside of tracing (a traced graph takes the eager
+    form)."""
+    tensors = (dy_SO, x_SI) if out_EOI is None else (dy_SO, x_SI, out_EOI)
     return (
-        on_device and out_EOI.dtype == torch.float32 and dy_SO.dtype in (torch.bfloat16, torch.float16)
-        and x_SI.dtype == dy_SO.dtype and dy_SO.stride(-1) == 1 and x_SI.stride(-1) == 1
-        and out_EOI.stride(-1) == 1 and not torch.compiler.is_compiling() and _triton_kernel() is not None
+        (all(t.is_cuda for t in tensors) or _interpreted()) and out_dtype == torch.float32
+        and dy_SO.dtype in (torch.bfloat16, torch.float16) and x_SI.dtype == dy_SO.dtype
+        and all(t.stride(-1) == 1 for t in tensors) and not torch.compiler.is_compiling()
+        and _triton_kernel() is not None
     )
 
 
 def grouped_weight_grad_(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool) -> None:
     """``out[e] += dy_e^T x_e`` (``accumulate``) or ``out[e] = dy_e^T x_e`` for the row groups that end at the int32
     prefix sums ``offsets_E``; one launch (``applies``), else ``reference``."""
-    if not applies(dy_SO, x_SI, out_EOI):
+    if not applies(dy_SO, x_SI, out_EOI.dtype, out_EOI):
         reference(dy_SO, x_SI, offsets_E, out_EOI, accumulate=accumulate)
         return
     experts, width_o, width_i = out_EOI.shape
@@ -78,14 +82,8 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def _triton_kernel() -> Callable | None:
-    """The Triton kernel, compiled on first use; None where Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def _build(triton: Any, tl: Any) -> Callable:
+    """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
     @triton.jit
     def _kernel(dy_ptr, x_ptr, offs_ptr, out_ptr, width_o, width_i, stride_dy, stride_x, stride_oe, stride_oo,
@@ -114,3 +112,6 @@ def _triton_kernel() -> Callable | None:
         tl.store(out, acc, mask=mask)
 
     return _kernel
+
+
+_triton_kernel = triton_kernel(_build)

@@ -13,11 +13,13 @@ order of the fp32 additions. Legend (docs/ARCHITECTURE.md): T tokens, S rows, H 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from relay_compile.kernels import triton_kernel
 
 # Rows widened per index_add on the eager path: bounds the widened copy (8192 x H x 4 bytes).
 WIDENED_ROWS = 8192
@@ -94,14 +96,8 @@ def _kernel_applies(
     )
 
 
-@functools.cache
-def _triton_kernel() -> Callable | None:
-    """The Triton kernel, compiled on first use; None where Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def _build(triton: Any, tl: Any) -> Callable:
+    """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
     @triton.jit
     def _kernel(sum_ptr, tok_ptr, rows_ptr, scale_ptr, hidden, stride_sum, stride_rows, split, tail_offset,
@@ -118,3 +114,6 @@ def _triton_kernel() -> Callable | None:
         tl.atomic_add(sum_ptr + dest + cols, value, mask=mask, sem="relaxed")
 
     return _kernel
+
+
+_triton_kernel = triton_kernel(_build)

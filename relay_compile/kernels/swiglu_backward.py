@@ -16,11 +16,13 @@ same in eager ops, a block of rows at a time, and copies back. Legend: S rows, F
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from relay_compile.kernels import triton_kernel
 
 
 def reference(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -97,14 +99,8 @@ def _eager_cuda(*tensors: Tensor) -> bool:
     return all(t.is_cuda and t.stride(-1) == 1 for t in tensors) and not torch.compiler.is_compiling()
 
 
-@functools.cache
-def _triton_kernel() -> Callable | None:
-    """The Triton kernel, compiled on first use; None where Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def _build(triton: Any, tl: Any) -> Callable:
+    """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
     @triton.jit
     def _kernel(h13_ptr, g_ptr, score_ptr, d_score_ptr, ffn, stride_h, stride_g, BLOCK_F: tl.constexpr):
@@ -130,3 +126,6 @@ def _triton_kernel() -> Callable | None:
         tl.store(d_score_ptr + row, tl.sum(acc, axis=0))
 
     return _kernel
+
+
+_triton_kernel = triton_kernel(_build)
