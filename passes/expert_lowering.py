@@ -147,8 +147,8 @@ def choose_expert_fn(
 ) -> tuple[RegionExpertFn | LoweredFFN | CompiledExpertFn, ExpertsPath]:
     """The expert function a region's ring runs, and the path it takes (see the module docstring).
 
-    ``inner_compiler``: the backend's; an F that is not lowered is compiled by it (``runtime.compiled_experts``) unless
-    it is ``"eager"`` or compiling fails, and then runs eagerly. An F that reads a capacity receive
+    ``inner_compiler``: the backend's; an F that is not lowered is compiled by it (``runtime.compiled_experts``)
+    unless it is ``"eager"`` or compiling fails, and then runs eagerly. An F that reads a capacity receive
     (``region.experts_input == "capacity"``) runs only lowered: where lowering or its proof fails, raises
     ``Refusal`` (nothing of the graph has changed yet: the caller leaves the region as it is).
     """
@@ -161,9 +161,9 @@ def choose_expert_fn(
     rows_like, weights_like = node_value(region.recv), [node_value(w) for w in region.weights]
     try:
         error = _PROBES[region.experts_input](region, eager, lowered, rows_like, weights_like)
-    except Exception as e:  # F or the lowering cannot run on probe inputs: keep F
+    except Exception as e:  # F or the lowering cannot run on probe inputs: keep F (compiling it would not run)
         log.debug("expert_lowering: probe of %s failed", region.describe(), exc_info=True)
-        return _not_lowered(region, eager, "eager", f"the probe could not run: {e!r}")
+        return _eager(region, eager, f"the probe could not run: {e!r}")
     if not error <= tolerance(rows_like.dtype, plan.compute_dtype, *(w.dtype for w in weights_like)):
         return _not_lowered(
             region, eager, inner_compiler,
@@ -190,14 +190,12 @@ _PROBES = {"rows": _rows_probe, "capacity": _capacity_probe}
 def _not_lowered(
     region: Region, eager: RegionExpertFn, inner_compiler: str, why: str
 ) -> tuple[RegionExpertFn | CompiledExpertFn, ExpertsPath]:
-    """F compiled by the inner compiler (``runtime.compiled_experts``), or else F itself; ``why``: why it is not
-    lowered.
-    Raises ``Refusal`` for an F that runs only lowered (a capacity receive)."""
+    """F compiled by the inner compiler (``runtime.compiled_experts``), or else F itself (``_eager``); ``why``: why
+    it is not lowered. An F that runs only lowered is refused at once (``_eager``), not compiled."""
     if region.experts_input == "capacity":
-        raise Refusal(region.dispatch, f"the capacity experts do not run as grouped experts ({why}); F's shapes "
-                                       "are the whole receive's, so the ring runs capacity experts only lowered")
+        return _eager(region, eager, why)
     if inner_compiler not in COMPILERS:
-        return eager, ExpertsPath(kind="eager", description="", reason=f"{why}; inner_compiler={inner_compiler!r}")
+        return _eager(region, eager, f"{why}; inner_compiler={inner_compiler!r}")
     rows_like, weights_like = node_value(region.recv), [node_value(w) for w in region.weights]
     try:
         probes, weights = probe_inputs(rows_like, weights_like, region.group_size, region.experts_per_rank)
@@ -206,7 +204,15 @@ def _not_lowered(
     except Exception as e:  # noqa: BLE001 -- any failure to compile F: F itself still runs
         log.warning("expert_lowering: %s: F runs eagerly, compiling it with %s failed: %r", region.describe(),
                     inner_compiler, e, exc_info=log.isEnabledFor(logging.DEBUG))
-        return eager, ExpertsPath(kind="eager", description="",
-                                  reason=f"{why}; compiling it with {inner_compiler} failed: {e!r}")
+        return _eager(region, eager, f"{why}; compiling it with {inner_compiler} failed: {e!r}")
     return compiled, ExpertsPath(kind=f"compiled ({inner_compiler})",
                                  description=f"forward and vjp per hop, rows dynamic ({why})")
+
+
+def _eager(region: Region, eager: RegionExpertFn, reason: str) -> tuple[RegionExpertFn, ExpertsPath]:
+    """F itself, run per hop; raises ``Refusal`` for an F that runs only lowered (a capacity receive)."""
+    if region.experts_input == "capacity":
+        raise Refusal(region.dispatch, f"the capacity experts do not run as grouped experts ({reason}); F's "
+                                       "shapes are the whole receive's, so the ring runs capacity experts only "
+                                       "lowered")
+    return eager, ExpertsPath(kind="eager", description="", reason=reason)
