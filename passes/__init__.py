@@ -2,6 +2,7 @@
 
     region.py     Region: the protocol every family's record implements (what rewrite, report, backend read)
     match.py      find_moe_regions: MoERegion records (top-k), or RefusedRegion with the reason
+    pairing.py    match's step 2: combines paired with dispatches (an unpaired one refused with its cause)
     capacity_match.py   capacity-based dispatch (einsum into (E, C, H) buffers): CapacityRegion records
     rewrite.py    rewrite_moe_region: one region -> one relaymoe::ring_moe call (moe_ring_pass: all of them);
                   keep_all_to_all: a region the cost model keeps as it is, behind an agreement check

@@ -64,7 +64,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -96,6 +95,7 @@ from relay_compile.passes.fx_nodes import (
     wait_end,
 )
 from relay_compile.passes.liveness import assert_cones, dead_after_replacing
+from relay_compile.passes.pairing import pair_token_all_to_alls
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import ExpertsInput, Region
 from relay_compile.passes.roles import (
@@ -190,81 +190,6 @@ class MoERegion:
             f"(group {self.group_name!r} of {self.group_size}, E_l={self.experts_per_rank}, K={self.top_k}, "
             f"{len(self.weights)} weights, F: {len(self.expert_fn.graph.nodes)} nodes, scores {self.scores_applied})"
         )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Step 2: pairing
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _same_splits(a: Sequence[object], b: Sequence[object]) -> bool:
-    return len(a) == len(b) and all(x is y or (not isinstance(x, fx.Node) and x == y) for x, y in zip(a, b))
-
-
-def _pair_token_a2as(token_a2as: list[fx.Node]) -> tuple[list[tuple[fx.Node, fx.Node]], list[RefusedRegion]]:
-    """Pair each combine with its dispatch on dataflow: the closest token a2a upstream, with swapped splits."""
-    paired: set[fx.Node] = set()
-    pairs: list[tuple[fx.Node, fx.Node]] = []
-    token_set = set(token_a2as)
-    for combine in token_a2as:
-        upstream = closest(upstream_collectives([all_to_all_args(combine)[0]]) & token_set)
-        if len(upstream) != 1:
-            continue
-        dispatch = upstream.pop()
-        if dispatch in paired:
-            continue
-        _, d_out, d_in, _ = all_to_all_args(dispatch)
-        _, c_out, c_in, _ = all_to_all_args(combine)
-        if not (_same_splits(c_out, d_in) and _same_splits(c_in, d_out)):
-            continue
-        paired |= {dispatch, combine}
-        pairs.append((dispatch, combine))
-    refused = [
-        RefusedRegion(n, f"all_to_all {n.name} has no partner in this graph (no all_to_all with swapped splits reads "
-                         f"its result, nor is it the answer to one): {_why_unpaired(n, token_a2as)}")
-        for n in token_a2as if n not in paired
-    ]
-    return pairs, refused
-
-
-def _why_unpaired(n: fx.Node, token_a2as: list[fx.Node]) -> str:
-    """The likely cause of an all-to-all without a partner: a partner whose splits are not swapped, else a graph
-    break (named from Dynamo's config and counted breaks), else, where Dynamo counted none, how to tell."""
-    token_set = set(token_a2as)
-    upstream = closest(upstream_collectives([all_to_all_args(n)[0]]) & token_set)
-    answers = [m for m in token_a2as if m is not n
-               and closest(upstream_collectives([all_to_all_args(m)[0]]) & token_set) == {n}]
-    partner = answers[0] if answers else (next(iter(upstream)) if len(upstream) == 1 else None)
-    if partner is not None:
-        return (f"{partner.name} answers it, but with splits that are not its swapped ones (the combine sends "
-                "back what the dispatch received: output_split_sizes = the dispatch's input_split_sizes)")
-    if not torch._dynamo.utils.counters.get("graph_break"):
-        # Not proof: a frame Dynamo skips (a function it declines inside a context manager, nested breaks) is
-        # not counted, so the reason says how to look.
-        return ("Dynamo counted no graph break: unless TORCH_LOGS=graph_breaks shows one it did not count (a "
-                "frame skipped inside a context manager), the block is whole and this all-to-all is not one of "
-                "an MoE block's pair, or its partner is reached through a dataflow the matcher does not follow")
-    return f"the region is probably split by a graph break ({_graph_break_hint()})"
-
-
-def _graph_break_hint() -> str:
-    """Where a region was most likely split, from Dynamo's config and the graph breaks it recorded."""
-    config = torch._dynamo.config
-    if not config.capture_scalar_outputs:
-        hint = "at .tolist() of the split sizes: compile with torch._dynamo.config.capture_scalar_outputs=True"
-    elif not config.capture_dynamic_output_shape_ops:
-        hint = ("capture_scalar_outputs is on; at an op whose output shape depends on data (repeat_interleave of "
-                "counts, nonzero, a boolean mask), set torch._dynamo.config.capture_dynamic_output_shape_ops=True; "
-                "at a Python branch on a received size, .cpu() or a print inside the dispatcher, no rewrite is "
-                "possible without editing the model")
-    else:
-        hint = ("inside the dispatcher: a Python branch on a received size, .cpu() or a print; no rewrite is "
-                "possible without editing the model")
-    # Dynamo counts each graph break by its reason (file:line and why): the latest are the likeliest.
-    reasons = list(torch._dynamo.utils.counters.get("graph_break", {}))[-3:]
-    if reasons:
-        hint += f"; Dynamo's latest graph breaks: {'; '.join(reasons)}"
-    return hint + "; TORCH_LOGS=graph_breaks shows each break with its line"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -591,7 +516,7 @@ def find_moe_regions(gm: fx.GraphModule) -> tuple[list[Region], list[RefusedRegi
     capacity, refused_capacity, token_a2as = find_capacity_regions(gm, token_a2as, weak)
     regions = list(capacity)
     # Step 2: pairs.
-    pairs, refused = _pair_token_a2as(token_a2as)
+    pairs, refused = pair_token_all_to_alls(token_a2as)
     refused += hidden + refused_capacity
     for dispatch, combine in pairs:
         try:
