@@ -66,7 +66,7 @@ import torch
 import torch.fx as fx
 
 from relay_compile.experts import GATED
-from relay_compile.passes.capacity_pairs import insert_capacity_pairs
+from relay_compile.passes.capacity_pairs import MaskPairs, SlotPairs
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
 from relay_compile.passes.expert_fn import copy_expert_fn, slice_expert_fn
 from relay_compile.passes.fx_nodes import (
@@ -88,6 +88,7 @@ from relay_compile.passes.liveness import dead_after_replacing
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import ExpertsInput
 from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel, row_gather
+from relay_compile.passes.slot_routes import slot_combine, slot_dispatch
 from relay_compile.runtime.cost_model import BlockShape
 from relay_compile.runtime.ffn_plan import ExpertFFN
 from relay_compile.runtime.region_fn import ExpertFnBinding
@@ -119,16 +120,15 @@ class CapacityRegion:
     combine: fx.Node  # the reverse all_to_all_single
     recv: fx.Node  # end of the dispatch's wait chain: F's input
     back: fx.Node  # end of the combine's wait chain
-    x: fx.Node  # tokens (T, H): the einsum's "sm" operand
-    dispatch_mask: fx.Node  # (T, E, C) boolean: the pairs kept (pinned: the rewrite reads it)
-    combine_weights: fx.Node  # (T, E, C) the combine einsum's operand (pinned: the rewrite reads it)
-    output: fx.Node  # y (T, H): the combine einsum
+    x: fx.Node  # tokens (T, H): what the dispatch reads
+    pairs: MaskPairs | SlotPairs  # where the ring's (id, score) pairs come from (pinned: the rewrite reads them)
+    output: fx.Node  # y (T, H): the combine
     weights: tuple[fx.Node, ...]
     expert_fn: fx.GraphModule  # F: recv, weights -> the combine's input
     binding: ExpertFnBinding
     plan: ExpertFFN  # F recognized as an FFN of experts (the rewrite lowers it and proves it on probe inputs)
     experts_per_rank: int
-    capacity: int  # C
+    capacity: int | None  # C; None where it is read from a tensor (DeepSpeed's drop_tokens=False)
     top_k: int  # K: the gate's choices per token (kept pairs per token are at most K)
     group_name: str
     group_size: int
@@ -147,20 +147,20 @@ class CapacityRegion:
         )
 
     def inputs(self) -> dict[str, fx.Node]:
-        return {"dispatch_mask": self.dispatch_mask, "combine_weights": self.combine_weights}
+        return self.pairs.inputs()
 
     def first_collective(self) -> fx.Node:
         return self.dispatch
 
     def insert_pairs(self) -> tuple[fx.Node, fx.Node]:
-        """The (id, score) pairs derived from the two masks (``capacity_pairs``)."""
-        return insert_capacity_pairs(self.output, self.dispatch_mask, self.combine_weights, self.top_k)
+        """The (id, score) pairs derived from the masks or the routes' slots (``capacity_pairs``)."""
+        return self.pairs.insert(self.output, self.top_k)
 
     def describe(self) -> str:
         return (
             f"capacity MoE region dispatch={self.dispatch.name} combine={self.combine.name} "
             f"output={self.output.name} (group {self.group_name!r} of {self.group_size}, E_l={self.experts_per_rank}, "
-            f"C={self.capacity}, K={self.top_k}, {len(self.weights)} weights, F: {len(self.expert_fn.graph.nodes)} "
+            f"C={'dynamic' if self.capacity is None else self.capacity}, K={self.top_k}, {len(self.weights)} weights, F: {len(self.expert_fn.graph.nodes)} "
             "nodes)"
         )
 
@@ -259,9 +259,10 @@ def _dispatch_of(a2a: fx.Node) -> fx.Node | None:
 
 
 def _is_capacity_dispatch(a2a: fx.Node) -> bool:
-    """Step 1: an einsum or mm dispatch, or an equal-split all-to-all of something other than a row gather (a
-    capacity buffer written another way, to refuse by name: GShard's grouped ``gsec`` einsum, a batched matmul)."""
-    if _dispatch_of(a2a) is not None:
+    """Step 1: an einsum, mm or sparse-route dispatch, or an equal-split all-to-all of something other than a row
+    gather (a capacity buffer written another way, to refuse by name: GShard's grouped ``gsec`` einsum, a batched
+    matmul)."""
+    if _dispatch_of(a2a) is not None or slot_dispatch(all_to_all_args(a2a).input) is not None:
         return True
     _, out_splits, in_splits, _ = all_to_all_args(a2a)
     sizes = [static_int(s) for s in (*out_splits, *in_splits)]
@@ -389,36 +390,94 @@ def _recognized_experts(dispatch: fx.Node, fn: fx.GraphModule, binding: ExpertFn
 # ----------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Form:
+    """What one dispatch form binds (steps 2-3): the tokens, the block output, the pairs and the sizes."""
+
+    send: fx.Node  # the dispatch einsum / mm / gather
+    x: fx.Node
+    back: fx.Node
+    output: fx.Node
+    pairs: MaskPairs | SlotPairs
+    num_experts: int
+    capacity: int | None
+    top_k: int
+
+
+def _mask_form(dispatch: fx.Node, combine: fx.Node, send: fx.Node) -> _Form:
+    """Steps 2-3 of an einsum or mm dispatch: the combine einsum, the masks and K."""
+    operands = _dispatch_operands(send)
+    assert operands is not None
+    mask_operand, x = operands
+    back, output, cw = _combine_side(dispatch, combine)
+    mask, num_experts, capacity, top_k = _masks(dispatch, mask_operand, cw, x, output)
+    return _Form(send=send, x=x, back=back, output=output, pairs=MaskPairs(mask, cw), num_experts=num_experts,
+                 capacity=capacity, top_k=top_k)
+
+
+def _slot_form(dispatch: fx.Node, combine: fx.Node) -> _Form:
+    """Steps 2-3 of a sparse-route dispatch (``slot_routes``): the combine's gather-and-sum, the routes' slots and
+    gates, E, C and K."""
+    sent = slot_dispatch(all_to_all_args(dispatch).input)
+    assert sent is not None
+    x, back = sent.x, wait_end(combine)
+    found = slot_combine(back, (shape_of(x) or (None,))[0])
+    if found is None:
+        raise Refusal(dispatch, f"the result of {combine.name} is not gathered back by the routes' slots and summed "
+                                "with their gates, (cat([back.view(E * C, H), zeros]).index_select(0, slots.flatten())"
+                                ".view(K, T, H) * gates.unsqueeze(-1)).sum(0), as DeepSpeed's _sparse_decode does")
+    output = found.output
+    if dtype_of(output) != dtype_of(x) and len(output.users) == 1 and is_method_call(next(iter(output.users)),
+                                                                                      *CAST_METHODS):
+        output = next(iter(output.users))  # the sum is in the gates' dtype (fp32), then cast to the tokens'
+    if tuple(shape_of(output) or ()) != tuple(shape_of(x) or ()) or dtype_of(output) != dtype_of(x):
+        raise Refusal(dispatch, f"the block output {output.name} is {dtype_of(output)}{shape_of(output)}, the tokens "
+                                f"{dtype_of(x)}{shape_of(x)}; the ring returns the tokens' type")
+    num_experts = static_int((shape_of(all_to_all_args(dispatch).input) or (None,))[0])
+    top_k = static_int((shape_of(found.slots) or (None, None))[0 if found.routes_first else 1])
+    if num_experts is None or top_k is None:
+        raise Refusal(dispatch, f"the experts ({shape_of(all_to_all_args(dispatch).input)}) or the routes per "
+                                f"token ({shape_of(found.slots)}) of {dispatch.name} are not constant")
+    pairs = SlotPairs(slots=found.slots, gates=found.gates, slot_tokens=sent.slot_tokens, capacity=sent.capacity,
+                      num_experts=num_experts, routes_first=found.routes_first)
+    capacity = sent.capacity if isinstance(sent.capacity, int) else static_int(sent.capacity)
+    return _Form(send=sent.gather, x=x, back=back, output=output, pairs=pairs, num_experts=num_experts,
+                 capacity=capacity, top_k=top_k)
+
+
+def _form(dispatch: fx.Node, combine: fx.Node) -> _Form:
+    """Steps 2-3 by the form of what the dispatch sends."""
+    send = _dispatch_of(dispatch)
+    if send is not None:
+        return _mask_form(dispatch, combine, send)
+    if slot_dispatch(all_to_all_args(dispatch).input) is not None:
+        return _slot_form(dispatch, combine)
+    sent = peel(all_to_all_args(dispatch).input, _VIEWS, VIEW_FUNCTIONS)
+    raise Refusal(dispatch, f"the equal-split all_to_all {dispatch.name} sends {getattr(sent, 'name', sent)}, "
+                            "not einsum('sec,sm->ecm', dispatch_mask, x), its mm form, nor a gather of the tokens by "
+                            "slot (GShard's grouped 'gsec' einsum and batched matmuls are not rewritten)")
+
+
 def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node,
                            weak: set[fx.Node]) -> CapacityRegion:
     group_name, group_size = all_to_all_args(dispatch).group_name, len(all_to_all_args(dispatch).output_split_sizes)
     if not isinstance(group_name, str) or all_to_all_args(combine).group_name != group_name:
         raise Refusal(dispatch, f"group names of {dispatch.name} and {combine.name} are not one constant string")
-    send = _dispatch_of(dispatch)
-    if send is None:
-        sent = peel(all_to_all_args(dispatch).input, _VIEWS, VIEW_FUNCTIONS)
-        raise Refusal(dispatch, f"the equal-split all_to_all {dispatch.name} sends {getattr(sent, 'name', sent)}, "
-                                "not einsum('sec,sm->ecm', dispatch_mask, x) nor its mm form (GShard's grouped 'gsec' "
-                                "einsum and batched matmuls are not rewritten)")
-    operands = _dispatch_operands(send)
-    assert operands is not None
-    mask_operand, x = operands
-    back, output, cw = _combine_side(dispatch, combine)
-
-    # Step 3: masks and K.
-    mask, num_experts, capacity, top_k = _masks(dispatch, mask_operand, cw, x, output)
+    # Steps 2-3: the combine, the pairs, E, C and K.
+    form = _form(dispatch, combine)
+    x, pinned = form.x, set(form.pairs.inputs().values())
 
     # Step 4: splits and placement.
     for a2a in (dispatch, combine):
         _equal_splits(dispatch, a2a, group_size)
-    e_l, rem = divmod(num_experts, group_size)
+    e_l, rem = divmod(form.num_experts, group_size)
     if rem or e_l < 1:
-        raise Refusal(dispatch, f"{num_experts} experts do not divide over {group_size} ranks")
+        raise Refusal(dispatch, f"{form.num_experts} experts do not divide over {group_size} ranks")
     if dtype_of(wait_end(dispatch)) != dtype_of(x):
         raise Refusal(dispatch, f"{dispatch.name} moves {dtype_of(wait_end(dispatch))}, the tokens are {dtype_of(x)}")
 
     # Step 5: F.
-    forbidden = ancestors([all_to_all_args(dispatch).input, mask, cw])
+    forbidden = ancestors([all_to_all_args(dispatch).input, *pinned])
     body, used, weights = slice_expert_fn(dispatch, combine, {wait_end(dispatch): "rows"}, forbidden)
     recv = wait_end(dispatch)
     assert recv in used, f"capacity_match: F of {dispatch.name} does not read the receive {recv.name}"
@@ -429,9 +488,9 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
     plan = _recognized_experts(dispatch, expert_fn, binding, e_l)
 
     # Step 6: what dies.
-    dead = dead_after_replacing(output, {x, mask, cw, *weights}, weak)
-    for role, n in (("dispatch", dispatch), ("combine", combine), ("receive", recv), ("combine result", back),
-                    ("dispatch einsum", send)):
+    dead = dead_after_replacing(form.output, {x, *pinned, *weights}, weak)
+    for role, n in (("dispatch", dispatch), ("combine", combine), ("receive", recv), ("combine result", form.back),
+                    ("dispatch buffer", form.send)):
         if n not in dead:
             users = ", ".join(u.name for u in n.users)
             raise Refusal(dispatch, f"the {role} {n.name} stays alive after the rewrite (a value of the region "
@@ -440,9 +499,10 @@ def _match_capacity_region(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.No
         if n not in dead:
             raise Refusal(dispatch, f"F's {n.name} is used outside the region")
     return CapacityRegion(
-        dispatch=dispatch, combine=combine, recv=recv, back=back, x=x, dispatch_mask=mask, combine_weights=cw,
-        output=output, weights=tuple(weights), expert_fn=expert_fn, binding=binding, plan=plan, experts_per_rank=e_l,
-        capacity=capacity, top_k=top_k, group_name=group_name, group_size=group_size, nodes=frozenset(dead),
+        dispatch=dispatch, combine=combine, recv=recv, back=form.back, x=x, pairs=form.pairs, output=form.output,
+        weights=tuple(weights), expert_fn=expert_fn, binding=binding, plan=plan, experts_per_rank=e_l,
+        capacity=form.capacity, top_k=form.top_k, group_name=group_name, group_size=group_size,
+        nodes=frozenset(dead),
     )
 
 
@@ -473,7 +533,8 @@ def find_capacity_regions(
         if dispatch in claimed or not _is_capacity_dispatch(dispatch):
             continue
         upstream = closest(upstream_collectives([all_to_all_args(dispatch).input]) & set(token_a2as))
-        if _dispatch_of(dispatch) is None and upstream - claimed:
+        if _dispatch_of(dispatch) is None and slot_dispatch(all_to_all_args(dispatch).input) is None and (
+                upstream - claimed):
             continue  # the answer to an earlier all-to-all the top-k matcher pairs (or refuses)
         combine = _partner(dispatch, token_a2as)
         claimed |= {dispatch, *([combine] if combine is not None else [])}

@@ -66,6 +66,10 @@ def _hint(size: int | torch.SymInt) -> int:
     return hint
 
 
+# The capacity a probe receive has where the region's C has no hint.
+_PROBE_CAPACITY = 3
+
+
 def _probe_weight(like: Tensor, gen: torch.Generator) -> Tensor:
     """A random weight shaped like ``like``, scaled so activations stay O(1)."""
     w = torch.randn(tuple(_hint(d) for d in like.shape), generator=gen) / max(1, _hint(like.shape[-1])) ** 0.5
@@ -125,7 +129,9 @@ def capacity_probe_error(
     device, e_l, n = weights_like[0].device, lowered.experts_per_rank, group_size
     gen = torch.Generator().manual_seed(20261201)
     weights = [_probe_weight(w, gen) for w in weights_like]
-    recv = torch.randn(tuple(_hint(d) for d in recv_like.shape), generator=gen).to(device, recv_like.dtype)
+    # C may be data-dependent (DeepSpeed's drop_tokens=False reads it from a tensor): any C proves the lowering.
+    sizes = [_hint(d) if i != 1 or size_hint(d) is not None else _PROBE_CAPACITY for i, d in enumerate(recv_like.shape)]
+    recv = torch.randn(sizes, generator=gen).to(device, recv_like.dtype)
     hidden = recv.shape[-1]
     args: list[object] = [None] * len(fn.graph.find_nodes(op="placeholder"))
     args[binding.rows] = recv

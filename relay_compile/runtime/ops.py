@@ -192,12 +192,17 @@ def ring_moe_op(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[
     """``y[t] = sum_k scores[t, k] * F_{ids[t, k]}(x[t])`` (or ``F_{ids[t, k]}(scores[t, k] * x[t])``, the
     spec's ``scores_applied``) by a ring over the spec's EP group."""
     with torch.no_grad():
-        return _run("forward", spec, x, topk_ids, topk_scores, weights)[0]
+        return _run("forward", spec, x, topk_ids, topk_scores, weights)[0].contiguous()
+
+
+# The fakes promise contiguous results whatever the inputs' strides (transposed scores, as a capacity region's
+# pairs are; weights viewed transposed), and the ops return them so: compilers check the strides a fake gives.
+_CONTIGUOUS = torch.contiguous_format
 
 
 @ring_moe_op.register_fake
 def _(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> Tensor:
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=_CONTIGUOUS)
 
 
 @torch.library.custom_op("relaymoe::ring_moe_backward", mutates_args=())
@@ -205,14 +210,14 @@ def ring_moe_backward_op(
     grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
 ) -> list[Tensor]:
     """``[dx, d_scores, *d_weights]`` of ``ring_moe``: the backward ring (recompute per hop)."""
-    return list(_run("backward", spec, x, topk_ids, topk_scores, weights, grad_y.contiguous()))
+    return [g.contiguous() for g in _run("backward", spec, x, topk_ids, topk_scores, weights, grad_y.contiguous())]
 
 
 @ring_moe_backward_op.register_fake
 def _(
     grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
 ) -> list[Tensor]:
-    return [torch.empty_like(x), torch.empty_like(topk_scores), *(torch.empty_like(w) for w in weights)]
+    return [torch.empty_like(t, memory_format=_CONTIGUOUS) for t in (x, topk_scores, *weights)]
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -92,8 +92,8 @@ class CapacityMatch(unittest.TestCase):
         self.assertEqual((shape.tokens, shape.hidden, shape.ffn, shape.top_k, shape.experts_per_rank), (S, M, F, 2, 2))
         self.assertEqual((region.group_size, region.group_name), (N, dist.group.WORLD.group_name))
         self.assertEqual(region.x.name, "reshaped_input")
-        self.assertEqual(region.dispatch_mask.name, "dispatch_mask")  # combine_weights.bool()
-        self.assertEqual(region.combine_weights.target, "type_as")  # the combine einsum's operand
+        self.assertEqual(region.pairs.dispatch_mask.name, "dispatch_mask")  # combine_weights.bool()
+        self.assertEqual(region.pairs.combine_weights.target, "type_as")  # the combine einsum's operand
         self.assertEqual(region.output.args[0], "sec,ecm->sm")
         self.assertEqual(len(region.weights), 2 * E // N)  # fc1, fc2 of each local expert
         lowered, path = choose_expert_fn(region)  # what the rewrite runs: F lowered, proven on probe inputs
@@ -102,7 +102,7 @@ class CapacityMatch(unittest.TestCase):
         self.assertTrue(path.description.startswith("gelu experts"))
         # What dies: both all-to-alls, the dispatch einsum, F, the combine; never the masks, tokens, weights.
         self.assertTrue({region.dispatch, region.combine, region.recv, region.back, region.output} <= region.nodes)
-        self.assertFalse({region.x, region.dispatch_mask, region.combine_weights, *region.weights} & region.nodes)
+        self.assertFalse({region.x, region.pairs.dispatch_mask, region.pairs.combine_weights, *region.weights} & region.nodes)
         self.assertEqual({n for n in region.nodes if is_all_to_all(n)}, {region.dispatch, region.combine})
 
     def test_finds_the_gshard_block_with_batched_experts_and_rewrites_it_to_one_ring(self) -> None:
@@ -209,15 +209,15 @@ class CapacityMatch(unittest.TestCase):
         # torch.matmul(dispatch_mask.to(x.dtype).permute(1, 2, 0), x): (E, C, S) @ (S, M).
         reason = self.refusal(capacity_variants.BatchedMatmulDispatch(M, F, E, dist.group.WORLD, seed=1))
         self.assertRegex(reason, r"^the equal-split all_to_all \w+ sends \w+, not einsum\('sec,sm->ecm', "
-                                 r"dispatch_mask, x\) nor its mm form")
+                                 r"dispatch_mask, x\), its mm form, nor a gather of the tokens by slot")
 
     def test_finds_fairseqs_mm_dispatch_and_combine(self) -> None:
         # tests.models.fairseq_style: mm(mask.permute(1, 2, 0).reshape(E*C, S), x); cw.view(S, E*C).mm(out).
         gm, regions, refused = traced(FairseqStyleMoE(M, F, E, dist.group.WORLD, capacity_factor=0.5, seed=1))
         self.assertEqual(refused, [])
         (region,) = regions
-        self.assertEqual((region.capacity, region.top_k, region.dispatch_mask.name), (3, 2, "dispatch_mask"))
-        self.assertEqual(region.combine_weights.meta["example_value"].shape, (S, E, 3))
+        self.assertEqual((region.capacity, region.top_k, region.pairs.dispatch_mask.name), (3, 2, "dispatch_mask"))
+        self.assertEqual(region.pairs.combine_weights.meta["example_value"].shape, (S, E, 3))
         self.assertIs(region.output.target, "mm")
 
     def test_refuses_a_capacity_agreed_by_all_reduce_naming_the_graph_break(self) -> None:
