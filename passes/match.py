@@ -111,6 +111,7 @@ from relay_compile.passes.roles import (
     sort_order,
     split_leaves,
     token_index,
+    unpermuted_sum,
     unflatten,
 )
 from relay_compile.runtime.cost_model import BlockShape
@@ -291,7 +292,7 @@ def _match_combine_side(
     combine: fx.Node, back: fx.Node, order: fx.Node, top_k: object, scores_before: fx.Node | None
 ) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
     """Step 4: ``(output, topk_scores, aliases)`` from ``scatter_add(zeros, order // K, back *
-    scores.flatten()[order])``, or ``scatter_add(zeros, order // K, back)`` when the dispatch applied
+    scores.flatten()[order])`` or its unpermute-and-sum form (``roles.unpermuted_sum``), or ``scatter_add(zeros, order // K, back)`` when the dispatch applied
     ``scores_before``; ``aliases``: the buffer of an in-place scatter that is read after it."""
     if scores_before is not None:
         found = _combine_scatter(combine, back, order, top_k)
@@ -310,8 +311,12 @@ def _match_combine_side(
             if found is not None:
                 assert scores is not None
                 return found[0], scores, found[1]
+    unpermuted = unpermuted_sum(back, order, top_k)
+    if unpermuted is not None:
+        return unpermuted[0], unpermuted[1], ()
     raise Refusal(combine, f"no scatter_add(zeros, order // K, {back.name} * topk_scores.flatten()[order]) "
-                           "after the combine (scores applied elsewhere, or another reduction)")
+                           "after the combine, nor buf[order] = back; (buf.view(T, K, H) * topk_scores.unsqueeze(-1))"
+                           ".sum(1) (scores applied elsewhere, or another reduction)")
 
 
 def _gathered_local_counts(exchange: fx.Node, group_name: str, group_size: int, e_l: int) -> fx.Node | None:

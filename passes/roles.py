@@ -20,13 +20,16 @@ from relay_compile.passes.fx_nodes import (
     arg,
     as_list,
     is_assert,
+    dtype_of,
     is_call,
     is_collective,
+    is_fresh,
     is_item,
     is_method_call,
     is_mutator,
     node_value,
     qualname,
+    same_size,
     shape_of,
     size_value,
 )
@@ -162,6 +165,67 @@ def as_scatter(n: fx.Node) -> Scatter | None:
     if n.op == "call_function" and qualname(n.target) == TORCHTITAN_SCATTER:
         return Scatter(node=n, target=arg(n, 0, "out"), index=arg(n, 1, "index"), src=arg(n, 2, "src"),
                         in_place=False)
+    return None
+
+
+def unsqueezed_last(n: object) -> fx.Node | None:
+    """``g`` of ``g.unsqueeze(-1)`` / ``g.unsqueeze(2)`` / ``g[..., None]`` / ``g[:, :, None]`` (g 2-D), else None."""
+    if is_method_call(n, "unsqueeze") or is_call(n, torch.unsqueeze):
+        g = n.args[0]
+        if len(shape_of(g) or ()) == 2 and arg(n, 1, "dim") in (-1, 2):
+            return g
+    if is_call(n, operator.getitem) and isinstance(n.args[1], tuple):
+        g, index = n.args
+        if len(shape_of(g) or ()) == 2 and index in ((Ellipsis, None), (slice(None), slice(None), None)):
+            return g
+    return None
+
+
+def weighted_route_sum(routed: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """``(gates, sum, dim)`` of ``(routed * gates.unsqueeze(-1)).sum(dim)``, routed ``(A, B, H)`` (each token's
+    routes along A or B), else None."""
+    for mul in routed.users:
+        if not (is_call(mul, operator.mul, torch.mul) or is_method_call(mul, "mul")) or len(mul.args) != 2:
+            continue
+        other = mul.args[1] if mul.args[0] is routed else mul.args[0]
+        gates = unsqueezed_last(peel(other, CAST_METHODS))
+        if gates is None or not (dtype_of(gates) or torch.int64).is_floating_point:
+            continue
+        for total in mul.users:
+            if is_method_call(total, "sum") or is_call(total, torch.sum):
+                dim = arg(total, 1, "dim")
+                if dim in (0, 1) and not total.kwargs.get("keepdim", False):
+                    return gates, total, int(dim)
+    return None
+
+
+def unpermuted_sum(back: fx.Node, order: fx.Node, top_k: object) -> tuple[fx.Node, fx.Node] | None:
+    """``(y, topk_scores)`` of a combine that unpermutes into a fresh buffer, then sums each token's routes
+    (transformers' ``AllToAllEP._combine_tokens``)::
+
+        buf = torch.empty_like(back); buf[order] = back              # buf[t * K + k]: the output of pair (t, k)
+        y = (buf.view(T, K, H) * topk_scores.unsqueeze(-1)).sum(dim=1)
+
+    or, the same rows, ``buf = back[argsort(order)]`` (the inverse permutation). ``order`` is the dispatch's
+    argsort, a permutation: every row of ``buf`` is written. None if not this form.
+    """
+    for value in forward_through(back, CAST_METHODS):
+        for user in value.users:
+            if is_call(user, operator.setitem) and user.args[2] is value and is_fresh(user.args[0]):
+                if peel(user.args[1], CAST_METHODS) is not order:
+                    continue
+                buffer, write = user.args[0], user
+            elif (gather := row_gather(user)) is not None and gather[0] is value and sort_order(gather[1]) is order:
+                buffer, write = user, None
+            else:
+                continue
+            for view in buffer.users:
+                shape = shape_of(view)
+                if view is write or not (is_method_call(view, *VIEW_METHODS) and shape and len(shape) == 3):
+                    continue
+                found = weighted_route_sum(view)
+                if found is not None and found[2] == 1 and same_size(shape[1], top_k):
+                    return found[1], found[0]
     return None
 
 

@@ -21,14 +21,21 @@ Legend: T tokens, H hidden, E experts, C capacity slots per expert, K routes per
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from relay_compile.passes.fx_nodes import arg, as_list, dtype_of, is_call, is_method_call, same_size, shape_of
-from relay_compile.passes.roles import VIEW_FUNCTIONS, VIEW_METHODS, is_zeros, peel, row_gather, token_index
+from relay_compile.passes.roles import (
+    VIEW_FUNCTIONS,
+    VIEW_METHODS,
+    is_zeros,
+    peel,
+    row_gather,
+    token_index,
+    weighted_route_sum,
+)
 
 __all__ = ["SlotCombine", "SlotDispatch", "slot_combine", "slot_dispatch"]
 
@@ -115,36 +122,6 @@ def _gathers_of(back: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _unsqueezed_last(n: object) -> fx.Node | None:
-    """``g`` of ``g.unsqueeze(-1)`` / ``g.unsqueeze(2)`` / ``g[..., None]`` / ``g[:, :, None]`` (g 2-D), else None."""
-    if is_method_call(n, "unsqueeze") or is_call(n, torch.unsqueeze):
-        g = n.args[0]
-        if len(shape_of(g) or ()) == 2 and arg(n, 1, "dim") in (-1, 2):
-            return g
-    if is_call(n, operator.getitem) and isinstance(n.args[1], tuple):
-        g, index = n.args
-        if len(shape_of(g) or ()) == 2 and index in ((Ellipsis, None), (slice(None), slice(None), None)):
-            return g
-    return None
-
-
-def _weighted_sum(routed: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
-    """``(gates, sum, dim)`` of ``(routed * gates.unsqueeze(-1)).sum(dim)``, routed ``(A, B, H)``, else None."""
-    for mul in routed.users:
-        if not (is_call(mul, operator.mul, torch.mul) or is_method_call(mul, "mul")) or len(mul.args) != 2:
-            continue
-        other = mul.args[1] if mul.args[0] is routed else mul.args[0]
-        gates = _unsqueezed_last(other)
-        if gates is None or not (dtype_of(gates) or torch.int64).is_floating_point:
-            continue
-        for total in mul.users:
-            if is_method_call(total, "sum") or is_call(total, torch.sum):
-                dim = arg(total, 1, "dim")
-                if dim in (0, 1) and not total.kwargs.get("keepdim", False):
-                    return gates, total, int(dim)
-    return None
-
-
 def slot_combine(back: fx.Node, tokens: object) -> SlotCombine | None:
     """The sparse-route combine of ``back`` (the reverse all-to-all's result) into ``tokens`` rows, else None."""
     for gather in _gathers_of(back):
@@ -154,7 +131,7 @@ def slot_combine(back: fx.Node, tokens: object) -> SlotCombine | None:
         if not isinstance(slots, fx.Node) or len(shape_of(slots) or ()) != 2:
             continue
         routed = next((u for u in gather.users if len(shape_of(u) or ()) == 3), None)
-        weighted = _weighted_sum(routed) if routed is not None else None
+        weighted = weighted_route_sum(routed) if routed is not None else None
         if weighted is None:
             continue
         gates, total, dim = weighted

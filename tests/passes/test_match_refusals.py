@@ -24,6 +24,7 @@ import unittest.mock
 from collections.abc import Callable
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as nnf
 
 from tests.passes.fx_graphs import (
@@ -343,20 +344,36 @@ class DispatchAndCombineRefusals(MatchTestCase):
         self.assertEqual(reason, "y_added scatters in place into y, which before also read(s) before the scatter or "
                                  "write(s) into; only reads after it can take the ring's result")
 
-    def test_refuses_a_combine_not_scattered_back_with_the_scores(self) -> None:
-        # Un-sort with the inverse permutation, then weigh and sum over K:
-        # y = (back[torch.argsort(order)].view(T, K, H) * scores[:, :, None]).sum(1).
-        def scatter(r: Region) -> None:
+    def test_an_unpermuted_combine_summed_over_k_is_found_and_a_mean_over_k_is_refused(self) -> None:
+        # transformers' AllToAllEP: buf = empty_like(back); buf[order] = back, or buf = back[argsort(order)];
+        # then y = (buf.view(T, K, H) * scores.unsqueeze(-1)).sum(1): the scatter_add's math, found as a region.
+        def unpermute(r: Region, form: str) -> fx.Node:
             b = r.b
-            unsorted = b.fn(operator.getitem, r.back, b.fn(torch.argsort, r.order))
-            weights = b.fn(operator.getitem, r.scores, (slice(None), slice(None), None))
-            weighted = b.fn(operator.mul, b.method("view", unsorted, D.T, D.K, D.H), weights)
-            r.y = b.method("sum", weighted, 1, name="y")
+            if form == "gather":
+                return b.fn(operator.getitem, r.back, b.fn(torch.argsort, r.order))
+            buf = b.fn(torch.empty_like, r.back)
+            b.fn(operator.setitem, buf, r.order, r.back)
+            return buf
 
-        gm, r = moe_graph(scatter=scatter)
-        reason = self.refusal(gm, r.combine)
-        self.assertEqual(reason, "no scatter_add(zeros, order // K, back * topk_scores.flatten()[order]) after the "
-                                 "combine (scores applied elsewhere, or another reduction)")
+        def combine(reduce: str, form: str) -> Callable[[Region], None]:
+            def scatter(r: Region) -> None:
+                b = r.b
+                weights = b.method("unsqueeze", r.scores, -1)
+                weighted = b.fn(operator.mul, b.method("view", unpermute(r, form), D.T, D.K, D.H), weights)
+                r.y = b.method(reduce, weighted, 1, name="y")
+            return scatter
+
+        for form in ("setitem", "gather"):
+            gm, r = moe_graph(scatter=combine("sum", form))
+            regions, refused = self.match(gm)
+            self.assertEqual((len(regions), refused), (1, []), form)
+            self.assertIs(regions[0].output, r.y)
+            self.assertIs(regions[0].topk_scores, r.scores)
+            gm, r = moe_graph(scatter=combine("mean", form))
+            self.assertEqual(self.refusal(gm, r.combine), (
+                "no scatter_add(zeros, order // K, back * topk_scores.flatten()[order]) after the combine, nor "
+                "buf[order] = back; (buf.view(T, K, H) * topk_scores.unsqueeze(-1)).sum(1) (scores applied elsewhere, "
+                "or another reduction)"), form)
 
     def test_refuses_top_k_scores_not_of_the_ids_shape(self) -> None:
         # The router hands back scores as (B, S, K) (ids stay (T, K)): scores = topk[0].view(B, S, K).
