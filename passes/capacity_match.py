@@ -156,6 +156,13 @@ class CapacityRegion:
         """The (id, score) pairs derived from the masks or the routes' slots (``capacity_pairs``)."""
         return self.pairs.insert(self.output, self.top_k)
 
+    def idiom(self) -> str:
+        if isinstance(self.pairs, SlotPairs):
+            form = "sparse routes: tokens gathered by slot, outputs gathered back and summed with the gates"
+        else:
+            form = "(S, E, C) masks: einsum / mm dispatch and combine"
+        return f"capacity: {form}, C {'read from a tensor' if self.capacity is None else 'constant'}"
+
     def describe(self) -> str:
         return (
             f"capacity MoE region dispatch={self.dispatch.name} combine={self.combine.name} "

@@ -45,6 +45,7 @@ from relay_compile.passes.fx_nodes import (
     is_item,
     is_method_call,
     node_value,
+    qualname,
     same_shape,
     same_size,
     shape_of,
@@ -79,7 +80,13 @@ class _Pieces:
     items: tuple[_Rows, ...]
 
 
-_Value = _Rows | _Weight | _Pieces | None  # None: opaque (indices, counts, sizes)
+@dataclass(frozen=True)
+class _Ones:
+    """An opaque tensor of ones (``ones_like``, ``new_ones``), through views and gathers: scaling rows by it is
+    no scaling (transformers' experts take per-row weights, and its EP hands them ones)."""
+
+
+_Value = _Rows | _Weight | _Pieces | _Ones | None  # None: opaque (indices, counts, sizes)
 
 _CAST_METHODS = {"bfloat16": torch.bfloat16, "float": torch.float32, "half": torch.float16, "double": torch.float64}
 _MOVE_METHODS = ("contiguous", "clone")
@@ -87,6 +94,18 @@ _FRESH_BUFFERS = ("new_empty", "new_zeros", "empty_like", "zeros_like")
 _ACTIVATIONS = {nnf.silu: "silu", nnf.relu: "relu", torch.relu: "relu"}
 # Reading a tensor's metadata is opaque: it decides sizes, not a row's content.
 _METADATA_METHODS = ("size", "dim", "numel", "stride", "get_device")
+# Grouped GEMMs ``op(rows, stacked_weights, offs=...)``: torch's, and the fallback op transformers registers for
+# the dtypes and devices torch._grouped_mm does not cover (its ``grouped_mm_experts_forward``).
+_GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
+_ONES_VIEWS = ("view", "reshape", "unsqueeze", "expand", "expand_as", "flatten", "to", "float", "contiguous")
+
+
+def _sums_size_one(n: fx.Node) -> bool:
+    """``t.sum(dim)`` over a dimension of size 1 (no keepdim): a view, content-wise."""
+    dim, shape = arg(n, 1, "dim"), shape_of(n.args[0])
+    if not isinstance(dim, int) or shape is None or n.kwargs.get("keepdim", False) or len(n.args) > 2:
+        return False
+    return len(shape) >= 3 and shape[dim] == 1 and shape[-1] == (shape_of(n) or (None,))[-1]
 
 
 def _ndim(n: object) -> int:
@@ -187,7 +206,12 @@ class _Interpreter:
     def step(self, n: fx.Node) -> _Value:
         args = [self.value(a) for a in n.args] + [self.value(a) for a in n.kwargs.values()]
         lists = [self.value(x) for a in n.args if isinstance(a, (list, tuple)) for x in a]
-        if all(v is None for v in args + lists):
+        if is_call(n, torch.ones_like, torch.ones) or is_method_call(n, "new_ones"):
+            return _Ones()
+        if n.args and isinstance(self.value(n.args[0]), _Ones):
+            moves = is_method_call(n, *_ONES_VIEWS) or is_call(n, operator.getitem, torch.reshape, torch.unsqueeze)
+            return _Ones() if moves else None
+        if all(v is None or isinstance(v, _Ones) for v in args + lists):
             return None  # index / size arithmetic: decides where rows go, not what they hold
         if is_call(n, torch.einsum, torch.functional.einsum):
             return self.batched_einsum(n)
@@ -318,8 +342,14 @@ class _Interpreter:
             return _Pieces(tuple(_Rows(("chunk", i, 2, r.expr), r.expert) for i in range(2)))
         if is_method_call(n, "chunk") or is_call(n, torch.chunk):
             return self.expert_chunks(n, r)
-        if is_call(n, torch._grouped_mm):
+        if is_call(n, torch._grouped_mm) or n.op == "call_function" and qualname(n.target) in _GROUPED_MM_OPS:
             return self.gemm(n, r, self.value(n.args[1]), grouped=True)
+        if is_method_call(n, "masked_fill", "masked_fill_") and self.value(n.args[1]) is None and n.args[2] == 0:
+            # Rows an index marks (a sentinel for padding rows, ``ids >= E_l``) are zeroed: rows the ExpertFn
+            # contract never hands F; the lowering's probe proves F unchanged without it.
+            return r
+        if (is_method_call(n, "sum") or is_call(n, torch.sum)) and _sums_size_one(n):
+            return r  # view(R, 1, H).sum(1): each row's one route (transformers' top-1 sum on the experts' side)
         if is_call(n, torch.nn.functional.linear, torch._C._nn.linear):
             out = self.gemm(n, r, self.value(arg(n, 1, "weight")), grouped=False, linear=True)
             bias = arg(n, 2, "bias")
@@ -462,6 +492,10 @@ class _Interpreter:
 
     def product(self, n: fx.Node) -> _Rows:
         a, b = self.value(n.args[0]), self.value(n.args[1])
+        for rows, other in ((a, b), (b, a)):
+            if isinstance(rows, _Rows) and isinstance(other, _Ones) and same_shape(shape_of(n), shape_of(
+                    n.args[0] if rows is a else n.args[1])):
+                return rows  # rows * ones
         if not (isinstance(a, _Rows) and isinstance(b, _Rows)):
             raise NotAnFFN(f"{describe(n)} scales rows by something other than rows (a constant or a score)")
         experts = {a.expert, b.expert}

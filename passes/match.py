@@ -168,6 +168,12 @@ class MoERegion:
     # F reads a hop's rows with their counts and splits: it can run per hop as it is.
     experts_input: ExpertsInput = "rows"
 
+    def idiom(self) -> str:
+        exchange = "all_to_all" if is_all_to_all(self.counts_exchange) else "all_gather"
+        combine = "unpermute, then sum over K" if self.output.target in ("sum", torch.sum) else "scatter-add"
+        dispatch = "x[order // K] * scores" if self.scores_applied == "before" else "x[order // K]"
+        return f"top-k: dispatch {dispatch}, counts by {exchange}, combine {combine}"
+
     def inputs(self) -> dict[str, fx.Node]:
         return {"topk_ids": self.topk_ids, "topk_scores": self.topk_scores}
 

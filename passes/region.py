@@ -52,6 +52,10 @@ class Region(Protocol):
         """Sizes of the block on this rank, from the nodes' fake values."""
         ...
 
+    def idiom(self) -> str:
+        """The dispatch, counts and combine forms recognized, in words (the report's ``idiom``)."""
+        ...
+
     def describe(self) -> str:
         """One line naming the region's nodes and sizes, for logs and errors."""
         ...

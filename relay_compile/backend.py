@@ -135,6 +135,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring,
         )
+        entry.idiom = region.idiom()
         try:
             _apply(scope, region, opts, entry, dump, i, rewrite)
         except Refusal as r:  # experts the ring cannot run: raised before the graph changed

@@ -51,6 +51,7 @@ class RegionReport:
     # How the experts run at each hop: "grouped: <what F was recognized as>", "compiled (<inner compiler>): <what
     # was compiled, and why F is not grouped>" or "eager: <why neither>".
     experts: str = ""
+    idiom: str = ""  # the dispatch / combine forms the matcher recognized (``Region.idiom``)
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
