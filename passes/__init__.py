@@ -27,7 +27,13 @@ from relay_compile.runtime.region_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
-from relay_compile.passes.rewrite import keep_all_to_all, kept_at_compile_time, moe_ring_pass, rewrite_moe_region
+from relay_compile.passes.rewrite import (
+    guard_refused,
+    keep_all_to_all,
+    kept_at_compile_time,
+    moe_ring_pass,
+    rewrite_moe_region,
+)
 
 __all__ = [
     "CapacityRegion",
@@ -41,5 +47,6 @@ __all__ = [
     "moe_ring_pass",
     "rewrite_moe_region",
     "keep_all_to_all",
+    "guard_refused",
     "kept_at_compile_time",
 ]

@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from relay_compile.passes.expert_lowering import LoweredFFN, choose_expert_fn
-from relay_compile.passes.fx_nodes import node_value
+from relay_compile.passes.fx_nodes import all_to_all_args, arg, is_all_to_all, node_value, upstream_collectives
 from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
@@ -52,7 +52,7 @@ from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["moe_ring_pass", "region_fn_name", "rewrite_moe_region"]
+__all__ = ["guard_refused", "moe_ring_pass", "region_fn_name", "rewrite_moe_region"]
 
 ExpertFns = RegionExpertFn | LoweredFFN | CompiledExpertFn
 
@@ -245,6 +245,35 @@ def keep_all_to_all(gm: fx.GraphModule, region: Region) -> fx.Node:
     gm.graph.lint()
     gm.recompile()
     return kept
+
+
+def guard_refused(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """Put a refused region's first collective behind ``relaymoe::kept_all_to_all``, as ``keep_all_to_all`` does
+    for a kept one: ``node`` (a token all-to-all the matcher or the rewrite refused) and the collectives its
+    input comes from on its group (the counts exchange) run once every rank of the group is known to run the
+    all-to-all too. A rank whose graph differs (a graph break, a warning on that rank only) may refuse a region
+    that the others rewrite: its exchange then meets their ring op's, and every rank raises ``RingInputError``
+    instead of one waiting in an all-to-all the others never join. Returns the new node; None where the first
+    collective is already guarded (two refusals of one block) or reads no tensor.
+    """
+    group = all_to_all_args(node).group_name
+    same_group = [c for c in upstream_collectives(node.all_input_nodes) if _group_of(c) == group]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = min([node, *same_group], key=order.__getitem__)
+    source = next((a for a in first.all_input_nodes if isinstance(a.meta.get("example_value"), Tensor)), None)
+    if source is None or source.target is KEPT_ALL_TO_ALL or not isinstance(group, str):
+        return None
+    with gm.graph.inserting_before(first):
+        kept = gm.graph.create_node("call_function", KEPT_ALL_TO_ALL, (source, group, True), name="kept_all_to_all")
+    kept.meta["example_value"] = kept.meta["val"] = source.meta["example_value"]
+    first.replace_input_with(source, kept)
+    gm.graph.lint()
+    gm.recompile()
+    return kept
+
+
+def _group_of(collective: fx.Node) -> object:
+    return all_to_all_args(collective).group_name if is_all_to_all(collective) else arg(collective, 2, "group_name")
 
 
 def moe_ring_pass(

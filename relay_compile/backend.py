@@ -39,8 +39,15 @@ import torch.fx as fx
 from torch._logging import trace_structured
 
 from relay_compile.options import Options, resolve
-from relay_compile.passes import find_moe_regions, keep_all_to_all, kept_at_compile_time, rewrite_moe_region
+from relay_compile.passes import (
+    find_moe_regions,
+    guard_refused,
+    keep_all_to_all,
+    kept_at_compile_time,
+    rewrite_moe_region,
+)
 from relay_compile.passes.expert_lowering import choose_expert_fn
+from relay_compile.passes.fx_nodes import is_all_to_all
 from relay_compile.passes.refusals import Refusal
 from relay_compile.passes.region import Region
 from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
@@ -140,7 +147,12 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
             _apply(scope, region, opts, entry, dump, i, rewrite)
         except Refusal as r:  # experts the ring cannot run: raised before the graph changed
             entry.status, entry.reason = "refused", r.reason
+            refused.append((scope, r.record()))
         report.regions.append(entry)
+    if rewrite:  # what runs its all-to-alls checks that every rank does (a rank whose graph differs may not)
+        for scope, r in refused:
+            if is_all_to_all(r.node):
+                guard_refused(scope.module, r.node)
     report.pass_seconds["rewrite"] = time.perf_counter() - start
     if rewrite:
         dump.write("1_rewritten_graph.py", gm.print_readable(False),

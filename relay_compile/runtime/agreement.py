@@ -133,7 +133,7 @@ class Claims:
     scores_before: bool = False
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
     cuda: bool = False
-    kept: bool = False  # the region kept its all-to-all at compile time (``agree_kept``)
+    kept: int = 0  # 1: the region kept its all-to-all at compile time, 2: it was refused (``agree_kept``)
 
     def header(self, counts_len: int) -> list[int]:
         if self.problem is None:
@@ -395,19 +395,35 @@ def _check_direction(table: list[list[int]]) -> None:
         "are out of step"))
 
 
+_KEPT = ("runs the region as a ring", "kept the region's all-to-all (the cost model)",
+         "runs the region's all-to-alls (its graph of the block was refused)")
+
+
 def _check_kept(table: list[list[int]]) -> None:
-    _check_column(table, "kept", ("runs the region as a ring", "kept the region's all-to-all"), (
-        "relaymoe: rank {rank} {mine} while rank 0 {first}: the backend decided at compile time from each rank's "
-        "static token count, and the ranks' counts fall on both sides of the cost model's threshold. Give every "
-        "rank the same token count, mark the token dimension dynamic (then the ranks decide together at every "
-        "call), or pass options={{'ring': 'always'}}"))
+    col = _AT["kept"]
+    for rank, row in enumerate(table):
+        if row[col] == table[0][col]:
+            continue
+        mine, first = _KEPT[row[col]], _KEPT[table[0][col]]
+        if 2 in (row[col], table[0][col]):
+            raise RingInputError(
+                f"relaymoe: rank {rank} {mine} while rank 0 {first}: the ranks compiled different graphs of this "
+                "MoE block (a graph break, a warning or a branch on some ranks only; the refusing rank's report "
+                "says why). Make every rank trace the same code: TORCH_LOGS=graph_breaks on each rank shows "
+                "where they differ")
+        raise RingInputError(
+            f"relaymoe: rank {rank} {mine} while rank 0 {first}: the backend decided at compile time from each "
+            "rank's static token count, and the ranks' counts fall on both sides of the cost model's threshold. "
+            "Give every rank the same token count, mark the token dimension dynamic (then the ranks decide "
+            "together at every call), or pass options={'ring': 'always'}")
 
 
-def agree_kept(ring: RingGroup, device: torch.device) -> None:
-    """The exchange of a region that kept its all-to-all at compile time (``relaymoe::kept_all_to_all``), before
-    the region's first collective: every rank must have kept it (a rank that runs the ring instead is in the
-    same exchange from its op, and both raise ``RingInputError``). Reports a previous ring's failure alike."""
-    claims = Claims(kept=True)
+def agree_kept(ring: RingGroup, device: torch.device, refused: bool = False) -> None:
+    """The exchange of a region that runs its all-to-alls (``relaymoe::kept_all_to_all``), before the region's
+    first collective: kept at compile time by the cost model, or (``refused``) not rewritten at all. Every rank
+    must have done the same (a rank that runs the ring instead is in the same exchange from its op, and all
+    raise ``RingInputError``). Reports a previous ring's failure alike."""
+    claims = Claims(kept=2 if refused else 1)
     no_counts = torch.zeros(0, dtype=torch.int64, device=device)
     table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
     _check(ring, claims, table)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -112,11 +113,24 @@ def non_empty_branches() -> Iterator[None]:
         SymNodeVariable.evaluate_expr = original  # type: ignore[method-assign]
 
 
+# Logging calls Dynamo runs after the graph instead of breaking it there (its own setting, the set torch.export
+# uses): a warning or a print inside an MoE block, on one rank or all, would otherwise split the block. What it
+# changes: the message is emitted when the graph has run, so a tensor it formats shows its value at the end of
+# the graph (a tensor mutated after the call prints mutated); a call with other arguments than tensors, constants
+# and format strings (a size, a SymInt) still breaks the graph.
+LOGGING_FUNCTIONS = frozenset({
+    print, warnings.warn, logging.debug, logging.info, logging.warning, logging.error, logging.critical,
+    logging.exception, logging.log,
+})
+
+
 @contextlib.contextmanager
 def dynamo_settings() -> Iterator[None]:
-    """A fresh context that sets ``DYNAMO_SETTINGS`` and ``non_empty_branches`` and restores the previous
-    values on exit."""
-    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), non_empty_branches():
+    """A fresh context that sets ``DYNAMO_SETTINGS``, adds ``LOGGING_FUNCTIONS`` to Dynamo's reorderable ones and
+    enters ``non_empty_branches``; restores the previous values on exit."""
+    logging_functions = set(torch._dynamo.config.reorderable_logging_functions) | LOGGING_FUNCTIONS
+    with torch._dynamo.config.patch(**DYNAMO_SETTINGS, reorderable_logging_functions=logging_functions), \
+            non_empty_branches():
         yield
 
 

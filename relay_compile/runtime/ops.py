@@ -241,21 +241,22 @@ def _backward(ctx, grad_y: Tensor):
 ring_moe_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("relaymoe::kept_all_to_all", mutates_args=())
-def kept_all_to_all_op(t: Tensor, group_name: str) -> Tensor:
-    """A copy of ``t``, the input of a kept region's first collective, once every rank of the group is known to
-    have kept the region's all-to-all too (``agreement.agree_kept``; ``RingInputError`` on every rank if not)."""
+def kept_all_to_all_op(t: Tensor, group_name: str, refused: bool = False) -> Tensor:
+    """A copy of ``t``, the input of the first collective of a region that runs its all-to-alls (kept by the
+    cost model, or ``refused``), once every rank of the group is known to do the same
+    (``agreement.agree_kept``; ``RingInputError`` on every rank if not)."""
     ring = RingGroup.resolve(group_name)
     if ring.size > 1:
-        agree_kept(ring, t.device)
+        agree_kept(ring, t.device, refused)
     return t.clone()
 
 
 @kept_all_to_all_op.register_fake
-def _(t: Tensor, group_name: str) -> Tensor:
+def _(t: Tensor, group_name: str, refused: bool = False) -> Tensor:
     return torch.empty_like(t)
 
 
-kept_all_to_all_op.register_autograd(lambda ctx, grad: (grad, None))
+kept_all_to_all_op.register_autograd(lambda ctx, grad: (grad, None, None))
 
 # The ops' overloads: what the rewrite pass inserts into Dynamo graphs.
 RING_MOE = torch.ops.relaymoe.ring_moe.default

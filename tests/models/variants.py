@@ -7,6 +7,8 @@ steps (``relay_compile.reference``), so everything but the one unsupported featu
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -37,6 +39,31 @@ def a2a_moe_graph_break(x_TH, ids_TK, scores_TK, w1, w2, w3, *, group):
     order_P, send_PH, counts_NL, send_splits, recv_splits = _dispatch(x_TH, ids_TK, w1, group)
     recv_RH = _dispatch_tokens(send_PH, send_splits, recv_splits, group)
     torch._dynamo.graph_break()
+    out_RH = local_experts(recv_RH, counts_NL, w1, w2, w3, use_grouped_mm=False)
+    back_PH = _combine_tokens(out_RH, send_splits, recv_splits, group)
+    return _weighted_combine(back_PH, order_P, scores_TK)
+
+
+def a2a_moe_breaks_on_rank_0(x_TH, ids_TK, scores_TK, w1, w2, w3, *, group):
+    """A graph break between the two all-to-alls on rank 0 only (a debugging hook on one rank): rank 0's
+    graphs hold half a region each, the other ranks' the whole block."""
+    order_P, send_PH, counts_NL, send_splits, recv_splits = _dispatch(x_TH, ids_TK, w1, group)
+    recv_RH = _dispatch_tokens(send_PH, send_splits, recv_splits, group)
+    if dist.get_rank(group) == 0:
+        torch._dynamo.graph_break()
+    out_RH = local_experts(recv_RH, counts_NL, w1, w2, w3, use_grouped_mm=False)
+    back_PH = _combine_tokens(out_RH, send_splits, recv_splits, group)
+    return _weighted_combine(back_PH, order_P, scores_TK)
+
+
+def a2a_moe_warns_on_rank_0(x_TH, ids_TK, scores_TK, w1, w2, w3, *, group):
+    """A ``warnings.warn`` and a ``print`` between the two all-to-alls on rank 0 only (Dynamo breaks the graph
+    at each, by default)."""
+    order_P, send_PH, counts_NL, send_splits, recv_splits = _dispatch(x_TH, ids_TK, w1, group)
+    recv_RH = _dispatch_tokens(send_PH, send_splits, recv_splits, group)
+    if dist.get_rank(group) == 0:
+        warnings.warn("rank 0 received its tokens", stacklevel=1)
+        print("rank 0: the experts run on rows of", recv_RH.dtype)  # a size (a SymInt) would still break
     out_RH = local_experts(recv_RH, counts_NL, w1, w2, w3, use_grouped_mm=False)
     back_PH = _combine_tokens(out_RH, send_splits, recv_splits, group)
     return _weighted_combine(back_PH, order_P, scores_TK)
