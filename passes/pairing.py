@@ -60,13 +60,37 @@ def _why_unpaired(n: fx.Node, token_a2as: list[fx.Node]) -> str:
     if partner is not None:
         return (f"{partner.name} answers it, but with splits that are not its swapped ones (the combine sends "
                 "back what the dispatch received: output_split_sizes = the dispatch's input_split_sizes)")
-    if not torch._dynamo.utils.counters.get("graph_break"):
+    if not torch._dynamo.utils.counters.get("graph_break") and not _recorded_breaks():
         # Not proof: a frame Dynamo skips (a function it declines inside a context manager, nested breaks) is
         # not counted, so the reason says how to look.
         return ("Dynamo counted no graph break: unless TORCH_LOGS=graph_breaks shows one it did not count (a "
                 "frame skipped inside a context manager), the block is whole and this all-to-all is not one of "
                 "an MoE block's pair, or its partner is reached through a dataflow the matcher does not follow")
     return f"the region is probably split by a graph break ({_graph_break_hint()})"
+
+
+# The smallest edit for the graph breaks Dynamo's settings cannot avoid, by what Dynamo's reason says.
+_EDITS = (
+    ("Data-dependent branching", "write the condition with torch.fx.experimental.symbolic_shapes.guard_or_false "
+                                 "(or guard_or_true): the general path then runs for every size"),
+    ("reorder a debugging function", "log constants, tensors or format strings only (a size formatted into the "
+                                     "message breaks the graph)"),
+    ("marked as skipped", "move the call out of the MoE block, or wrap it as a custom op"),
+    ("context manager", "move the context manager out of the MoE block, or remove the break inside it"),
+)
+
+
+def _recorded_breaks() -> list[str]:
+    """Dynamo's latest graph breaks (``torch._dynamo.utils.graph_break_reasons``), each as ``file:line: why;
+    edit: <the smallest edit>``; oldest first."""
+    out = []
+    for record in list(torch._dynamo.utils.graph_break_reasons)[-3:]:
+        frame = record.user_stack[-1] if record.user_stack else None
+        where = f"{frame.filename}:{frame.lineno}" if frame is not None else "<unknown>"
+        why = next((line.strip() for line in record.reason.splitlines() if line.strip()), "")
+        edit = next((e for key, e in _EDITS if key in record.reason), None)
+        out.append(f"{where}: {why}" + (f" (edit: {edit})" if edit else ""))
+    return out
 
 
 def _graph_break_hint() -> str:
@@ -82,8 +106,8 @@ def _graph_break_hint() -> str:
     else:
         hint = ("inside the dispatcher: a Python branch on a received size, .cpu() or a print; no rewrite is "
                 "possible without editing the model")
-    # Dynamo counts each graph break by its reason (file:line and why): the latest are the likeliest.
-    reasons = list(torch._dynamo.utils.counters.get("graph_break", {}))[-3:]
+    # The latest breaks, with their file:line, are the likeliest; the counters' keys where none was recorded.
+    reasons = _recorded_breaks() or list(torch._dynamo.utils.counters.get("graph_break", {}))[-3:]
     if reasons:
         hint += f"; Dynamo's latest graph breaks: {'; '.join(reasons)}"
     return hint + "; TORCH_LOGS=graph_breaks shows each break with its line"
