@@ -87,8 +87,9 @@ def _compile_inner(opts: Options, gm: fx.GraphModule, example_inputs: list[Any])
         return _inner_compiler(opts.inner_compiler)(gm, example_inputs)
 
 
-def _compare_outputs(got: Sequence[Any], want: Sequence[Any], graph: str) -> None:
-    """Raise if a tensor output of the rewritten graph differs from the original beyond its dtype's rounding."""
+def _compare_outputs(got: Sequence[Any], want: Sequence[Any], graph: str, note: str = "") -> None:
+    """Raise if a tensor output of the rewritten graph differs from the original beyond its dtype's rounding;
+    ``note`` ends the message."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if not isinstance(w, torch.Tensor) or not w.is_floating_point():
             continue
@@ -98,25 +99,49 @@ def _compare_outputs(got: Sequence[Any], want: Sequence[Any], graph: str) -> Non
             raise RuntimeError(
                 f"relaymoe verify: output {i} of {graph} differs from the original graph: max relative error "
                 f"{err:.3e} > {tol:.0e}. Run with options={{'dump_dir': ...}} and compare the dumped graphs; "
-                "report it with the dump"
+                f"report it with the dump{note}"
             )
 
 
-def _verifying(compiled: Callable, original: fx.GraphModule, graph: str) -> Callable:
-    """``compiled``, whose first call also runs ``original`` on the same inputs and compares outputs."""
+def _draws_random(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` samples random numbers (dropout, a gate's noise or sampling)."""
+    return any(n.op in ("call_function", "call_method") and any(
+        word in str(getattr(n.target, "__name__", n.target)) for word in _RANDOM) for n in gm.graph.nodes)
+
+
+_RANDOM = ("rand", "bernoulli", "dropout", "uniform", "normal", "multinomial", "exponential", "gumbel")
+
+
+def _verifying(compiled: Callable, original: fx.GraphModule, graph: str, inner_compiler: str) -> Callable:
+    """``compiled``, whose first call also runs ``original`` on the same inputs and compares outputs. A graph
+    that draws random numbers is run from the RNG state the compiled call started from (``aot_eager`` and
+    ``eager`` draw as the original does; inductor draws otherwise, so a mismatch there may be the draws)."""
     pending = [True]
+    random = _draws_random(original)
+    note = "" if not random or inner_compiler != "inductor" else (
+        ". The graph draws random numbers, which inductor draws differently from the original: verify with "
+        "options={'inner_compiler': 'aot_eager'}")
 
     def run(*args: Any) -> Any:
+        if not pending:
+            return compiled(*args)
+        pending.clear()
+        start = torch.random.get_rng_state()
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        start_cuda = torch.cuda.get_rng_state_all() if cuda else None
         out = compiled(*args)
-        if pending:
-            pending.clear()
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else [], enabled=random):
+            if random:
+                torch.random.set_rng_state(start)
+                if start_cuda is not None:
+                    torch.cuda.set_rng_state_all(start_cuda)
             with torch.no_grad():
                 want = original(*args)
-            _compare_outputs(
-                out if isinstance(out, (list, tuple)) else [out],
-                want if isinstance(want, (list, tuple)) else [want], graph,
-            )
-            log.info("relaymoe verify: %s matches the original graph", graph)
+        _compare_outputs(
+            out if isinstance(out, (list, tuple)) else [out],
+            want if isinstance(want, (list, tuple)) else [want], graph, note,
+        )
+        log.info("relaymoe verify: %s matches the original graph", graph)
         return out
 
     return run
@@ -202,7 +227,7 @@ def relaymoe_backend(
     _REPORTS.append(report)
     compiled = _compile_inner(opts, gm, example_inputs)
     if original is not None and any(r.status == "rewritten" for r in report.regions):
-        return _verifying(compiled, original, graph)
+        return _verifying(compiled, original, graph, opts.inner_compiler)
     return compiled
 
 
