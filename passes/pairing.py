@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from relay_compile.passes.fx_nodes import all_to_all_args, closest, upstream_collectives
 from relay_compile.passes.refusals import RefusedRegion
+from relay_compile.runtime import grouped_linear
 
 __all__ = ["pair_token_all_to_alls"]
 
@@ -110,4 +111,6 @@ def _graph_break_hint() -> str:
     reasons = _recorded_breaks() or list(torch._dynamo.utils.counters.get("graph_break", {}))[-3:]
     if reasons:
         hint += f"; Dynamo's latest graph breaks: {'; '.join(reasons)}"
+    if grouped_linear.UNSEEN:  # a Transformer Engine GroupedLinear the backend could not see through
+        hint += f"; Transformer Engine's forward kept (a graph break by design): {'; '.join(grouped_linear.UNSEEN[-3:])}"
     return hint + "; TORCH_LOGS=graph_breaks shows each break with its line"

@@ -11,9 +11,13 @@ from typing import Any
 from relay_compile import config
 from relay_compile.ring_moe import ring_moe, ring_moe_experts
 from relay_compile.runtime.agreement import RingInputError
+from relay_compile.runtime.grouped_linear import register_grouped_linear
 from relay_compile.runtime.transport import RingPeerError, RingTransportError
 
-__all__ = ["RingInputError", "RingPeerError", "RingTransportError", "config", "explain", "ring_moe", "ring_moe_experts"]
+__all__ = [
+    "RingInputError", "RingPeerError", "RingTransportError", "config", "explain", "register_grouped_linear",
+    "ring_moe", "ring_moe_experts",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch._dynamo import eval_frame
 
+from relay_compile.runtime.grouped_linear import grouped_linears_seen_through
+
 log = logging.getLogger(__name__)
 
 # Dynamo config values the backend runs under (and nothing else): split sizes read on the host become
@@ -126,11 +128,12 @@ LOGGING_FUNCTIONS = frozenset({
 
 @contextlib.contextmanager
 def dynamo_settings() -> Iterator[None]:
-    """A fresh context that sets ``DYNAMO_SETTINGS``, adds ``LOGGING_FUNCTIONS`` to Dynamo's reorderable ones and
-    enters ``non_empty_branches``; restores the previous values on exit."""
+    """A fresh context that sets ``DYNAMO_SETTINGS``, adds ``LOGGING_FUNCTIONS`` to Dynamo's reorderable ones,
+    enters ``non_empty_branches`` and ``grouped_linear.grouped_linears_seen_through`` (Transformer Engine's
+    GroupedLinear traceable); restores the previous values on exit."""
     logging_functions = set(torch._dynamo.config.reorderable_logging_functions) | LOGGING_FUNCTIONS
     with torch._dynamo.config.patch(**DYNAMO_SETTINGS, reorderable_logging_functions=logging_functions), \
-            non_empty_branches():
+            non_empty_branches(), grouped_linears_seen_through():
         yield
 
 

@@ -13,7 +13,9 @@ Modelled on megatron-core's ``MoEAlltoAllTokenDispatcher`` + ``SequentialMLP`` (
 
 With ``counts_in_experts`` the expert side is megatron-core's ``sort_chunks_by_idxs`` + ``SequentialMLP``: rows
 sorted expert-major, split by ``tokens_per_expert.tolist()`` (the experts read this rank's columns of the gathered
-counts as a tensor), sorted back.
+counts as a tensor), sorted back. With ``grouped_linear`` (a class with Transformer Engine's ``GroupedLinear``
+interface: TE's own on CUDA, ``tests.models.te_grouped_linear`` on CPU) it is ``TEGroupedMLP``: ``linear_fc1`` and
+``linear_fc2`` hold the local experts' weights (``weight{i}``) and run over ``tokens_per_expert.tolist()``.
 
 y[t] = sum_k score[t, k] * expert_{ids[t, k]}(x[t]); rank r owns experts [r*E_l, (r+1)*E_l).
 
@@ -63,7 +65,8 @@ class MegatronStyleMoE(nn.Module):
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group: dist.ProcessGroup,
-                 *, seed: int = 0, bias: bool = False, counts_in_experts: bool = False) -> None:
+                 *, seed: int = 0, bias: bool = False, counts_in_experts: bool = False,
+                 grouped_linear: type[nn.Module] | None = None, **grouped_linear_kwargs: object) -> None:
         super().__init__()
         self.counts_in_experts = counts_in_experts
         self.group = group
@@ -76,6 +79,19 @@ class MegatronStyleMoE(nn.Module):
         self.router = router
         lo = self.ep_rank * self.num_local_experts
         self.local_experts = nn.ModuleList(experts[lo:lo + self.num_local_experts])
+        self.grouped = grouped_linear is not None
+        if grouped_linear is not None:  # megatron-core's TEGroupedMLP: the local experts' weights in two modules
+            self.counts_in_experts = True
+            self.linear_fc1, self.linear_fc2 = (
+                grouped_linear(self.num_local_experts, n_in, n_out, bias=bias, **grouped_linear_kwargs)
+                for n_in, n_out in ((dim, 2 * hidden), (hidden, dim)))
+            with torch.no_grad():
+                for i, expert in enumerate(self.local_experts):
+                    for mine, theirs in ((self.linear_fc1, expert.linear_fc1), (self.linear_fc2, expert.linear_fc2)):
+                        getattr(mine, f"weight{i}").copy_(theirs.weight)
+                        if bias:
+                            getattr(mine, f"bias{i}").copy_(theirs.bias)
+            del self.local_experts
 
     @staticmethod
     def build_all(dim: int, hidden: int, num_experts: int, seed: int,
@@ -140,7 +156,12 @@ class MegatronStyleMoE(nn.Module):
         N, El = self.ep_size, self.num_local_experts
         x_RH = torch.cat([chunks[s * El + e] for e in range(El) for s in range(N)])
         tokens_per_expert_El = counts_NEl.sum(dim=0)
-        rows_per_expert = torch.split(x_RH, tokens_per_expert_El.tolist())
-        outs = [expert(x_e) for expert, x_e in zip(self.local_experts, rows_per_expert)]
-        parts = torch.split(torch.cat(outs), [chunk_sizes[s * El + e] for e in range(El) for s in range(N)])
+        if self.grouped:  # TEGroupedMLP: GroupedLinear fc1 -> GLU -> GroupedLinear fc2 over tokens_per_expert
+            tokens_per_expert = tokens_per_expert_El.tolist()
+            gate_RF, up_RF = self.linear_fc1(x_RH, tokens_per_expert).chunk(2, dim=-1)
+            out_RH = self.linear_fc2(nnf.silu(gate_RF) * up_RF, tokens_per_expert)
+        else:
+            rows_per_expert = torch.split(x_RH, tokens_per_expert_El.tolist())
+            out_RH = torch.cat([expert(x_e) for expert, x_e in zip(self.local_experts, rows_per_expert)])
+        parts = torch.split(out_RH, [chunk_sizes[s * El + e] for e in range(El) for s in range(N)])
         return torch.cat([parts[e * N + s] for s in range(N) for e in range(El)])
