@@ -66,7 +66,8 @@ class MegatronStyleMoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group: dist.ProcessGroup,
                  *, seed: int = 0, bias: bool = False, counts_in_experts: bool = False,
-                 grouped_linear: type[nn.Module] | None = None, **grouped_linear_kwargs: object) -> None:
+                 grouped_linear: type[nn.Module] | None = None, counts_exchange: str = "all_gather",
+                 **grouped_linear_kwargs: object) -> None:
         super().__init__()
         self.counts_in_experts = counts_in_experts
         self.group = group
@@ -80,6 +81,7 @@ class MegatronStyleMoE(nn.Module):
         lo = self.ep_rank * self.num_local_experts
         self.local_experts = nn.ModuleList(experts[lo:lo + self.num_local_experts])
         self.grouped = grouped_linear is not None
+        self.counts_exchange = counts_exchange
         if grouped_linear is not None:  # megatron-core's TEGroupedMLP: the local experts' weights in two modules
             self.counts_in_experts = True
             self.linear_fc1, self.linear_fc2 = (
@@ -113,11 +115,14 @@ class MegatronStyleMoE(nn.Module):
         routing_map_TE = torch.zeros(T, E, dtype=torch.bool, device=x_TH.device).scatter(1, ids_TK, True)
         num_local_tokens_per_expert_E = routing_map_TE.sum(dim=0)
 
-        # Counts exchange: all_gather of per-expert counts (Megatron), not an all-to-all.
-        num_global_tokens_per_expert_NE = _all_gather(
-            num_local_tokens_per_expert_E, gather_dim=0, group=self.group).view(N, E)
-        lo = self.ep_rank * El
-        num_global_tokens_per_local_expert_NEl = num_global_tokens_per_expert_NE[:, lo:lo + El]
+        if self.counts_exchange == "all_to_all":  # for the stand-in group of simulated EP (bench), which mirrors
+            num_global_tokens_per_local_expert_NEl = funcol.all_to_all_single(  # all-to-alls, not all-gathers
+                num_local_tokens_per_expert_E, None, None, self.group).view(N, El)
+        else:  # Counts exchange: all_gather of per-expert counts (Megatron), not an all-to-all.
+            num_global_tokens_per_expert_NE = _all_gather(
+                num_local_tokens_per_expert_E, gather_dim=0, group=self.group).view(N, E)
+            lo = self.ep_rank * El
+            num_global_tokens_per_local_expert_NEl = num_global_tokens_per_expert_NE[:, lo:lo + El]
 
         # NOTE: device-to-host sync (split sizes become unbacked SymInts under Dynamo).
         input_splits = num_local_tokens_per_expert_E.view(N, El).sum(dim=1).tolist()
