@@ -59,19 +59,23 @@ def _classes() -> list[type[nn.Module]]:
     return [*_REGISTERED, *([te] if isinstance(te, type) and te not in _REGISTERED else [])]
 
 
-def _fp8_enabled() -> bool:
-    manager = getattr(sys.modules.get("transformer_engine.pytorch.fp8"), "FP8GlobalStateManager", None) or getattr(
-        sys.modules.get("transformer_engine.pytorch.quantization"), "FP8GlobalStateManager", None)
-    return bool(manager is not None and manager.is_fp8_enabled())
+def _fp8_manager() -> Any:
+    """TE's ``FP8GlobalStateManager`` where TE is imported (looked up outside Dynamo's tracing), else None."""
+    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        manager = getattr(sys.modules.get(name), "FP8GlobalStateManager", None)
+        if manager is not None:
+            return manager
+    return None
 
 
-def unsupported(module: nn.Module) -> str:
-    """Why the ring cannot compute what ``module`` (a GroupedLinear) computes; "" where it can."""
+def unsupported(module: nn.Module, fp8_manager: Any = None) -> str:
+    """Why the ring cannot compute what ``module`` (a GroupedLinear) computes; "" where it can. Plain attribute
+    reads: Dynamo traces them as constants of the module (and guards on them)."""
+    wgrad_store = getattr(module, "wgrad_store", None)
     flags = {
-        "fp8": bool(getattr(module, "fp8", False)) or _fp8_enabled(),
+        "fp8": bool(getattr(module, "fp8", False)) or bool(fp8_manager is not None and fp8_manager.is_fp8_enabled()),
         "fuse_wgrad_accumulation": bool(getattr(module, "fuse_wgrad_accumulation", False)),
-        "delay_wgrad_compute": bool(getattr(getattr(module, "wgrad_store", None), "delay_wgrad_compute",
-                                            lambda: False)()),
+        "delay_wgrad_compute": bool(wgrad_store is not None and wgrad_store.delay_wgrad_compute()),
         "single_grouped_weight": bool(getattr(module, "single_grouped_weight", False)),
         "single_grouped_bias": bool(getattr(module, "single_grouped_bias", False)),
         "tensor-parallel experts (tp_size > 1)": int(getattr(module, "tp_size", 1) or 1) > 1,
@@ -81,14 +85,12 @@ def unsupported(module: nn.Module) -> str:
 
 
 @torch._dynamo.assume_constant_result
-def _unseen(module: nn.Module, more_arguments: bool) -> str:
-    """At trace time (Dynamo runs it, and bakes the answer in: a module's options do not change between
-    calls): why ``module`` keeps TE's forward, recorded in ``UNSEEN`` and logged; "" to see it through."""
-    why = unsupported(module) or ("is called with more than (inp, m_splits)" if more_arguments else "")
-    if why:
-        UNSEEN.append(f"{type(module).__name__} {why}")
-        log.warning("relaymoe: %s %s: it keeps Transformer Engine's forward, and Dynamo breaks the graph there",
-                    type(module).__name__, why)
+def _record_unseen(cls_name: str, why: str) -> str:
+    """At trace time (Dynamo runs it for its constant result): record and log why a GroupedLinear keeps TE's
+    forward."""
+    UNSEEN.append(f"{cls_name} {why}")
+    log.warning("relaymoe: %s %s: it keeps Transformer Engine's forward, and Dynamo breaks the graph there",
+                cls_name, why)
     return why
 
 
@@ -113,12 +115,17 @@ def traced_forward(module: nn.Module, inp: Tensor, m_splits: Tensor | list[int])
 def grouped_linears_seen_through() -> Iterator[None]:
     """Each GroupedLinear class's forward traceable by Dynamo while the context is on (module docstring)."""
     originals = {cls: cls.forward for cls in _classes()}
+    fp8_manager = _fp8_manager()
 
     def seen_through(original: Any) -> Any:
         def forward(self: nn.Module, inp: Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
             if not torch.compiler.is_compiling():
                 return original(self, inp, m_splits, *args, **kwargs)
-            if _unseen(self, bool(args) or any(v is not None for v in kwargs.values())):
+            why = unsupported(self, fp8_manager)
+            if not why and (args or any(v is not None for v in kwargs.values())):
+                why = "is called with more than (inp, m_splits)"
+            if why:
+                _record_unseen(type(self).__name__, why)
                 return original(self, inp, m_splits, *args, **kwargs)
             return traced_forward(self, inp, m_splits)
 
