@@ -44,6 +44,7 @@ TE_GROUPED_LINEAR = ("transformer_engine.pytorch.module.grouped_linear", "Groupe
 _REGISTERED: list[type[nn.Module]] = []
 # What kept a GroupedLinear on TE's forward in a traced frame: "<class> <reason>" (refusals name it).
 UNSEEN: list[str] = []
+_WRAPPERS: dict[Any, Any] = {}  # TE's forward -> its seen-through forward
 
 
 def register_grouped_linear(cls: type[nn.Module]) -> None:
@@ -114,7 +115,7 @@ def traced_forward(module: nn.Module, inp: Tensor, m_splits: Tensor | list[int])
 @contextlib.contextmanager
 def grouped_linears_seen_through() -> Iterator[None]:
     """Each GroupedLinear class's forward traceable by Dynamo while the context is on (module docstring)."""
-    originals = {cls: cls.forward for cls in _classes()}
+    originals = {cls: cls.forward for cls in _classes() if not getattr(cls.forward, "_relaymoe_seen_through", False)}
     fp8_manager = _fp8_manager()
 
     def seen_through(original: Any) -> Any:
@@ -130,10 +131,14 @@ def grouped_linears_seen_through() -> Iterator[None]:
             return traced_forward(self, inp, m_splits)
 
         forward.__wrapped__ = original  # type: ignore[attr-defined]
+        forward._relaymoe_seen_through = True  # type: ignore[attr-defined]
         return forward
 
     for cls, original in originals.items():
-        cls.forward = seen_through(original)  # type: ignore[method-assign]
+        # One wrapper per original for the process: Dynamo's guards see the same function at every call.
+        if original not in _WRAPPERS:
+            _WRAPPERS[original] = seen_through(original)
+        cls.forward = _WRAPPERS[original]  # type: ignore[method-assign]
     try:
         yield
     finally:
