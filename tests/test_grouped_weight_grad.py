@@ -11,7 +11,7 @@ import unittest
 import torch
 
 from relay_compile.grouped_gemm import grouped_weight_grad
-from relay_compile.kernels.grouped_weight_grad import grouped_weight_grad_, reference
+from relay_compile.kernels.grouped_weight_grad import reference
 
 # Uneven experts, an empty one and rows that fill no whole block of the kernel.
 COUNTS = [5, 0, 37, 16, 1]
@@ -47,7 +47,7 @@ class GroupedWeightGrad(unittest.TestCase):
     @unittest.skipIf(torch.cuda.is_available(), "on CUDA the compiled kernel is tested (test_triton_kernel_on_cuda)")
     def test_kernel_under_the_interpreter_equals_the_exact_products(self) -> None:
         # Triton's interpreter runs the kernel's index math on the CPU (in numpy, which has no bf16: fp16 rows).
-        script = textwrap.dedent(f"""
+        script = textwrap.dedent("""
             import torch
             from relay_compile.kernels import grouped_weight_grad as k
             from tests.test_grouped_weight_grad import COUNTS, _case, _exact

@@ -159,7 +159,7 @@ def main() -> None:
 
     print(f"TE GroupedLinear MoE layer, H={args.dim} F={args.ffn} E={args.experts} K={args.top_k}, "
           f"{args.tokens} tokens/rank, EP={args.ep} (stand-in), {dtype}, {device}")
-    print(f"| row | ms | peak MiB | worst leaf rel err (vs fp32) | regions |")
+    print("| row | ms | peak MiB | worst leaf rel err (vs fp32) | regions |")
     print("| --- | ---: | ---: | --- | --- |")
     for name, r in rows.items():
         err = r.get("err")
