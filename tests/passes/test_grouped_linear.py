@@ -3,8 +3,8 @@ with the stand-in ``tests.models.te_grouped_linear.GroupedLinear`` (TE's interfa
 ``torch._dynamo.disable``), registered as TE's class would be found.
 
 megatron-core's ``TEGroupedMLP`` expert side (``MegatronStyleMoE(grouped_linear=...)``: fc1 -> GLU -> fc2 over
-``tokens_per_expert.tolist()``) at world 2 and 4: one graph, rewritten, experts lowered onto grouped GEMMs,
-equal to the eager layer over 3 steps. ``fuse_wgrad_accumulation`` (which the ring does not honour) keeps TE's
+``tokens_per_expert.tolist()``, with and without biases) at world 2 and 4: one graph, rewritten, experts lowered
+onto grouped GEMMs, equal to the eager layer over 3 steps. ``fuse_wgrad_accumulation`` (which the ring does not honour) keeps TE's
 forward: the graph breaks there and the refusal says why. Outside the backend, the module's forward is TE's.
 """
 
@@ -36,9 +36,9 @@ class GroupedLinearCases(DistributedTestCase):
             out.append([y.detach(), leaf.grad, *(p.grad for p in module.parameters())])
         return out
 
-    def check_te_experts(self) -> None:
+    def check_te_experts(self, bias: bool = False) -> None:
         group = torch.distributed.group.WORLD
-        moe = MegatronStyleMoE(H, F, E, K, group, seed=3, grouped_linear=GroupedLinear)
+        moe = MegatronStyleMoE(H, F, E, K, group, seed=3, bias=bias, grouped_linear=GroupedLinear)
         gen = torch.Generator().manual_seed(self.rank)
         batches = [torch.randn(T, H, generator=gen) for _ in range(3)]
         want = self.steps(moe, moe, batches)
@@ -49,6 +49,7 @@ class GroupedLinearCases(DistributedTestCase):
         regions = [r for report in compiled_reports()[seen:] for r in report.regions]
         self.assertEqual([r.status for r in regions], ["rewritten"], [r.reason for r in regions])
         self.assertTrue(regions[0].experts.startswith("grouped: swiglu experts"), regions[0].experts)
+        self.assertEqual("with bias" in regions[0].experts, bias, regions[0].experts)
         for step, (g, w) in enumerate(zip(got, want)):
             for a, b in zip(g, w):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: {m}")
@@ -89,6 +90,7 @@ class GroupedLinearWorld2(GroupedLinearCases):
     def test_te_grouped_linear_experts_are_rewritten_and_unsupported_options_refused(self) -> None:
         self.init_pg()
         self.check_te_experts()
+        self.check_te_experts(bias=True)
         self.check_unsupported_option_is_refused_with_the_reason()
         self.check_outside_the_backend_te_forward_runs()
 
