@@ -9,5 +9,5 @@ source /tmp/te/env.sh
 python -c "import torch, transformer_engine.pytorch as te; print('torch', torch.__version__, 'te', te.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1
 for T in ${TOKENS:-65536}; do
   PYTHONUNBUFFERED=1 python docs/bench/h200-te/te_layer.py --tokens "$T" --ep 8 --out "$OUT/t$T" "${@:2}" 2>&1 \
-    | grep -v "Warn\|warn_once\|USDT\|warnings.warn" | tee "$OUT/te_layer_t$T.txt" | tail -25
+    | grep --line-buffered -v "Warn\|warn_once\|USDT\|warnings.warn" | tee "$OUT/te_layer_t$T.txt" | tail -25
 done

@@ -125,6 +125,7 @@ def main() -> None:
     eager_err = errors(leaves(moe, xd, gd), truth)
     ms, peak = timed(moe, xd, gd, moe, args, device)
     rows["TE layer, a2a eager"] = {"ms": ms, "peak": peak, "err": eager_err}
+    print(f"[progress] TE layer eager: {ms:.2f} ms, peak {peak / 2**20:.0f} MiB", flush=True)
 
     torch._dynamo.reset()
     seen = len(compiled_reports())
@@ -133,11 +134,13 @@ def main() -> None:
     options = {} if args.routing == "auto" else {"routing": args.routing}
     compiled = torch.compile(moe, backend="relaymoe", dynamic=False, options=options)
     ring_err = errors(leaves(moe, xd, gd, compiled), truth)
+    print("[progress] TE layer relaymoe: compiled, first step done", flush=True)
     ms, peak = timed(compiled, xd, gd, moe, args, device)
     regions = [r for rep in compiled_reports()[seen:] for r in rep.regions]
     rows["TE layer, relaymoe"] = {"ms": ms, "peak": peak, "err": ring_err,
                                   "regions": [(r.status, r.reason[:200], r.experts[:120]) for r in regions]}
 
+    print(f"[progress] TE layer relaymoe: {ms:.2f} ms, peak {peak / 2**20:.0f} MiB", flush=True)
     # The reference layer (relay_compile.reference.a2a_moe) through the backend at the same shape.
     cfg = LayerConfig(name="reference", hidden=args.dim, ffn=args.ffn, experts=args.experts, top_k=args.top_k,
                       tokens=args.tokens, ep=args.ep, dtype="fp32" if args.cpu else "bf16", device=device)
