@@ -97,8 +97,6 @@ _METADATA_METHODS = ("size", "dim", "numel", "stride", "get_device")
 # Grouped GEMMs ``op(rows, stacked_weights, offs=...)``: torch's, and the fallback op transformers registers for
 # the dtypes and devices torch._grouped_mm does not cover (its ``grouped_mm_experts_forward``).
 _GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
-# A Transformer Engine GroupedLinear seen through (``runtime.grouped_linear``): split i through expert i's linear.
-_GROUPED_LINEAR_OP = "relaymoe::grouped_linear"
 _ONES_VIEWS = ("view", "reshape", "unsqueeze", "expand", "expand_as", "flatten", "to", "float", "contiguous")
 
 
@@ -344,8 +342,6 @@ class _Interpreter:
             return _Pieces(tuple(_Rows(("chunk", i, 2, r.expr), r.expert) for i in range(2)))
         if is_method_call(n, "chunk") or is_call(n, torch.chunk):
             return self.expert_chunks(n, r)
-        if n.op == "call_function" and qualname(n.target) == _GROUPED_LINEAR_OP:
-            return self.grouped_linear(n, r)
         if is_call(n, torch._grouped_mm) or n.op == "call_function" and qualname(n.target) in _GROUPED_MM_OPS:
             return self.gemm(n, r, self.value(n.args[1]), grouped=True)
         if is_method_call(n, "masked_fill", "masked_fill_") and self.value(n.args[1]) is None and n.args[2] == 0:
@@ -493,27 +489,6 @@ class _Interpreter:
         stored_out_in = w.transposed != linear
         layout: Layout = "out_in" if stored_out_in else "in_out"
         return _Rows(("gemm", _weight_key(w, layout, r.expert), r.expr), r.expert)
-
-    def grouped_linear(self, n: fx.Node, r: _Rows) -> _Rows:
-        """``relaymoe::grouped_linear(rows, splits, weights, biases)``: split ``e`` of the rows (expert-major, one
-        split per local expert; the probe proves the order) through ``linear(x_e, weights[e], biases[e])``, as a
-        loop over per-expert ``nn.Linear``s computes it."""
-        weights = [self.value(w) for w in as_list(n.args[2])]
-        biases = [self.value(b) for b in as_list(n.args[3])]
-        if r.expert is not None or len(weights) != self.experts_per_rank or not all(
-                isinstance(w, _Weight) and not w.stacked and not w.transposed for w in [*weights, *biases]):
-            raise NotAnFFN(f"{describe(n)} is not one GEMM per local expert over rows of every expert")
-        if biases and len(biases) != len(weights):
-            raise NotAnFFN(f"{describe(n)} has {len(biases)} biases for {len(weights)} weights")
-        expr = r.expr if dtype_of(n.args[0]) == dtype_of(n) else ("cast", dtype_of(n), r.expr)
-        merged: Expr | None = None
-        for e, w in enumerate(weights):
-            one: Expr = ("gemm", _weight_key(w, "out_in", e), expr)
-            if biases:
-                one = ("bias", _bias_key(biases[e], e), one)
-            merged = one if merged is None else _merge(merged, one)
-        assert merged is not None
-        return _Rows(merged, None)
 
     def product(self, n: fx.Node) -> _Rows:
         a, b = self.value(n.args[0]), self.value(n.args[1])

@@ -5,8 +5,8 @@ Most Megatron-core MoE runs build their experts with TE (``TEGroupedMLP``: ``lin
 ``forward(inp, m_splits)``). TE wraps that forward in ``torch._dynamo.disable``, so Dynamo breaks the graph between
 an MoE block's two all-to-alls and no region can be rewritten. While Dynamo traces a frame compiled with the
 backend (``dynamo_settings``), ``grouped_linears_seen_through`` gives each such class a forward Dynamo can trace:
-what the module computes, per split ``x_i @ W_i^T (+ b_i)``, as one ``relaymoe::grouped_linear`` call on the
-module's own parameters (read in place), so the block is one graph and ``passes.expert_block`` lowers the experts onto the
+what the module computes, per split ``x_i @ W_i^T (+ b_i)``, written in torch ops on the module's own
+parameters (read in place), so the block is one graph and ``passes.expert_block`` lowers the experts onto the
 ring's grouped GEMMs like any per-expert ``nn.Linear``. Outside the backend's frames, and in a frame the backend
 compiles where the module runs eagerly, TE's forward runs as before.
 
@@ -17,9 +17,8 @@ fusion into ``main_grad`` (``fuse_wgrad_accumulation``), delayed weight gradient
 single grouped weight or bias, tensor-parallel experts (``parallel_mode``, ``sequence_parallel`` with a TP group
 larger than one), TE's debug features, and ``out``/``dgrad_out``/``is_first_microbatch`` arguments.
 
-A region that keeps its all-to-all (the cost model, or refused) runs its seen-through ``GroupedLinear`` calls
-as ``relaymoe::grouped_linear``: one ``torch._grouped_mm`` forward on CUDA in bf16, per-split GEMMs otherwise
-and in backward (the same math, not TE's kernels). Classes: TE's, when ``transformer_engine`` is already imported (this module never imports it: TE
+A region the backend refuses runs its seen-through ``GroupedLinear`` calls as those torch ops (same math, not
+TE's kernels). Classes: TE's, when ``transformer_engine`` is already imported (this module never imports it: TE
 loads cuDNN at import), and any registered with ``register_grouped_linear`` (a module of the same interface: the
 CPU tests' stand-in).
 """
@@ -97,60 +96,20 @@ def _record_unseen(cls_name: str, why: str) -> str:
 
 
 def traced_forward(module: nn.Module, inp: Tensor, m_splits: Tensor | list[int]) -> Any:
-    """What ``GroupedLinear.forward(inp, m_splits)`` computes, as one ``relaymoe::grouped_linear`` call Dynamo
-    traces: rows split by ``m_splits``, split ``i`` through ``linear(x_i, weight{i}, bias{i})`` in the weights'
-    dtype."""
+    """What ``GroupedLinear.forward(inp, m_splits)`` computes, in torch ops Dynamo traces: rows split by
+    ``m_splits``, split ``i`` through ``linear(x_i, weight{i}, bias{i})`` in the weights' dtype."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
     weights = [getattr(module, f"weight{i}") for i in range(module.num_gemms)]
     use_bias = bool(getattr(module, "use_bias", False))
-    biases = [getattr(module, f"bias{i}") for i in range(module.num_gemms)] if use_bias else []
-    return_bias = bool(getattr(module, "return_bias", False))
-    out = torch.ops.relaymoe.grouped_linear(inp, splits, weights, [] if return_bias else biases)
-    if return_bias:
+    biases = [getattr(module, f"bias{i}") for i in range(module.num_gemms)] if use_bias else [None] * len(weights)
+    apply_bias = use_bias and not getattr(module, "return_bias", False)
+    x = inp.to(weights[0].dtype)
+    outs = [nnf.linear(x_i, w, b if apply_bias else None)
+            for x_i, w, b in zip(torch.split(x, splits), weights, biases, strict=True)]
+    out = torch.cat(outs)
+    if getattr(module, "return_bias", False):
         return out, [b.to(weights[0].dtype) for b in biases]
     return out
-
-
-@torch.library.custom_op("relaymoe::grouped_linear", mutates_args=())
-def grouped_linear_op(x: Tensor, splits: list[int], weights: list[Tensor], biases: list[Tensor]) -> Tensor:
-    """``cat_i(linear(x_i, weights[i], biases[i]))`` over ``x`` split by ``splits``, in the weights' dtype: a
-    Transformer Engine ``GroupedLinear`` seen through. The ring lowers it (``expert_block``); where a region keeps
-    its all-to-all it runs here, on one grouped GEMM on CUDA in bf16, else per split."""
-    x = x.to(weights[0].dtype)
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        sizes = torch.tensor(splits, device=x.device, dtype=torch.int64)
-        out = torch._grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=sizes.cumsum(0).to(torch.int32))
-        if biases:
-            out = out + torch.repeat_interleave(torch.stack(biases), sizes, dim=0, output_size=x.shape[0])
-        return out
-    bias_of = biases or [None] * len(weights)
-    return torch.cat([nnf.linear(x_i, w, b) for x_i, w, b in zip(torch.split(x, splits), weights, bias_of, strict=True)])
-
-
-@grouped_linear_op.register_fake
-def _(x: Tensor, splits: list[int], weights: list[Tensor], biases: list[Tensor]) -> Tensor:
-    return x.new_empty((x.shape[0], weights[0].shape[0]), dtype=weights[0].dtype)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    x, splits, weights, biases = inputs
-    ctx.save_for_backward(x, *weights)
-    ctx.splits, ctx.biased, ctx.x_dtype = list(splits), bool(biases), x.dtype
-
-
-def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-    x, *weights = ctx.saved_tensors
-    x = x.to(weights[0].dtype)
-    dx, dw, db = [], [], []
-    grad = grad.to(weights[0].dtype)
-    for x_i, dy_i, w in zip(torch.split(x, ctx.splits), torch.split(grad, ctx.splits), weights, strict=True):
-        dx.append(dy_i @ w)
-        dw.append(dy_i.t() @ x_i)
-        db.append(dy_i.sum(0))
-    return torch.cat(dx).to(ctx.x_dtype), None, dw, db if ctx.biased else []
-
-
-grouped_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 @contextlib.contextmanager

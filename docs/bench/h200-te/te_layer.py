@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="H=32 F=16 E=8 K=2")
     p.add_argument("--out", default="")
     p.add_argument("--routing", default="auto")
+    p.add_argument("--ring", default="", help="the backend option ring (default: its default)")
     args = p.parse_args()
     if args.tiny:
         args.dim, args.ffn, args.experts, args.top_k = 32, 16, 8, 2
@@ -131,7 +132,7 @@ def main() -> None:
     seen = len(compiled_reports())
     # Token routing under the stand-in computes N * Y_0 by design (bench/standin_group.py): its numbers are not
     # the layer's; --routing expert where that matters (CPU picks by bytes per hop, CUDA by the time model).
-    options = {} if args.routing == "auto" else {"routing": args.routing}
+    options = ({} if args.routing == "auto" else {"routing": args.routing}) | ({"ring": args.ring} if args.ring else {})
     compiled = torch.compile(moe, backend="relaymoe", dynamic=False, options=options)
     ring_err = errors(leaves(moe, xd, gd, compiled), truth)
     print("[progress] TE layer relaymoe: compiled, first step done", flush=True)
