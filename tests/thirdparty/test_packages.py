@@ -62,6 +62,7 @@ def deepspeed_cases(world: int) -> list[Case]:
         Case("top-2, drop tokens, 2nd-expert sampling", ds(k=2), sparse),
         Case("top-2, no drops", ds(k=2, drop_tokens=False), sparse),
         Case("top-2, residual MoE", ds(k=2, use_residual=True), sparse),
+        Case("top-3 (topkgating)", ds(k=3), sparse),
     ]
 
 
