@@ -87,7 +87,14 @@ from relay_compile.passes.fx_nodes import (
 from relay_compile.passes.liveness import dead_after_replacing
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import ExpertsInput
-from relay_compile.passes.roles import CAST_METHODS, VIEW_FUNCTIONS, VIEW_METHODS, peel, row_gather
+from relay_compile.passes.roles import (
+    CAST_METHODS,
+    VIEW_FUNCTIONS,
+    VIEW_METHODS,
+    peel,
+    row_gather,
+    users_through_views,
+)
 from relay_compile.passes.slot_routes import slot_combine, slot_dispatch
 from relay_compile.runtime.cost_model import BlockShape
 from relay_compile.runtime.ffn_plan import ExpertFFN
@@ -279,20 +286,6 @@ def _is_capacity_dispatch(a2a: fx.Node) -> bool:
     )
 
 
-def _users_through_views(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """``(user, the view of n it reads)`` for every non-view user of ``n`` or of views of ``n``."""
-    out: list[tuple[fx.Node, fx.Node]] = []
-    todo = [n]
-    while todo:
-        m = todo.pop()
-        for u in m.users:
-            if (is_method_call(u, *_VIEWS) or is_call(u, *VIEW_FUNCTIONS)) and u.args[0] is m:
-                todo.append(u)
-            else:
-                out.append((u, m))
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Steps 2-4: the combine, the masks, the sizes
 # ----------------------------------------------------------------------------------------------------------
@@ -301,7 +294,7 @@ def _users_through_views(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
 def _combine_side(dispatch: fx.Node, combine: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Step 2: ``(back, output einsum, combine weights operand)``."""
     back = wait_end(combine)
-    for user, view in _users_through_views(back):
+    for user, view in users_through_views(back):
         found = _combine_einsum(user) or _combine_mm(user)
         if found is not None and found[1] is view:
             return back, user, found[0]

@@ -229,6 +229,21 @@ def unpermuted_sum(back: fx.Node, order: fx.Node, top_k: object) -> tuple[fx.Nod
     return None
 
 
+def users_through_views(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """``(user, the view of n it reads)`` for every non-view user of ``n`` or of views of ``n`` (views:
+    ``VIEW_METHODS``, ``VIEW_FUNCTIONS``, ``contiguous``)."""
+    out: list[tuple[fx.Node, fx.Node]] = []
+    todo = [n]
+    while todo:
+        m = todo.pop()
+        for u in m.users:
+            if (is_method_call(u, *VIEW_METHODS, "contiguous") or is_call(u, *VIEW_FUNCTIONS)) and u.args[0] is m:
+                todo.append(u)
+            else:
+                out.append((u, m))
+    return out
+
+
 def forward_through(n: fx.Node, methods: Sequence[str]) -> list[fx.Node]:
     """``n`` and every node reached from it through single-input casts named in ``methods``."""
     out, stack = [], [n]

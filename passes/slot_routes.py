@@ -34,6 +34,7 @@ from relay_compile.passes.roles import (
     peel,
     row_gather,
     token_index,
+    users_through_views,
     weighted_route_sum,
 )
 
@@ -111,14 +112,11 @@ def _gathers_of(back: fx.Node) -> list[fx.Node]:
     out: list[fx.Node] = []
     todo = [back]
     while todo:
-        m = todo.pop()
-        for u in m.users:
-            if (is_method_call(u, *_VIEWS) or is_call(u, *VIEW_FUNCTIONS)) and u.args[0] is m:
-                todo.append(u)
-            elif _is_cat0(u) and u.args[0][0] is m and is_zeros(u.args[0][1]):
-                todo.append(u)
-            elif (found := row_gather(u)) is not None and found[0] is m:
-                out.append(u)
+        for user, view in users_through_views(todo.pop()):
+            if _is_cat0(user) and user.args[0][0] is view and is_zeros(user.args[0][1]):
+                todo.append(user)
+            elif (found := row_gather(user)) is not None and found[0] is view:
+                out.append(user)
     return out
 
 
