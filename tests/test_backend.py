@@ -18,7 +18,7 @@ from torch.testing._internal.common_utils import run_tests
 import relay_compile
 from relay_compile.backend import _compare_outputs, compiled_reports
 from relay_compile.reference import a2a_moe, moe_weights
-from relay_compile.runtime.dynamo_settings import DYNAMO_SETTINGS
+from relay_compile.runtime.dynamo_settings import DYNAMO_SETTINGS, NON_EMPTY_BRANCHES
 from tests.distributed import DistributedTestCase
 from tests.models import variants
 
@@ -195,6 +195,44 @@ class DynamoSettings(unittest.TestCase):
             torch._dynamo.reset()
             torch.testing.assert_close(torch.compile(self.probe, backend=other)(x), self.probe(x))
         self.assertGreater(len(graphs), 1, "another backend in the same process keeps Dynamo's defaults")
+
+
+class NonEmptyBranches(unittest.TestCase):
+    """An emptiness test on a data-dependent size takes the general path in one graph; other branches still break."""
+
+    @staticmethod
+    def empty_test(x):
+        rows = x[x > 0]
+        if rows.shape[0] == 0:  # transformers' AllToAllEP: the special path for an empty receive
+            return x.sum() * 0
+        return rows.sum() + 1
+
+    @staticmethod
+    def size_test(x):
+        rows = x[x > 0]
+        if rows.shape[0] > 1:  # not an emptiness test: Dynamo cannot decide it, and breaks the graph
+            return rows.sum()
+        return x.sum()
+
+    def compile_and_count(self, fn, x) -> tuple[torch.Tensor, int]:
+        torch._dynamo.reset()
+        NON_EMPTY_BRANCHES.clear()
+        seen = len(compiled_reports())
+        out = torch.compile(fn, backend="relaymoe", options={"inner_compiler": "eager"})(x)
+        return out, len(compiled_reports()) - seen
+
+    def test_an_emptiness_test_takes_the_general_path_and_a_size_test_still_breaks(self) -> None:
+        x = torch.tensor([1.0, -2.0, 3.0])
+        out, graphs = self.compile_and_count(self.empty_test, x)
+        torch.testing.assert_close(out, self.empty_test(x))
+        self.assertEqual(graphs, 1)
+        self.assertEqual([(b.taken, Path(b.where).name.split(":")[0]) for b in NON_EMPTY_BRANCHES],
+                         [(False, "test_backend.py")])
+        self.assertRegex(NON_EMPTY_BRANCHES[0].condition, r"^Eq\(u\d+, 0\)$")
+        out, graphs = self.compile_and_count(self.size_test, x)
+        torch.testing.assert_close(out, self.size_test(x))
+        self.assertGreater(graphs, 1)
+        self.assertEqual(NON_EMPTY_BRANCHES, [])
 
 
 class BackendEndToEnd(DistributedTestCase):
