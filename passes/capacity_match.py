@@ -95,7 +95,7 @@ from relay_compile.passes.roles import (
     row_gather,
     users_through_views,
 )
-from relay_compile.passes.slot_routes import slot_combine, slot_dispatch
+from relay_compile.passes.slot_routes import SlotDispatch, slot_combine, slot_dispatch
 from relay_compile.runtime.cost_model import BlockShape
 from relay_compile.runtime.ffn_plan import ExpertFFN
 from relay_compile.runtime.region_fn import ExpertFnBinding
@@ -174,8 +174,8 @@ class CapacityRegion:
         return (
             f"capacity MoE region dispatch={self.dispatch.name} combine={self.combine.name} "
             f"output={self.output.name} (group {self.group_name!r} of {self.group_size}, E_l={self.experts_per_rank}, "
-            f"C={'dynamic' if self.capacity is None else self.capacity}, K={self.top_k}, {len(self.weights)} weights, F: {len(self.expert_fn.graph.nodes)} "
-            "nodes)"
+            f"C={'dynamic' if self.capacity is None else self.capacity}, K={self.top_k}, {len(self.weights)} weights, "
+            f"F: {len(self.expert_fn.graph.nodes)} nodes)"
         )
 
 
@@ -272,11 +272,16 @@ def _dispatch_of(a2a: fx.Node) -> fx.Node | None:
     return send if isinstance(send, fx.Node) and _dispatch_operands(send) is not None else None
 
 
+def _sends_capacity_form(a2a: fx.Node) -> bool:
+    """The all-to-all sends a capacity dispatch this module reads: einsum, mm or sparse routes."""
+    return _dispatch_of(a2a) is not None or slot_dispatch(all_to_all_args(a2a).input) is not None
+
+
 def _is_capacity_dispatch(a2a: fx.Node) -> bool:
     """Step 1: an einsum, mm or sparse-route dispatch, or an equal-split all-to-all of something other than a row
     gather (a capacity buffer written another way, to refuse by name: GShard's grouped ``gsec`` einsum, a batched
     matmul)."""
-    if _dispatch_of(a2a) is not None or slot_dispatch(all_to_all_args(a2a).input) is not None:
+    if _sends_capacity_form(a2a):
         return True
     _, out_splits, in_splits, _ = all_to_all_args(a2a)
     sizes = [static_int(s) for s in (*out_splits, *in_splits)]
@@ -415,11 +420,9 @@ def _mask_form(dispatch: fx.Node, combine: fx.Node, send: fx.Node) -> _Form:
                  capacity=capacity, top_k=top_k)
 
 
-def _slot_form(dispatch: fx.Node, combine: fx.Node) -> _Form:
+def _slot_form(dispatch: fx.Node, combine: fx.Node, sent: SlotDispatch) -> _Form:
     """Steps 2-3 of a sparse-route dispatch (``slot_routes``): the combine's gather-and-sum, the routes' slots and
     gates, E, C and K."""
-    sent = slot_dispatch(all_to_all_args(dispatch).input)
-    assert sent is not None
     x, back = sent.x, wait_end(combine)
     found = slot_combine(back, (shape_of(x) or (None,))[0])
     if found is None:
@@ -450,8 +453,9 @@ def _form(dispatch: fx.Node, combine: fx.Node) -> _Form:
     send = _dispatch_of(dispatch)
     if send is not None:
         return _mask_form(dispatch, combine, send)
-    if slot_dispatch(all_to_all_args(dispatch).input) is not None:
-        return _slot_form(dispatch, combine)
+    sent = slot_dispatch(all_to_all_args(dispatch).input)
+    if sent is not None:
+        return _slot_form(dispatch, combine, sent)
     sent = peel(all_to_all_args(dispatch).input, _VIEWS, VIEW_FUNCTIONS)
     raise Refusal(dispatch, f"the equal-split all_to_all {dispatch.name} sends {getattr(sent, 'name', sent)}, "
                             "not einsum('sec,sm->ecm', dispatch_mask, x), its mm form, nor a gather of the tokens by "
@@ -533,8 +537,7 @@ def find_capacity_regions(
         if dispatch in claimed or not _is_capacity_dispatch(dispatch):
             continue
         upstream = closest(upstream_collectives([all_to_all_args(dispatch).input]) & set(token_a2as))
-        if _dispatch_of(dispatch) is None and slot_dispatch(all_to_all_args(dispatch).input) is None and (
-                upstream - claimed):
+        if not _sends_capacity_form(dispatch) and upstream - claimed:
             continue  # the answer to an earlier all-to-all the top-k matcher pairs (or refuses)
         combine = _partner(dispatch, token_a2as)
         claimed |= {dispatch, *([combine] if combine is not None else [])}

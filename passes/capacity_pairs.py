@@ -123,8 +123,9 @@ def insert_slot_pairs(
     _insert(graph, y, torch._assert_async, _insert(graph, y, "all", holds),
             f"relaymoe: a route of the capacity region of {y.name} reads a slot its token was not dispatched to "
             "(two routes share a slot); report it with the model's gate")
-    # A token's dropped routes may name an expert it also keeps (DeepSpeed parks them on expert 0): the ring's
-    # pairs are per (token, expert), so sum each token's gates per expert, then take K distinct experts, kept first.
+    # A dropped route has no expert (routed_TK names expert 0 for it, score 0), so a token's routes may name one
+    # expert twice: sum each token's gates per expert, then take K distinct experts, kept first, as the mask form
+    # does (insert_capacity_pairs), so the ring's pairs are one per (token, expert).
     keep = _insert(graph, y, "to", keep_TK, node_value(gates).dtype)
     kept_TE = _insert(graph, y, "scatter_add", _insert(graph, y, "new_zeros", gates, (num_tokens, num_experts)), 1,
                       routed_TK, keep)

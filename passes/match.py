@@ -298,8 +298,9 @@ def _match_combine_side(
     combine: fx.Node, back: fx.Node, order: fx.Node, top_k: object, scores_before: fx.Node | None
 ) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
     """Step 4: ``(output, topk_scores, aliases)`` from ``scatter_add(zeros, order // K, back *
-    scores.flatten()[order])`` or its unpermute-and-sum form (``roles.unpermuted_sum``), or ``scatter_add(zeros, order // K, back)`` when the dispatch applied
-    ``scores_before``; ``aliases``: the buffer of an in-place scatter that is read after it."""
+    scores.flatten()[order])`` or its unpermute-and-sum form (``roles.unpermuted_sum``), or ``scatter_add(zeros,
+    order // K, back)`` when the dispatch applied ``scores_before``; ``aliases``: the buffer of an in-place scatter
+    that is read after it."""
     if scores_before is not None:
         found = _combine_scatter(combine, back, order, top_k)
         if found is None:

@@ -112,5 +112,6 @@ def _graph_break_hint() -> str:
     if reasons:
         hint += f"; Dynamo's latest graph breaks: {'; '.join(reasons)}"
     if grouped_linear.UNSEEN:  # a Transformer Engine GroupedLinear the backend could not see through
-        hint += f"; Transformer Engine's forward kept (a graph break by design): {'; '.join(grouped_linear.UNSEEN[-3:])}"
+        kept = "; ".join(grouped_linear.UNSEEN[-3:])
+        hint += f"; Transformer Engine's forward kept (a graph break by design): {kept}"
     return hint + "; TORCH_LOGS=graph_breaks shows each break with its line"

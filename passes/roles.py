@@ -19,8 +19,8 @@ import torch.fx as fx
 from relay_compile.passes.fx_nodes import (
     arg,
     as_list,
-    is_assert,
     dtype_of,
+    is_assert,
     is_call,
     is_collective,
     is_fresh,

@@ -104,12 +104,18 @@ def _compare_outputs(got: Sequence[Any], want: Sequence[Any], graph: str, note: 
 
 
 def _draws_random(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` samples random numbers (dropout, a gate's noise or sampling)."""
-    return any(n.op in ("call_function", "call_method") and any(
-        word in str(getattr(n.target, "__name__", n.target)) for word in _RANDOM) for n in gm.graph.nodes)
+    """Whether ``gm`` samples random numbers (dropout, a gate's noise or sampling), by its ops' names."""
+    return any(n.op in ("call_function", "call_method") and str(getattr(n.target, "__name__", n.target)) in _RANDOM
+               for n in gm.graph.nodes)
 
 
-_RANDOM = ("rand", "bernoulli", "dropout", "uniform", "normal", "multinomial", "exponential", "gumbel")
+# Dynamo graphs' names of torch's sampling functions and methods (torch.*, Tensor.*, nn.functional.*).
+_RANDOM = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
+    "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+    "random_", "poisson", "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+    "dropout2d", "dropout3d", "gumbel_softmax", "rrelu",
+})
 
 
 def _verifying(compiled: Callable, original: fx.GraphModule, graph: str, inner_compiler: str) -> Callable:
@@ -126,15 +132,15 @@ def _verifying(compiled: Callable, original: fx.GraphModule, graph: str, inner_c
         if not pending:
             return compiled(*args)
         pending.clear()
-        start = torch.random.get_rng_state()
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = random and torch.cuda.is_available() and torch.cuda.is_initialized()
+        start = torch.random.get_rng_state() if random else None
         start_cuda = torch.cuda.get_rng_state_all() if cuda else None
         out = compiled(*args)
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else [], enabled=random):
-            if random:
+            if start is not None:
                 torch.random.set_rng_state(start)
-                if start_cuda is not None:
-                    torch.cuda.set_rng_state_all(start_cuda)
+            if start_cuda is not None:
+                torch.cuda.set_rng_state_all(start_cuda)
             with torch.no_grad():
                 want = original(*args)
         _compare_outputs(

@@ -100,16 +100,33 @@ def traced_forward(module: nn.Module, inp: Tensor, m_splits: Tensor | list[int])
     ``m_splits``, split ``i`` through ``linear(x_i, weight{i}, bias{i})`` in the weights' dtype."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
     weights = [getattr(module, f"weight{i}") for i in range(module.num_gemms)]
-    use_bias = bool(getattr(module, "use_bias", False))
+    use_bias, return_bias = bool(getattr(module, "use_bias", False)), bool(getattr(module, "return_bias", False))
     biases = [getattr(module, f"bias{i}") for i in range(module.num_gemms)] if use_bias else [None] * len(weights)
-    apply_bias = use_bias and not getattr(module, "return_bias", False)
     x = inp.to(weights[0].dtype)
-    outs = [nnf.linear(x_i, w, b if apply_bias else None)
-            for x_i, w, b in zip(torch.split(x, splits), weights, biases, strict=True)]
-    out = torch.cat(outs)
-    if getattr(module, "return_bias", False):
-        return out, [b.to(weights[0].dtype) for b in biases]
+    out = torch.cat([nnf.linear(x_i, w, None if return_bias else b)
+                     for x_i, w, b in zip(torch.split(x, splits), weights, biases, strict=True)])
+    if return_bias:
+        return out, [b.to(weights[0].dtype) for b in biases if b is not None]
     return out
+
+
+def _seen_through(original: Any, fp8_manager: Any) -> Any:
+    """``original`` (a GroupedLinear forward) as Dynamo traces it in the backend's frames (module docstring)."""
+
+    def forward(self: nn.Module, inp: Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return original(self, inp, m_splits, *args, **kwargs)
+        why = unsupported(self, fp8_manager)
+        if not why and (args or any(v is not None for v in kwargs.values())):
+            why = "is called with more than (inp, m_splits)"
+        if why:
+            _record_unseen(type(self).__name__, why)
+            return original(self, inp, m_splits, *args, **kwargs)
+        return traced_forward(self, inp, m_splits)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    forward._relaymoe_seen_through = True  # type: ignore[attr-defined]
+    return forward
 
 
 @contextlib.contextmanager
@@ -117,27 +134,10 @@ def grouped_linears_seen_through() -> Iterator[None]:
     """Each GroupedLinear class's forward traceable by Dynamo while the context is on (module docstring)."""
     originals = {cls: cls.forward for cls in _classes() if not getattr(cls.forward, "_relaymoe_seen_through", False)}
     fp8_manager = _fp8_manager()
-
-    def seen_through(original: Any) -> Any:
-        def forward(self: nn.Module, inp: Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
-            if not torch.compiler.is_compiling():
-                return original(self, inp, m_splits, *args, **kwargs)
-            why = unsupported(self, fp8_manager)
-            if not why and (args or any(v is not None for v in kwargs.values())):
-                why = "is called with more than (inp, m_splits)"
-            if why:
-                _record_unseen(type(self).__name__, why)
-                return original(self, inp, m_splits, *args, **kwargs)
-            return traced_forward(self, inp, m_splits)
-
-        forward.__wrapped__ = original  # type: ignore[attr-defined]
-        forward._relaymoe_seen_through = True  # type: ignore[attr-defined]
-        return forward
-
     for cls, original in originals.items():
         # One wrapper per original for the process: Dynamo's guards see the same function at every call.
         if original not in _WRAPPERS:
-            _WRAPPERS[original] = seen_through(original)
+            _WRAPPERS[original] = _seen_through(original, fp8_manager)
         cls.forward = _WRAPPERS[original]  # type: ignore[method-assign]
     try:
         yield

@@ -102,7 +102,7 @@ class CapacityMatch(unittest.TestCase):
         self.assertTrue(path.description.startswith("gelu experts"))
         # What dies: both all-to-alls, the dispatch einsum, F, the combine; never the masks, tokens, weights.
         self.assertTrue({region.dispatch, region.combine, region.recv, region.back, region.output} <= region.nodes)
-        self.assertFalse({region.x, region.pairs.dispatch_mask, region.pairs.combine_weights, *region.weights} & region.nodes)
+        self.assertFalse({region.x, *region.pairs.inputs().values(), *region.weights} & region.nodes)
         self.assertEqual({n for n in region.nodes if is_all_to_all(n)}, {region.dispatch, region.combine})
 
     def test_finds_the_gshard_block_with_batched_experts_and_rewrites_it_to_one_ring(self) -> None:

@@ -1,11 +1,13 @@
 """Transformer Engine's ``GroupedLinear`` experts seen through by the backend (``runtime.grouped_linear``), on CPU
 with the stand-in ``tests.models.te_grouped_linear.GroupedLinear`` (TE's interface, forward behind
-``torch._dynamo.disable``), registered as TE's class would be found.
+``torch._dynamo.disable``), registered with ``relay_compile.register_grouped_linear`` (TE's own class is found by
+its module path).
 
 megatron-core's ``TEGroupedMLP`` expert side (``MegatronStyleMoE(grouped_linear=...)``: fc1 -> GLU -> fc2 over
 ``tokens_per_expert.tolist()``, with and without biases) at world 2 and 4: one graph, rewritten, experts lowered
-onto grouped GEMMs, equal to the eager layer over 3 steps. ``fuse_wgrad_accumulation`` (which the ring does not honour) keeps TE's
-forward: the graph breaks there and the refusal says why. Outside the backend, the module's forward is TE's.
+onto grouped GEMMs, equal to the eager layer over 3 steps. ``fuse_wgrad_accumulation`` (which the ring does not
+honour) keeps TE's forward: the graph breaks there and the refusal says why. Outside the backend, the module's
+forward is TE's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.models.te_grouped_linear import GroupedLinear
 H, F, E, K, T = 16, 8, 8, 2, 12
 
 relay_compile.register_grouped_linear(GroupedLinear)
+TE_FORWARD = GroupedLinear.forward  # the disabled forward, before any compile
 
 
 class GroupedLinearCases(DistributedTestCase):
@@ -53,7 +56,7 @@ class GroupedLinearCases(DistributedTestCase):
         for step, (g, w) in enumerate(zip(got, want)):
             for a, b in zip(g, w):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: {m}")
-        self.assertIs(GroupedLinear.forward, GroupedLinear.__dict__["forward"])
+        self.assertIs(GroupedLinear.forward, TE_FORWARD, "the seen-through forward outlived the backend's calls")
 
     def check_unsupported_option_is_refused_with_the_reason(self) -> None:
         group = torch.distributed.group.WORLD

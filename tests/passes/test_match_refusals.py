@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import collections
 import operator
+import traceback
+import types
 import unittest
 import unittest.mock
 from collections.abc import Callable
@@ -86,7 +88,8 @@ class DispatchAndCombineRefusals(MatchTestCase):
     def test_a_lone_all_to_all_without_any_recorded_graph_break_is_not_blamed_on_one(self) -> None:
         # The same graph where Dynamo recorded no break: the block is whole, so the cause is something else.
         gm, r = moe_graph(experts=None, combine=None, scatter=None, outputs=lambda r: [r.recv])
-        with unittest.mock.patch.dict(torch._dynamo.utils.counters, {"graph_break": collections.Counter()}):
+        with unittest.mock.patch.dict(torch._dynamo.utils.counters, {"graph_break": collections.Counter()}), \
+                unittest.mock.patch.object(torch._dynamo.utils, "graph_break_reasons", []):
             reason = self.refusal(gm, r.dispatch)
         self.assertIn("Dynamo counted no graph break: unless TORCH_LOGS=graph_breaks shows one", reason)
         self.assertNotIn("split by a graph break", reason)
@@ -96,7 +99,9 @@ class DispatchAndCombineRefusals(MatchTestCase):
         # data-dependent output shapes; Dynamo's recorded graph-break reasons are quoted.
         gm, r = moe_graph(experts=None, combine=None, scatter=None, outputs=lambda r: [r.recv])
         breaks = {"graph_break": collections.Counter({"moe.py:42 in dispatch: Data dependent branch": 1})}
-        with unittest.mock.patch.dict(torch._dynamo.utils.counters, breaks):
+        # Recorded breaks without a location (the counters' keys) are quoted where Dynamo kept no GraphCompileReason.
+        with unittest.mock.patch.dict(torch._dynamo.utils.counters, breaks), \
+                unittest.mock.patch.object(torch._dynamo.utils, "graph_break_reasons", []):
             with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=False):
                 reason = self.refusal(gm, r.dispatch)
             self.assertIn("set torch._dynamo.config.capture_dynamic_output_shape_ops=True", reason)
@@ -105,6 +110,16 @@ class DispatchAndCombineRefusals(MatchTestCase):
                 reason = self.refusal(gm, r.dispatch)
             self.assertIn("inside the dispatcher: a Python branch on a received size", reason)
             self.assertNotIn("capture_dynamic_output_shape_ops=True", reason)
+
+    def test_a_split_region_names_dynamos_latest_break_with_its_line_and_the_smallest_edit(self) -> None:
+        # Dynamo's GraphCompileReason records (torch._dynamo.utils.graph_break_reasons) carry the user's frame.
+        gm, r = moe_graph(experts=None, combine=None, scatter=None, outputs=lambda r: [r.recv])
+        record = types.SimpleNamespace(reason="Data-dependent branching\n  Explanation: ...",
+                                       user_stack=[traceback.FrameSummary("model.py", 7, "dispatch")])
+        with unittest.mock.patch.object(torch._dynamo.utils, "graph_break_reasons", [record]):
+            reason = self.refusal(gm, r.dispatch)
+        self.assertIn("Dynamo's latest graph breaks: model.py:7: Data-dependent branching (edit: write the condition "
+                      "with torch.fx.experimental.symbolic_shapes.guard_or_false", reason)
 
     def test_refuses_both_all_to_alls_when_the_combine_does_not_swap_the_splits(self) -> None:
         # all_to_all_single(out, recv_splits, send_splits, group) for the combine too (the dispatch's order).
