@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +46,6 @@ class Case:
     build: Callable[[], tuple[nn.Module, packages.Forward]]
     idiom: str  # what the report must name
     tokens: int = 12
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def deepspeed_cases(world: int) -> list[Case]:
@@ -98,11 +97,10 @@ def _steps(forward: packages.Forward, module: nn.Module, inputs: list[Tensor]) -
     return results
 
 
-def _compile(forward: packages.Forward, dump_dir: str = "") -> packages.Forward:
+def _compile(forward: packages.Forward) -> packages.Forward:
     torch._dynamo.reset()
     NON_EMPTY_BRANCHES.clear()
-    return torch.compile(forward, backend="relaymoe", dynamic=False,
-                         options={"inner_compiler": "aot_eager", "dump_dir": dump_dir})
+    return torch.compile(forward, backend="relaymoe", dynamic=False, options={"inner_compiler": "aot_eager"})
 
 
 class PackagesCases(DistributedTestCase):
