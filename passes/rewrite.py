@@ -30,6 +30,8 @@ Legend: T tokens, H hidden, K top-k, N ranks, E_l experts per rank, S segment ro
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import logging
 
@@ -47,6 +49,7 @@ from relay_compile.runtime.compiled_experts import CompiledExpertFn
 from relay_compile.runtime.cost_model import H200, Choice, choose
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
 from relay_compile.runtime.region_fn import RegionExpertFn
+from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
 
@@ -143,6 +146,10 @@ def rewrite_moe_region(
 
     # Step 2: the expert function and its spec.
     fn, path = choose_expert_fn(region, inner_compiler)
+    fp8_refused = fp8_refusal(fn) if options.fp8 else None
+    if fp8_refused is not None:  # the region runs its hops in the weights' dtype, and its report says why
+        log.info("rewrite: %s keeps bf16 hops (option fp8): %s", region.describe(), fp8_refused)
+        options = dataclasses.replace(options, fp8=False)
     spec = RingSpec(
         expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options,
         scores_applied=region.scores_applied,
@@ -158,6 +165,7 @@ def rewrite_moe_region(
             "call_function", RING_MOE, (region.x, topk_ids, topk_scores, list(region.weights), key), name="ring_moe"
         )
     ring.meta["relaymoe_experts"] = path
+    ring.meta["relaymoe_fp8"] = "on" if options.fp8 else (f"refused: {fp8_refused}" if fp8_refused else "")
     ring.meta["example_value"] = fake
     ring.meta["val"] = fake
     for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):

@@ -171,7 +171,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     for i, (scope, region) in enumerate(regions, start=len(refused)):
         entry = RegionReport.matched(
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
-            opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring,
+            opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
         )
         entry.idiom = region.idiom()
         try:
@@ -216,6 +216,7 @@ def _apply(
             keep_rings_saved(scope)
         entry.status, entry.ring_op = "rewritten", str(node.args[-1])
         entry.experts = node.meta["relaymoe_experts"].summary()
+        entry.fp8 = node.meta["relaymoe_fp8"]
         if dump.dir is not None:  # the op writes each program it runs, from the decision it makes
             program_dumps.dump_to(entry.ring_op, dump.dir, f"region{i}")
     else:

@@ -52,6 +52,11 @@ chunk_graphs: str = Config(default="false", env_name_default="RELAYMOE_CHUNK_GRA
 # all-to-all (for comparisons). Decided at every call from the shapes all ranks agree on.
 ring: str = Config(default="auto", env_name_default="RELAYMOE_RING")
 
+# FP8 hops (``runtime.fp8_experts``): expert weights circulate in E4M3 with a scale per expert matrix and the
+# hop GEMMs by the weights run in FP8 (``torch._scaled_grouped_mm``); weight gradients and sums across hops stay
+# wide. Grouped SwiGLU experts only; off by default (docs/BENCHMARKS.md, "FP8 hops").
+fp8: bool = Config(default=False, env_name_default="RELAYMOE_FP8")
+
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
 inner_compiler: str = Config(

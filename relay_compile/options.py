@@ -1,6 +1,6 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
-The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs) become a
+The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs, ring, fp8) become a
 ``RingOptions``, which validates them; this module adds the backend's (inner compiler, dumps, verify, activation
 memory budget) and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop
 rows").
@@ -169,6 +169,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
             remat=_bool("remat", *pick("remat")), max_hop_rows=_hop_bound(*pick("max_hop_rows")),
             fp32_accumulation=_bool("fp32_accumulation", *pick("fp32_accumulation")),
             chunk_graphs=_graphs(*pick("chunk_graphs")), ring=_str("ring", *pick("ring")),
+            fp8=_bool("fp8", *pick("fp8")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None

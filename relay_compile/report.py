@@ -52,15 +52,21 @@ class RegionReport:
     # was compiled, and why F is not grouped>" or "eager: <why neither>".
     experts: str = ""
     idiom: str = ""  # the dispatch / combine forms the matcher recognized (``Region.idiom``)
+    # Option fp8 (``runtime.fp8_experts``): "on" (E4M3 weights per hop, FP8 hop GEMMs), "refused: <why>" (the
+    # region's hops stay in the weights' dtype), or "" with the option off.
+    fp8: str = ""
 
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
-                max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto") -> RegionReport:
-        # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``.)
+                max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto",
+                fp8: bool = False) -> RegionReport:
+        # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``; FP8 hops move one byte
+        # per weight, the per-expert scales aside.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
+        moved_bytes = shape.expert_bytes // shape.elem_bytes if fp8 else shape.expert_bytes
         volume_args = dict(
             tokens=shape.tokens, hidden=shape.hidden, top_k=shape.top_k,
-            experts_per_rank=shape.experts_per_rank, expert_bytes=shape.expert_bytes, elem_bytes=shape.elem_bytes,
+            experts_per_rank=shape.experts_per_rank, expert_bytes=moved_bytes, elem_bytes=shape.elem_bytes,
             expert_grad_bytes=shape.expert_bytes // shape.elem_bytes * sum_elem_bytes, sum_elem_bytes=sum_elem_bytes,
         )
         return RegionReport(
@@ -112,6 +118,8 @@ class GraphReport:
             )
             if r.experts:
                 lines.append(f"    experts {r.experts}")
+            if r.fp8:
+                lines.append(f"    fp8 hops {r.fp8}")
             if r.decision:
                 lines.append(f"    runs as {r.execution_predicted or '(per call)'}: {r.decision}")
         return "\n".join(lines)

@@ -124,6 +124,7 @@ def ring_moe_experts(
     fp32_accumulation: bool = True,
     chunk_graphs: ChunkGraphs = False,
     ring: str = "auto",
+    fp8: bool = False,
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -148,7 +149,7 @@ def ring_moe_experts(
         # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
         key = _register(expert_fn, experts_per_rank, group_name, dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring), name, scores_applied,
+            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8), name, scores_applied,
             torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
@@ -187,6 +188,7 @@ def ring_moe(
     fp32_accumulation: bool = True,
     chunk_graphs: ChunkGraphs = False,
     ring: str = "auto",
+    fp8: bool = False,
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -218,6 +220,11 @@ def ring_moe(
             all-to-all (``runtime.cost_model``; on CUDA, else always the ring); ``"memory"`` also where it is
             slower but the all-to-all's predicted peak is higher; ``"always"``; ``"never"``: the block's
             all-to-all (``runtime.all_to_all``). Decided per call from the shapes every rank agreed on.
+        fp8: FP8 hops (``runtime.fp8_experts``): the experts' weights circulate in E4M3 with one scale per
+            expert matrix (half the bytes per hop) and the products by the weights run as FP8 grouped GEMMs
+            (``torch._scaled_grouped_mm`` on CUDA; an exact fp32 emulation elsewhere); weight gradients and
+            sums across hops stay as wide as without it. SwiGLU without biases only (``ValueError``
+            otherwise). Off by default; every rank passes the same.
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
         scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
@@ -251,7 +258,7 @@ def ring_moe(
         # The name ("" only without torch.distributed: a ring of one, which None says again).
         x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring,
+        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8,
         name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
         scores_applied=scores_applied,
     )

@@ -52,7 +52,7 @@ Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 ARGUMENTS = (
     "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
     "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "fp32_accumulation",
-    "scores_applied", "ring",
+    "scores_applied", "ring", "fp8",
     "the call",
 )
 # Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.
@@ -65,7 +65,7 @@ MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
 _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
-    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "cuda", "kept", "expert_fn",
+    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "fp8", "cuda", "kept", "expert_fn",
     "scores_before", "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
@@ -86,6 +86,7 @@ _AGREED = (
     ("remat", "option remat", lambda v: str(bool(v))),
     ("fp32_accumulation", "option fp32_accumulation", lambda v: str(bool(v))),
     ("ring", "option ring", lambda v: repr(RINGS[v])),
+    ("fp8", "option fp8", lambda v: str(bool(v))),
     ("cuda", "the tokens' device type (x.device)", lambda v: "cuda" if v else "not cuda"),
     ("hidden", "the hidden size (x.shape[1])", str),
     ("top_k", "top-k (topk_ids.shape[1])", str),
@@ -150,7 +151,7 @@ class Claims:
             experts_per_rank=self.experts_per_rank, routing=ROUTINGS.index(self.options.routing),
             overlap=int(self.options.overlap), remat=int(self.options.remat),
             fp32_accumulation=int(self.options.fp32_accumulation), ring=RINGS.index(self.options.ring),
-            cuda=int(self.cuda), kept=int(self.kept), expert_fn=self.expert_fn,
+            fp8=int(self.options.fp8), cuda=int(self.cuda), kept=int(self.kept), expert_fn=self.expert_fn,
             scores_before=int(self.scores_before),
             num_weights=len(self.weights), counts_len=counts_len,
         )

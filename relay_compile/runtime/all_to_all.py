@@ -35,7 +35,7 @@ from relay_compile.runtime.agreement import StepCounts, remember_status
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.segment_compute import ACC_DTYPE, HopRows, RingStepConfig, segment_backward, segment_forward
 from relay_compile.runtime.transport import RingGroup, RingPeerError, peer_failure, status_read_at_once
-from relay_compile.runtime.weight_grads import WeightGrads, unpack_grads
+from relay_compile.runtime.weight_grads import WeightGrads, grads_like, unpack_grads
 
 
 def _exchange(ring: RingGroup, send: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
@@ -153,7 +153,8 @@ class AllToAllStep:
         recv_RH, dy_RH = recv[:, :h], recv[:, h:]
         dx_RH = torch.zeros_like(recv_RH)
         ds_R = torch.zeros(recv.shape[0], dtype=ACC_DTYPE, device=x_TH.device)
-        dw = WeightGrads(self.packed, cfg.acc_dtype)
+        like = grads_like(cfg.grouped, self.packed, self.given_weights)
+        dw = WeightGrads(like, cfg.acc_dtype)
         error = None
         if self.recv_plan is not None:
             rows = self._received_rows(scores_R)
@@ -170,5 +171,5 @@ class AllToAllStep:
         dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
         dx.add_(tok_P, back_dx_PH)
         ds_P = torch.zeros_like(back_ds_P).index_copy_(0, self.send.order_P, back_ds_P)
-        d_weights = unpack_grads(cfg.grouped, dw.result(), self.packed, self.given_weights)
+        d_weights = unpack_grads(cfg.grouped, dw.result(), like, self.given_weights)
         return (dx.finish(x_TH.dtype), ds_P.to(self.scores_TK.dtype).view(self.scores_TK.shape), *d_weights)

@@ -51,7 +51,7 @@ from relay_compile.runtime.segment_compute import (
     segment_forward,
 )
 from relay_compile.runtime.transport import RingTransfer, active_run, receive_buffers
-from relay_compile.runtime.weight_grads import WeightGrads, pack_weights, unpack_grads
+from relay_compile.runtime.weight_grads import WeightGrads, grads_like, pack_weights, unpack_grads
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -99,10 +99,11 @@ def _no_partials(step: RingStep, *args: object) -> tuple[Tensor, ...]:
 
 
 def _weight_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, ...]:
-    """Zero weight-gradient partials (expert routing backward): one per circulating weight, in the dtype a
-    computed partial of ``hop`` has (what travels must have the same bytes on every rank)."""
-    weights = [t for t in args if isinstance(t, Tensor)]
-    return tuple(_zeros_like(t, ExpertRoutingStep.partial_dtype(step.cfg, hop, t)) for t in weights)
+    """Zero weight-gradient partials (expert routing backward): one per packed weight's gradient
+    (``grads_like``), in the dtype a computed partial of ``hop`` has (what travels must have the same bytes on
+    every rank)."""
+    assert isinstance(step, ExpertRoutingStep)
+    return tuple(_zeros_like(g, ExpertRoutingStep.partial_dtype(step.cfg, hop, g)) for g in step.grads_like)
 
 
 def _incoming_sums(step: RingStep, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
@@ -167,6 +168,9 @@ class ExpertRoutingStep:
     ) -> None:
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
+        self.grads_like = grads_like(cfg.grouped, self.weights, weights)
+        # What a visiting partition's gradients look like (every partition has the local one's shapes).
+        self.grads_like = grads_like(cfg.grouped, self.weights, weights)
         self.grad_y_TH = grad_y_TH
         self.backward = grad_y_TH is not None
         self.topk_shape = topk_scores_TK.shape
@@ -266,22 +270,22 @@ class ExpertRoutingStep:
         """
         return cfg.sum_dtype(weight) if hop == 0 else None
 
-    def _weight_grads(self, hop: int, dw: WeightGrads, weights: Sequence[Tensor]) -> tuple[Tensor, ...]:
-        return dw.result([self.partial_dtype(self.cfg, hop, w) for w in weights])
+    def _weight_grads(self, hop: int, dw: WeightGrads) -> tuple[Tensor, ...]:
+        return dw.result([self.partial_dtype(self.cfg, hop, g) for g in self.grads_like])
 
     @_drains(_weight_partials)
     def backward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw = WeightGrads(weights, self.cfg.acc_dtype)
+        dw = WeightGrads(self.grads_like, self.cfg.acc_dtype)
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
-        return self._weight_grads(hop, dw, weights)
+        return self._weight_grads(hop, dw)
 
     @_drains(_incoming_sums)
     def backward_hop_into(self, hop: int, transfer: RingTransfer, first: int, *weights: Tensor) -> tuple[Tensor, ...]:
         """``backward_hop`` whose weight gradients add into the sums travelling in ``transfer`` (its received
         tensors from position ``first``): waited for right before the hop's first weight-gradient GEMM, so
         the hop keeps no partial of its own; returns those sums, now including this hop."""
-        dw = WeightGrads(weights, self.cfg.acc_dtype, into=lambda: transfer.wait()[first:])
+        dw = WeightGrads(self.grads_like, self.cfg.acc_dtype, into=lambda: transfer.wait()[first:])
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
         return dw.result()
@@ -293,13 +297,13 @@ class ExpertRoutingStep:
 
     @_drains(_weight_partials)
     def vjp_hop(self, hop: int, acts: HopActivations, *weights: Tensor) -> tuple[Tensor, ...]:
-        dw = WeightGrads(weights, self.cfg.acc_dtype)
+        dw = WeightGrads(self.grads_like, self.cfg.acc_dtype)
         assert self.grad_y_TH is not None
         rows = self._rows(hop)
         while acts.chunks:
             chunk_vjp(self.cfg, rows, acts.chunks, self.x_TH, self.grad_y_TH, self.dx, self.ds_S, dw)
         acts.chunks.clear()
-        return self._weight_grads(hop, dw, weights)
+        return self._weight_grads(hop, dw)
 
     @_drains(_trailing)
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
@@ -310,7 +314,7 @@ class ExpertRoutingStep:
             self.equal.scores_grad_into(self.ds_S1)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
         return (self.dx.finish(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
-                *unpack_grads(self.cfg.grouped, trailing, self.weights, self.given_weights))
+                *unpack_grads(self.cfg.grouped, trailing, self.grads_like, self.given_weights))
 
 
 class TokenRoutingStep:
@@ -327,10 +331,11 @@ class TokenRoutingStep:
         assert owners_per_hop == 1, "ring_moe: token routing holds one source's tokens per hop"
         self.cfg, self.given_weights = cfg, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
+        self.grads_like = grads_like(cfg.grouped, self.weights, weights)
         self.circulating = [x_TH, topk_ids_TK, topk_scores_TK]
         if grad_y_TH is not None:
             self.circulating.append(grad_y_TH)
-            self.dw = WeightGrads(self.weights, cfg.acc_dtype)
+            self.dw = WeightGrads(self.grads_like, cfg.acc_dtype)
         self.backward = grad_y_TH is not None
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
         # Per source rank: its token count, then its pairs per global expert (every rank's: token routing).
@@ -424,7 +429,8 @@ class TokenRoutingStep:
         token_sum = token_sum.to(self.circulating[0].dtype)
         if not self.backward:
             return (token_sum, *rest)
-        return (token_sum, *rest, *unpack_grads(self.cfg.grouped, self.dw.result(), self.weights, self.given_weights))
+        return (token_sum, *rest, *unpack_grads(self.cfg.grouped, self.dw.result(), self.grads_like,
+                                                      self.given_weights))
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep

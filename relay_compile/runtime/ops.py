@@ -124,7 +124,7 @@ def _run(
         state.ring = ring  # the group behind the name was destroyed and created anew (tests, elastic restarts)
     spec = state.spec
     cfg = RingStepConfig(
-        expert_fn=spec.expert_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
+        expert_fn=spec.ring_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,
         max_hop_rows=hop_row_bound(spec.options.max_hop_rows, x.shape[0], forward=direction == "forward"),
         acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
         scores_before=spec.scores_applied == "before", chunk_graphs=spec.options.graphs_on(x.device),
@@ -133,7 +133,9 @@ def _run(
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
     fp32 = spec.options.fp32_accumulation
     agreed = agree(ring, local.claims, local.bad_ids, local.counts_E,
-                   weight_bytes=sum(w.numel() * w.element_size() for w in weights), elem_bytes=x.element_size(),
+                   # What circulates: the packed weights (FP8 hops: half the bytes), else the given ones.
+                   weight_bytes=sum(w.numel() * w.element_size() for w in local.packed or weights),
+                   elem_bytes=x.element_size(),
                    grad_bytes=sum(w.numel() * summed_bytes(w.element_size(), fp32) for w in weights),
                    sum_elem_bytes=summed_bytes(x.element_size(), fp32),
                    sizes=_block_sizes(spec.options.max_hop_rows, cfg, x, topk_ids, local.packed))

@@ -2,8 +2,8 @@
 
 The functional API (``ring_moe``), the backend's options (``relay_compile.options``) and the rewrite pass all
 build a ``RingOptions``; nothing else validates ``routing`` or ``max_hop_rows``. ``key()`` is part of the
-ring's spec key (``runtime.specs``), a key of this process's registry. ``routing``, ``overlap``, ``remat`` and
-``fp32_accumulation`` change what travels and when, so every rank must pass the same ones:
+ring's spec key (``runtime.specs``), a key of this process's registry. ``routing``, ``overlap``, ``remat``,
+``fp32_accumulation`` and ``fp8`` change what travels and when, so every rank must pass the same ones:
 ``runtime.agreement`` checks them at every call. ``max_hop_rows`` changes only how a rank cuts its own hops: it may differ across ranks and calls.
 
 "No bound" on hop rows is ``None`` here; the process-wide config spells it ``0`` (config entries cannot be
@@ -157,6 +157,7 @@ class RingOptions:
     fp32_accumulation: bool = True
     chunk_graphs: ChunkGraphs = False
     ring: str = "auto"
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -170,7 +171,7 @@ class RingOptions:
         if self.chunk_graphs != "auto" and not isinstance(self.chunk_graphs, bool):
             raise InvalidRingOption(f"chunk_graphs must be True, False or 'auto', got {self.chunk_graphs!r}",
                                     "chunk_graphs")
-        for name in ("overlap", "remat", "fp32_accumulation"):
+        for name in ("overlap", "remat", "fp32_accumulation", "fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRingOption(f"{name} must be a bool, got {getattr(self, name)!r}", name)
 
@@ -178,12 +179,12 @@ class RingOptions:
     def checked(
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
         max_hop_rows: MaxHopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
-        ring: str = "auto",
+        ring: str = "auto", fp8: bool = False,
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""
         try:
             return cls(routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-                       fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring)
+                       fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8)
         except InvalidRingOption as e:
             raise InvalidRingOption(f"{caller}: {e.problem}", e.argument) from None
 
@@ -193,7 +194,7 @@ class RingOptions:
             f"routing={self.routing}|overlap={int(self.overlap)}|remat={int(self.remat)}"
             f"|max_hop_rows={self.max_hop_rows}|fp32_accumulation={int(self.fp32_accumulation)}"
             f"|chunk_graphs={self.chunk_graphs if self.chunk_graphs == 'auto' else int(self.chunk_graphs)}"
-            f"|ring={self.ring}"
+            f"|ring={self.ring}" + ("|fp8=1" if self.fp8 else "")
         )
 
     def graphs_on(self, device: torch.device) -> bool:

@@ -306,7 +306,7 @@ def segment_backward(
             # The score gradients are written in place into the step's (no buffer and copy per chunk).
             dx_SH, ds_out, dws = grouped.vjp_rows(
                 x_TH, tok_S, offsets_G, rows_G, chunk_weights, dy_TH, chunk_score_S,
-                grad_dtype=cfg.sum_dtype(chunk_weights[0]), grad_into=functools.partial(dw.sink, chunk),
+                grad_dtype=cfg.sum_dtype(dw.weights[0]), grad_into=functools.partial(dw.sink, chunk),
                 d_score_out=chunk_ds_S,
             )
         else:
@@ -364,7 +364,7 @@ def _scores_before_fused_vjp(
         # tok_S=None: the rows are given (gathered and scaled here); the entry point drops them after use.
         g_SH, _, dws = grouped.vjp_rows(
             _gathered_scaled_rows(x_TH, tok_S, score_S1), None, chunk.offsets_G, chunk.rows, chunk_weights,
-            dy_TH[tok_S], unit_S, grad_dtype=cfg.sum_dtype(chunk_weights[0]),
+            dy_TH[tok_S], unit_S, grad_dtype=cfg.sum_dtype(dw.weights[0]),
             grad_into=functools.partial(dw.sink, chunk),
         )
     else:

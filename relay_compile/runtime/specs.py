@@ -31,6 +31,7 @@ from typing import Literal
 from relay_compile.experts import ExpertFn, GroupedExperts
 from relay_compile.runtime.cost_model import Choice, Execution
 from relay_compile.runtime.fn_identity import identity_code
+from relay_compile.runtime.fp8_experts import fp8_experts
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import RingGroup
 
@@ -53,15 +54,32 @@ class RingSpec:
     options: RingOptions
     scores_applied: ScoresApplied = "after"
 
+    def __post_init__(self) -> None:
+        if self.options.fp8:
+            _ = self.ring_fn  # the option's error now, where the spec is made, not at its first call
+
     def key(self, fn_name: str) -> str:
         """``<fn_name>|group=<g>|E_l=<n>|scores=<after|before>|routing=...|overlap=...|remat=...|max_hop_rows=...``."""
         return (f"{fn_name}|group={self.group_name}|E_l={self.experts_per_rank}|scores={self.scores_applied}|"
                 f"{self.options.key()}")
 
+    @functools.cached_property
+    def ring_fn(self) -> ExpertFn:
+        """What the ring's hops call: the expert function, with FP8 hops where the options ask for them
+        (``runtime.fp8_experts``; ``ValueError`` naming the option where the function cannot run so)."""
+        return fp8_experts(self.expert_fn) if self.options.fp8 else self.expert_fn
+
     def circulating_weights(self, num_weights: int) -> int:
         """How many weight tensors circulate for ``num_weights`` given ones (the expert function's packing)."""
-        fn = self.expert_fn
+        fn = self.ring_fn
         return fn.num_packed(num_weights) if isinstance(fn, GroupedExperts) else num_weights
+
+    def circulating_grads(self, num_weights: int) -> int:
+        """How many weight-gradient tensors trail them (``grads_like``: fewer where scales circulate beside
+        FP8 weights)."""
+        fn = self.ring_fn
+        count = getattr(fn, "num_grads", None)
+        return count(num_weights) if count is not None else self.circulating_weights(num_weights)
 
 
 @dataclass(kw_only=True)

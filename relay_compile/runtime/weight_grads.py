@@ -98,13 +98,22 @@ def pack_weights(grouped: GroupedExperts | None, weights: Sequence[Tensor]) -> l
     return grouped.pack(weights) if grouped is not None else list(weights)
 
 
+def grads_like(grouped: GroupedExperts | None, packed: Sequence[Tensor], weights: Sequence[Tensor]) -> list[Tensor]:
+    """Tensors shaped and typed like the packed weights' gradients (what ``WeightGrads`` sums and what trails
+    the weights): the packed weights themselves, unless the expert function circulates them otherwise than
+    their gradients (FP8 weights with their scales, ``runtime.fp8_experts``: its ``grads_like``)."""
+    like = getattr(grouped, "grads_like", None)
+    return list(packed) if like is None else like(packed, weights)
+
+
 def unpack_grads(
-    grouped: GroupedExperts | None, grads: Sequence[Tensor], packed: Sequence[Tensor], weights: Sequence[Tensor]
+    grouped: GroupedExperts | None, grads: Sequence[Tensor], like: Sequence[Tensor], weights: Sequence[Tensor]
 ) -> list[Tensor]:
-    """Gradients of the ``packed`` weights (summed in any dtype), in the layout and dtypes of ``weights``.
+    """Gradients of the packed weights (summed in any dtype), in the layout and dtypes of ``weights``;
+    ``like``: ``grads_like``'s.
 
     Cast before unpacking, so the unpacked copies are made in the weights' (narrower) dtype.
     """
-    grads = [g.to(w.dtype) for g, w in zip(grads, packed, strict=True)]
+    grads = [g.to(w.dtype) for g, w in zip(grads, like, strict=True)]
     unpacked = grouped.unpack_grads(grads, weights) if grouped is not None else grads
     return [g.to(w.dtype) for g, w in zip(unpacked, weights, strict=True)]

@@ -60,5 +60,6 @@ def program_for(
 
     ``num_weights``: the weight tensors the op receives (the expert function may pack them into fewer).
     """
-    sched = schedule_for(direction, routing, group_size, spec.circulating_weights(num_weights), owners)
+    sched = schedule_for(direction, routing, group_size, spec.circulating_weights(num_weights), owners,
+                         spec.circulating_grads(num_weights))
     return shaped_program(sched, spec.options.overlap, spec.options.remat)

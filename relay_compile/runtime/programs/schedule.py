@@ -52,9 +52,11 @@ class RingSchedule:
 
 
 def schedule_for(
-    direction: Direction, routing: str, num_hops: int, num_weights: int, owners_per_hop: int = 1
+    direction: Direction, routing: str, num_hops: int, num_weights: int, owners_per_hop: int = 1,
+    num_grads: int | None = None,
 ) -> RingSchedule:
-    """The schedule of one (direction, routing) pair; ``num_weights``: circulating weight tensors (packed).
+    """The schedule of one (direction, routing) pair; ``num_weights``: circulating weight tensors (packed);
+    ``num_grads``: their gradients (default as many; fewer where FP8 weights circulate with their scales).
 
     Expert routing circulates the weights (backward: their gradients trail); its forward may hold
     ``owners_per_hop`` owners' weights per hop. Token routing circulates ``(x, ids, scores)`` (backward:
@@ -63,7 +65,7 @@ def schedule_for(
     if routing == "expert":
         return RingSchedule(
             direction=direction, routing=routing, num_hops=num_hops, num_circulating=num_weights,
-            num_trailing=num_weights if direction == "backward" else 0, num_replayed=num_weights,
+            num_trailing=(num_weights if num_grads is None else num_grads) if direction == "backward" else 0, num_replayed=num_weights,
             owners_per_hop=owners_per_hop,
         )
     return RingSchedule(
