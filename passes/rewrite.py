@@ -31,7 +31,6 @@ Legend: T tokens, H hidden, K top-k, N ranks, E_l experts per rank, S segment ro
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import logging
 
@@ -47,9 +46,9 @@ from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
 from relay_compile.runtime.compiled_experts import CompiledExpertFn
 from relay_compile.runtime.cost_model import H200, Choice, choose
+from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
 from relay_compile.runtime.region_fn import RegionExpertFn
-from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
 
