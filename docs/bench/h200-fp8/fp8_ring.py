@@ -11,6 +11,7 @@ hop (the agreement's volumes), and each leaf's relative (Frobenius) error agains
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -48,7 +49,10 @@ def layer_rows(ep: int, tokens: int, repeats: int, group) -> None:
     cfg = LayerConfig(name="qwen3", hidden=2048, ffn=768, experts=128, top_k=8, tokens=tokens, ep=ep, dtype="bf16",
                       device="cuda")
     inp = make_inputs(cfg)
-    truth_inp = make_inputs(LayerConfig(**{**cfg.__dict__, "dtype": "fp32"}))
+    # The truth: the same inputs and routing, in fp32.
+    truth_inp = dataclasses.replace(inp, **{f: getattr(inp, f).float() for f in ("x_TH", "topk_scores_TK",
+                                                                                 "grad_y_TH")},
+                                    weights=[w.float() for w in inp.weights])
     truth = step(a2a_moe, truth_inp, group=group)
     del truth_inp
     rows = {
@@ -111,6 +115,7 @@ def kernel_and_te_check() -> None:
     ours = scaled_grouped_linear(*fp8_quantize.quantize_rows(xs.bfloat16()), qw, sw, offs, torch.bfloat16).float()
     bf16 = torch._grouped_mm(xs.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offs).float()
     print(f"fc1 GEMM vs fp32: relaymoe fp8 {rel(ours, truth):.3e}, bf16 grouped_mm {rel(bf16, truth):.3e}")
+    gemm_times()
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe
@@ -124,6 +129,41 @@ def kernel_and_te_check() -> None:
         print(f"fc1 GEMM vs fp32: TE GroupedLinear FP8 current scaling {rel(y_te, truth):.3e}")
     except Exception as e:  # noqa: BLE001 -- a bench: report and go on
         print(f"TE FP8 check failed: {type(e).__name__}: {e}")
+
+
+def cuda_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def gemm_times() -> None:
+    """One EP=8 hop's GEMMs (65536 rows over 16 experts, uneven): bf16 ``_grouped_mm`` against FP8
+    ``_scaled_grouped_mm``, and the row quantization that feeds it."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    counts = torch.distributions.Dirichlet(torch.ones(16)).sample() * 65536
+    counts = counts.round().int()
+    counts[-1] += 65536 - int(counts.sum())
+    offs = counts.cuda().cumsum(0).int()
+    for name, k, n in (("x @ w13^T", 2048, 1536), ("act @ w2^T", 768, 2048), ("dy @ w2", 2048, 768),
+                       ("dh13 @ w13", 1536, 2048)):
+        a = torch.randn(65536, k, device="cuda", generator=gen).bfloat16()
+        b = (torch.randn(16, n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        qa, sa = fp8_quantize.quantize_rows(a)
+        qb, sb = fp8_quantize.quantize_experts(b)
+        t_bf16 = cuda_ms(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs))
+        t_fp8 = cuda_ms(lambda: scaled_grouped_linear(qa, sa, qb, sb, offs, torch.bfloat16))
+        t_q = cuda_ms(lambda: fp8_quantize.quantize_rows(a))
+        print(f"GEMM {name} (65536 x {k} -> {n}, 16 experts): bf16 {t_bf16:.3f} ms, fp8 {t_fp8:.3f} ms "
+              f"({t_bf16 / t_fp8:.2f}x), quantize rows {t_q:.3f} ms", flush=True)
+    w = (torch.randn(16, 1536, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
+    print(f"quantize_experts (16 x 1536 x 2048): {cuda_ms(lambda: fp8_quantize.quantize_experts(w), 5):.3f} ms")
 
 
 def main() -> None:
