@@ -87,13 +87,20 @@ def _compile_inner(opts: Options, gm: fx.GraphModule, example_inputs: list[Any])
         return _inner_compiler(opts.inner_compiler)(gm, example_inputs)
 
 
-def _compare_outputs(got: Sequence[Any], want: Sequence[Any], graph: str, note: str = "") -> None:
-    """Raise if a tensor output of the rewritten graph differs from the original beyond its dtype's rounding;
-    ``note`` ends the message."""
+# verify's tolerance (max error / max magnitude) where a region runs FP8 hops (option fp8): E4M3 keeps 3
+# mantissa bits, and the layer's outputs carry two FP8 products.
+FP8_VERIFY_TOLERANCE = 0.25
+
+
+def _compare_outputs(
+    got: Sequence[Any], want: Sequence[Any], graph: str, note: str = "", fp8: bool = False
+) -> None:
+    """Raise if a tensor output of the rewritten graph differs from the original beyond its dtype's rounding
+    (``fp8``: beyond FP8's, ``FP8_VERIFY_TOLERANCE``); ``note`` ends the message."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if not isinstance(w, torch.Tensor) or not w.is_floating_point():
             continue
-        tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
+        tol = FP8_VERIFY_TOLERANCE if fp8 else 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
         err = ((g.detach().float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-12)).item()
         if not err <= tol:
             raise RuntimeError(
@@ -118,7 +125,9 @@ _RANDOM = frozenset({
 })
 
 
-def _verifying(compiled: Callable, original: fx.GraphModule, graph: str, inner_compiler: str) -> Callable:
+def _verifying(
+    compiled: Callable, original: fx.GraphModule, graph: str, inner_compiler: str, fp8: bool = False
+) -> Callable:
     """``compiled``, whose first call also runs ``original`` on the same inputs and compares outputs. A graph
     that draws random numbers is run from the RNG state the compiled call started from (``aot_eager`` and
     ``eager`` draw as the original does; inductor draws otherwise, so a mismatch there may be the draws)."""
@@ -145,7 +154,7 @@ def _verifying(compiled: Callable, original: fx.GraphModule, graph: str, inner_c
                 want = original(*args)
         _compare_outputs(
             out if isinstance(out, (list, tuple)) else [out],
-            want if isinstance(want, (list, tuple)) else [want], graph, note,
+            want if isinstance(want, (list, tuple)) else [want], graph, note, fp8,
         )
         log.info("relaymoe verify: %s matches the original graph", graph)
         return out
@@ -234,7 +243,8 @@ def relaymoe_backend(
     _REPORTS.append(report)
     compiled = _compile_inner(opts, gm, example_inputs)
     if original is not None and any(r.status == "rewritten" for r in report.regions):
-        return _verifying(compiled, original, graph, opts.inner_compiler)
+        return _verifying(compiled, original, graph, opts.inner_compiler,
+                          fp8=any(r.fp8 == "on" for r in report.regions))
     return compiled
 
 

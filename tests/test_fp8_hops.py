@@ -223,7 +223,8 @@ class Fp8Ring(DistributedTestCase):
             moe = MegatronStyleMoE(16, 8, 8, 2, group, seed=3, bias=bias, grouped_linear=GroupedLinear)
             torch._dynamo.reset()
             seen = len(compiled_reports())
-            compiled = torch.compile(moe, backend="relaymoe", options={"inner_compiler": "aot_eager", "fp8": True})
+            compiled = torch.compile(moe, backend="relaymoe", options={"inner_compiler": "aot_eager", "fp8": True,
+                                                                           "verify": True})
             for x in batches:
                 got, want = [], []
                 for fn, out in ((compiled, got), (moe, want)):
