@@ -168,7 +168,6 @@ class ExpertRoutingStep:
     ) -> None:
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
-        self.grads_like = grads_like(cfg.grouped, self.weights, weights)
         # What a visiting partition's gradients look like (every partition has the local one's shapes).
         self.grads_like = grads_like(cfg.grouped, self.weights, weights)
         self.grad_y_TH = grad_y_TH
@@ -429,8 +428,8 @@ class TokenRoutingStep:
         token_sum = token_sum.to(self.circulating[0].dtype)
         if not self.backward:
             return (token_sum, *rest)
-        return (token_sum, *rest, *unpack_grads(self.cfg.grouped, self.dw.result(), self.grads_like,
-                                                      self.given_weights))
+        grads = unpack_grads(self.cfg.grouped, self.dw.result(), self.grads_like, self.given_weights)
+        return (token_sum, *rest, *grads)
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep
