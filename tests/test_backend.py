@@ -138,7 +138,7 @@ class BackendOptions(unittest.TestCase):
                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.splitlines()
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
         self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows='auto', "
-                      "fp32_accumulation=True, chunk_graphs='auto', ring='memory')", out[1])
+                      "fp32_accumulation=True, chunk_graphs='auto', ring='memory', fp8=False)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
 
     def test_activation_memory_budget_reaches_the_partitioner_for_this_graph_only(self) -> None:

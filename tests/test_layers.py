@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a module may import its own layer and the layers before it. Matched by the longest prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("relay_compile.config", "relay_compile.comm_events", "relay_compile.memory", "relay_compile.kernels",
-     "relay_compile.routing", "relay_compile.grouped_gemm", "relay_compile.experts", "relay_compile.reference"),
+     "relay_compile.routing", "relay_compile.grouped_gemm", "relay_compile.fp8_gemm", "relay_compile.experts",
+     "relay_compile.reference"),
     ("relay_compile.runtime",),
     ("relay_compile.ring_moe",),
     ("relay_compile.passes",),
