@@ -76,7 +76,6 @@ class Fp8Experts:
         if reason is not None:
             raise ValueError(f"ring_moe: option fp8: {reason}")
         self.inner = inner
-        self.ffn = _grouped_ffn(inner)
         self.__qualname__ = f"fp8[{getattr(inner, '__qualname__', type(inner).__name__)}]"
 
     def __eq__(self, other: object) -> bool:
@@ -145,5 +144,6 @@ class Fp8Experts:
 
 
 def fp8_experts(fn: ExpertFn) -> Fp8Experts:
-    """``fn`` with FP8 hops; ``ValueError`` naming the option where it cannot (``fp8_refusal``)."""
+    """``fn`` with FP8 hops (``fn`` itself where it already has them); ``ValueError`` naming the option where it
+    cannot (``fp8_refusal``)."""
     return fn if isinstance(fn, Fp8Experts) else Fp8Experts(fn)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from relay_compile import ring_moe  # noqa: E402
 from relay_compile.bench.configs import LayerConfig  # noqa: E402
 from relay_compile.bench.inputs import make_inputs  # noqa: E402
+from relay_compile.bench.measure import gpu_us_per_call  # noqa: E402
 from relay_compile.bench.standin_group import standin_group  # noqa: E402
 from relay_compile.fp8_gemm import scaled_grouped_linear  # noqa: E402
 from relay_compile.kernels import fp8_quantize  # noqa: E402
@@ -131,18 +132,6 @@ def kernel_and_te_check() -> None:
         print(f"TE FP8 check failed: {type(e).__name__}: {e}")
 
 
-def cuda_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def gemm_times() -> None:
     """One EP=8 hop's GEMMs (65536 rows over 16 experts, uneven): bf16 ``_grouped_mm`` against FP8
     ``_scaled_grouped_mm``, and the row quantization that feeds it."""
@@ -157,13 +146,14 @@ def gemm_times() -> None:
         b = (torch.randn(16, n, k, device="cuda", generator=gen) * 0.02).bfloat16()
         qa, sa = fp8_quantize.quantize_rows(a)
         qb, sb = fp8_quantize.quantize_experts(b)
-        t_bf16 = cuda_ms(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs))
-        t_fp8 = cuda_ms(lambda: scaled_grouped_linear(qa, sa, qb, sb, offs, torch.bfloat16))
-        t_q = cuda_ms(lambda: fp8_quantize.quantize_rows(a))
+        t_bf16 = gpu_us_per_call(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs), 20) / 1e3
+        t_fp8 = gpu_us_per_call(lambda: scaled_grouped_linear(qa, sa, qb, sb, offs, torch.bfloat16), 20) / 1e3
+        t_q = gpu_us_per_call(lambda: fp8_quantize.quantize_rows(a), 20) / 1e3
         print(f"GEMM {name} (65536 x {k} -> {n}, 16 experts): bf16 {t_bf16:.3f} ms, fp8 {t_fp8:.3f} ms "
               f"({t_bf16 / t_fp8:.2f}x), quantize rows {t_q:.3f} ms", flush=True)
     w = (torch.randn(16, 1536, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
-    print(f"quantize_experts (16 x 1536 x 2048): {cuda_ms(lambda: fp8_quantize.quantize_experts(w), 5):.3f} ms")
+    ms = gpu_us_per_call(lambda: fp8_quantize.quantize_experts(w), 5) / 1e3
+    print(f"quantize_experts (16 x 1536 x 2048): {ms:.3f} ms")
 
 
 def main() -> None:
