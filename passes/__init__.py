@@ -17,12 +17,14 @@ and what those two share:
     expert_lowering.py  a recognized F on the engine's grouped experts (LoweredFFN), proven on probe inputs
     capacity_pairs.py   a capacity region's (id, score) pairs from its masks, inserted by the rewrite
     liveness.py   the nodes that die when a region's output is replaced
+    host_reads.py batch_host_reads: a tensor's elements read on the host (split sizes) through one copy
     refusals.py   RefusedRegion and the exception the matcher raises internally
 
 The passes import the runtime (the op they insert, the spec they register); the runtime never imports them.
 """
 
 from relay_compile.passes.capacity_match import CapacityRegion
+from relay_compile.passes.host_reads import HostReads, batch_host_reads, find_host_reads
 from relay_compile.runtime.region_fn import ExpertFnBinding, RegionExpertFn
 from relay_compile.passes.match import MoERegion, find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
@@ -37,6 +39,9 @@ from relay_compile.passes.rewrite import (
 
 __all__ = [
     "CapacityRegion",
+    "HostReads",
+    "batch_host_reads",
+    "find_host_reads",
     "ExpertFnBinding",
     "MoERegion",
     "Refusal",

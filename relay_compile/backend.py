@@ -14,6 +14,8 @@ Per Dynamo graph:
                                             grouped GEMMs when F is recognized (passes.expert_lowering), else
                                             F compiled by the inner compiler (runtime.compiled_experts), else F
                                             eagerly; its ring programs (remat, overlap) are built on first use
+    batch_host_reads      (passes.host_reads)  split sizes still read on the host (kept or refused regions):
+                                            one device-to-host copy per tensor, not one sync per element
     inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph, under the
                                             activation_memory_budget option (torch's partitioner budget)
     verify                (option)          the first call also runs the original graph and compares
@@ -40,6 +42,7 @@ from torch._logging import trace_structured
 
 from relay_compile.options import Options, resolve
 from relay_compile.passes import (
+    batch_host_reads,
     find_moe_regions,
     guard_refused,
     keep_all_to_all,
@@ -195,6 +198,9 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
                 guard_refused(scope.module, r.node)
     report.pass_seconds["rewrite"] = time.perf_counter() - start
     if rewrite:
+        # What still reads split sizes on the host (kept and refused regions, other all-to-alls): one copy each.
+        report.host_reads = [f"{r.base.name}: {len(r.reads)} host reads from one copy"
+                             for scope in find_scopes(gm) for r in batch_host_reads(scope.module)]
         dump.write("1_rewritten_graph.py", gm.print_readable(False),
                    header=f"after relaymoe rewrite ({report.pass_seconds['rewrite']:.3f} s)")
     report.dumps = dump.files + ([str(dump.dir / "report.json")] if dump.dir else [])

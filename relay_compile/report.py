@@ -99,6 +99,8 @@ class GraphReport:
     regions: list[RegionReport] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
     dumps: list[str] = field(default_factory=list)
+    # Tensors whose elements the graph reads on the host, now through one copy each (passes.host_reads).
+    host_reads: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -122,6 +124,7 @@ class GraphReport:
                 lines.append(f"    fp8 hops {r.fp8}")
             if r.decision:
                 lines.append(f"    runs as {r.execution_predicted or '(per call)'}: {r.decision}")
+        lines += [f"  {reads}" for reads in self.host_reads]
         return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from torch.testing._internal.common_utils import run_tests
 from relay_compile import RingInputError, ring_moe
 from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
+from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime import agreement, segment_compute
 from relay_compile.runtime.cost_model import H200, BlockShape, Choice, a2a_time, choose, ring_time
@@ -200,7 +201,10 @@ class AllToAllPath(DistributedTestCase):
         others at the first call (no hang, no mismatched collectives)."""
         world = dist.get_world_size()
         weights = [w.requires_grad_() for w in moe_weights_of(self.rank, world)]
-        with tempfile.TemporaryDirectory() as dump:
+        items = _items_traced(block, world)
+        # The split sizes' host reads go through one copy (passes.host_reads; on CUDA by default, here on the CPU).
+        with tempfile.TemporaryDirectory() as dump, mock.patch.object(host_reads, "on_accelerator",
+                                                                              lambda t: True):
             torch._dynamo.reset()
             seen = len(compiled_reports())
             kept = torch.compile(block, backend="relaymoe", options={
@@ -216,6 +220,11 @@ class AllToAllPath(DistributedTestCase):
             code = after.read_text()
             self.assertEqual(code.count("relaymoe.kept_all_to_all"), 1, code)
             self.assertIn("all_to_all_single", code)
+            # Both splits of the dispatch (2 x world items) are read from one host copy, as is every other
+            # tensor the block reads on the host (the expert loop's counts).
+            self.assertIn(f"splits_2N: {2 * world} host reads from one copy", report.host_reads, report.summary())
+            self.assertEqual(code.count(".to('cpu')"), len(report.host_reads), code)
+            self.assertEqual(code.count(".item()"), items, code)
             self.assertNotIn("relaymoe.ring_moe", code)
         x, ids, scores = inputs(self.rank, world, 0)
         events = count_comm_events(lambda: kept(x, ids, scores, *weights).sum().backward())
@@ -229,6 +238,21 @@ class AllToAllPath(DistributedTestCase):
             mixed(x, ids, scores, *weights)
         dist.barrier()
         self.check_matches_a2a("random")  # the group is usable afterwards
+
+
+def _items_traced(fn, world: int) -> int:
+    """How many ``.item()`` Dynamo traces in ``fn``'s graph (each a host read; batching keeps every one)."""
+    counts: list[int] = []
+
+    def count(gm, example_inputs):
+        counts.append(sum(n.op == "call_method" and n.target == "item" for n in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        x, ids, scores = inputs(dist.get_rank(), world, 0)
+        torch.compile(fn, backend=count, fullgraph=True)(x, ids, scores, *moe_weights_of(dist.get_rank(), world))
+    return counts[0]
 
 
 def moe_weights_of(rank: int, world: int) -> list[torch.Tensor]:

@@ -1,0 +1,156 @@
+"""host_reads: one device-to-host copy per tensor whose elements a graph reads on the host.
+
+Every all-to-all dispatcher reads its split sizes on the host (``splits.tolist()``: torchtitan, megatron-core,
+transformers, the reference layer). Dynamo traces that into one ``t[i][j].item()`` per element, and aot_autograd
+and inductor keep one ``_local_scalar_dense`` per element: on CUDA each is a stream sync and an 8-byte copy, so a
+graph that keeps its all-to-alls (a region the cost model keeps, a refused one, a model the backend does not
+rewrite) pays ``2 N`` syncs per call where eager paid one. At EP=64 on the H200 that made the compiled reference
+layer 1.2-1.3x slower than eager at 8192 tokens per rank (docs/BENCHMARKS.md, "Kept regions"). This pass copies
+each such tensor to the host once, where the first read was, and indexes the copy.
+
+Before::
+
+    getitem = splits_2N[0];  getitem_1 = getitem[0];  item = getitem_1.item()
+    getitem_2 = getitem[1];  item_1 = getitem_2.item()
+
+After::
+
+    splits_2n_host = splits_2N.to('cpu')
+    getitem_3 = splits_2n_host[0];  getitem_4 = getitem_3[0];  item = getitem_4.item()
+    getitem_5 = getitem_3[1];  item_1 = getitem_5.item()
+
+Contract: the values read are the same, at the same point of the program (the copy syncs where the first
+read did); the ``item`` nodes themselves stay, with their unbacked SymInts. Only reads through integer indexing
+of a tensor on an accelerator are batched, and only where a tensor has at least two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HostReads", "batch_host_reads", "find_host_reads", "on_accelerator"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostReads:
+    """Host reads of one tensor's elements: ``base`` indexed by ``paths[i]`` (through the nodes
+    ``chains[i]``, outermost first) then ``reads[i].item()``."""
+
+    base: fx.Node
+    reads: tuple[fx.Node, ...]
+    paths: tuple[tuple[int, ...], ...]
+    chains: tuple[tuple[fx.Node, ...], ...]
+
+
+def on_accelerator(t: Tensor) -> bool:
+    """Where a host read costs a device sync: any device but the CPU (and ``meta``, which holds no data)."""
+    return t.device.type not in ("cpu", "meta")
+
+
+def _value(node: fx.Node) -> object:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _is_read(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "item"
+
+
+def _index(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(input, i)`` where ``node`` is ``input[i]`` (``getitem`` or ``select(0, i)``), else None. (Dynamo records
+    no example value for the index nodes of ``tolist``: whether ``input`` is a tensor is asked of the chain's
+    base, ``_path``.)"""
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        src, i = node.args
+    elif node.op == "call_method" and node.target == "select" and node.args[1:2] == (0,) and len(node.args) == 3:
+        src, i = node.args[0], node.args[2]
+    else:
+        return None
+    if not isinstance(src, fx.Node) or not isinstance(i, int) or isinstance(i, bool):
+        return None
+    return src, i
+
+
+def _path(read: fx.Node) -> tuple[fx.Node, tuple[int, ...], tuple[fx.Node, ...]]:
+    """The tensor ``read`` reads an element of, the indices that lead there and their index nodes."""
+    node, path, chain = read.args[0], [], []
+    assert isinstance(node, fx.Node)
+    while (step := _index(node)) is not None:
+        chain.append(node)
+        node, i = step
+        path.append(i)
+    return node, tuple(reversed(path)), tuple(reversed(chain))
+
+
+def find_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None = None) -> list[HostReads]:
+    """The tensors of ``gm`` whose elements are read on the host more than once, each on a device ``where``
+    accepts (default ``on_accelerator``); pure: nothing changes."""
+    where = where or on_accelerator
+    by_base: dict[fx.Node, list[tuple[fx.Node, tuple[int, ...], tuple[fx.Node, ...]]]] = {}
+    for node in gm.graph.nodes:
+        if _is_read(node) and isinstance(node.args[0], fx.Node):
+            base, path, chain = _path(node)
+            value = _value(base)
+            if path and isinstance(value, Tensor) and where(value):
+                by_base.setdefault(base, []).append((node, path, chain))
+    return [HostReads(base=base, reads=tuple(f[0] for f in found), paths=tuple(f[1] for f in found),
+                      chains=tuple(f[2] for f in found))
+            for base, found in by_base.items() if len(found) > 1]
+
+
+def _with_value(node: fx.Node, value: object) -> fx.Node:
+    node.meta["example_value"] = node.meta["val"] = value
+    return node
+
+
+def _rewrite(gm: fx.GraphModule, found: HostReads) -> fx.Node:
+    """The copy and the new index chains, before the first old one (where the first sync was)."""
+    graph, base_value = gm.graph, _value(found.base)
+    assert isinstance(base_value, Tensor)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((chain[0] for chain in found.chains), key=order.__getitem__)
+    chains: dict[tuple[int, ...], fx.Node] = {}
+    # Dynamo's example values are fake tensors: the new nodes' values come from the same fake mode.
+    mode = getattr(base_value, "fake_mode", None)
+    with graph.inserting_before(first), mode if mode is not None else contextlib.nullcontext():
+        host = _with_value(graph.create_node("call_method", "to", (found.base, "cpu"), name=f"{found.base.name}_host"),
+                           base_value.to("cpu"))
+        chains[()] = host
+        for read, path in zip(found.reads, found.paths, strict=True):
+            for depth in range(1, len(path) + 1):
+                if path[:depth] not in chains:
+                    parent = chains[path[:depth - 1]]
+                    chains[path[:depth]] = _with_value(graph.call_function(operator.getitem, (parent, path[depth - 1])),
+                                                       _value(parent)[path[depth - 1]])
+            old = read.args[0]
+            read.replace_input_with(old, chains[path])
+    return host
+
+
+def batch_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None = None) -> list[HostReads]:
+    """Rewrite ``gm`` so each tensor ``find_host_reads`` names is copied to the host once and read there; the
+    replaced index chains are removed. Returns what it batched."""
+    found = find_host_reads(gm, where)
+    for reads in found:
+        host = _rewrite(gm, reads)
+        log.debug("host_reads: %d reads of %s from one copy %s", len(reads.reads), reads.base.name, host.name)
+    if found:
+        _erase_unused({node for reads in found for chain in reads.chains for node in chain}, gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+    return found
+
+
+def _erase_unused(nodes: set[fx.Node], graph: fx.Graph) -> None:
+    """The replaced index nodes no one uses any more (views: nothing else can depend on them)."""
+    for node in reversed(list(graph.nodes)):
+        if node in nodes and not node.users:
+            graph.erase_node(node)

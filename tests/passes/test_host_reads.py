@@ -1,0 +1,137 @@
+"""passes.host_reads: a tensor's elements read on the host (``tolist`` of split sizes) through one copy.
+
+On CUDA each ``.item()`` is a stream sync; the pass leaves every read in place and points it at one host copy.
+Here the device predicate is widened to the CPU (where the default leaves graphs alone) so the rewrite runs.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from expecttest import TestCase
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from relay_compile.passes.host_reads import batch_host_reads, find_host_reads
+
+
+def anywhere(t: torch.Tensor) -> bool:
+    return True
+
+
+def dispatch_like(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatchers' idiom: both split lists read with one ``tolist``; the sizes shape the result."""
+    splits = torch.stack([counts.sum(1), counts.sum(0)])
+    send, recv = splits.tolist()
+    parts = x.split(send)
+    return torch.cat([p * (i + 1) for i, p in enumerate(parts)]), x.new_full((1,), sum(recv))
+
+
+def captured(fn, *args: torch.Tensor, where=anywhere) -> tuple[fx.GraphModule, list]:
+    """``fn``'s Dynamo graph after the pass, and what the pass batched."""
+    out: list = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+        out.append((gm, batch_host_reads(gm, where)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return out[0]
+
+
+def reads_code(gm: fx.GraphModule) -> str:
+    """The graph's code without Dynamo's runtime asserts (their text differs across torch versions)."""
+    return "\n".join(line for line in gm.code.strip().splitlines()
+                     if "_assert_scalar" not in line and " >= " not in line and " <= " not in line
+                     and " == " not in line and "sym_sum_1" not in line)
+
+
+X = torch.arange(12.0).view(6, 2)
+COUNTS = torch.tensor([[1, 2], [2, 1]])
+
+
+class HostReadsTest(TestCase):
+    def test_the_elements_of_one_tensor_are_read_from_one_host_copy(self) -> None:
+        gm, found = captured(dispatch_like, X, COUNTS)
+        self.assertEqual([(r.base.name, r.paths) for r in found], [("splits", ((0, 0), (0, 1), (1, 0), (1, 1)))])
+        self.assertExpectedInline(reads_code(gm), """\
+def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
+    l_counts_ = L_counts_
+    l_x_ = L_x_
+    sum_1 = l_counts_.sum(1)
+    sum_2 = l_counts_.sum(0);  l_counts_ = None
+    splits = torch.stack([sum_1, sum_2]);  sum_1 = sum_2 = None
+    splits_host = splits.to('cpu');  splits = None
+    getitem_8 = splits_host[0]
+    getitem_9 = getitem_8[0]
+    getitem_10 = getitem_8[1];  getitem_8 = None
+    getitem_11 = splits_host[1];  splits_host = None
+    getitem_12 = getitem_11[0]
+    getitem_13 = getitem_11[1];  getitem_11 = None
+    item = getitem_9.item();  getitem_9 = None
+    item_1 = getitem_10.item();  getitem_10 = None
+    item_2 = getitem_12.item();  getitem_12 = None
+    item_3 = getitem_13.item();  getitem_13 = None
+    split = l_x_.split([item, item_1]);  item = item_1 = None
+    x = split[0]
+    x_1 = split[1];  split = None
+    mul = x * 1;  x = None
+    mul_1 = x_1 * 2;  x_1 = None
+    cat = torch.cat([mul, mul_1]);  mul = mul_1 = None
+    sym_sum = torch.sym_sum((item_2, item_3));  item_2 = item_3 = None
+    new_full = l_x_.new_full((1,), sym_sum);  l_x_ = sym_sum = None
+    return (cat, new_full)""")
+
+    def test_cpu_tensors_and_single_reads_are_left_alone_and_a_view_is_a_tensor_like_any(self) -> None:
+        gm, found = captured(dispatch_like, X, COUNTS, where=None)  # the default: accelerators only
+        self.assertEqual(found, [])
+        self.assertNotIn("'cpu'", gm.code)
+
+        def one_read_each(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            return x[: n.sum().item()] * n.max().item()
+
+        def sliced(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            a, b = n[:2].tolist()  # the slice is the tensor copied
+            return x[:a] * b
+
+        self.assertEqual(captured(one_read_each, X, COUNTS[0])[1], [])
+        gm, found = captured(sliced, X, COUNTS[0])
+        self.assertEqual([(r.base.target, r.paths) for r in found], [(operator.getitem, ((0,), (1,)))])
+        self.assertIn("to('cpu')", gm.code)
+
+    def test_a_rewritten_graph_trains_like_eager_under_aot_autograd_without_recompiling(self) -> None:
+        def loss(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            y, total = dispatch_like(x, counts)
+            return (y.square().sum(1) * total).sum()
+
+        seen: list[int] = []
+
+        def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+            seen.append(len(batch_host_reads(gm, anywhere)))
+            return aot_autograd(fw_compiler=lambda g, _: g.forward, bw_compiler=lambda g, _: g.forward)(gm, example_inputs)
+
+        counter = CompileCounterWithBackend(backend)
+        torch._dynamo.reset()
+        compiled = torch.compile(loss, backend=counter, fullgraph=True)
+        for counts in (COUNTS, torch.tensor([[0, 3], [3, 0]]), torch.tensor([[2, 0], [1, 3]])):
+            x = X.clone().requires_grad_()
+            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                got = compiled(x, counts)
+            (got_dx,) = torch.autograd.grad(got, x)
+            want_x = X.clone().requires_grad_()
+            want = loss(want_x, counts)
+            (want_dx,) = torch.autograd.grad(want, want_x)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(got_dx, want_dx)
+        self.assertEqual(seen, [1])
+        self.assertEqual(counter.frame_count, 1)
+
+
+if __name__ == "__main__":
+    from torch.testing._internal.common_utils import run_tests
+
+    run_tests()
