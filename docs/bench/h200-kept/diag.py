@@ -23,6 +23,7 @@ ap.add_argument("--ep", type=int, default=64)
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--repeats", type=int, default=7)
 ap.add_argument("--deadline", type=float, default=520.0)
+ap.add_argument("--census", action="store_true", help="print each row's host time by op")
 ap.add_argument("--rows", nargs="*", default=["eager", "aot_eager", "relaymoe/aot_eager", "ring_moe default",
                                               "relaymoe/inductor", "inductor"])
 args = ap.parse_args()
@@ -46,6 +47,25 @@ def compiled(backend, options=None):
 
 
 def build(name):
+    if name == "aot_eager+host_reads":  # the plain graph with the backend's host-read batching only
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+        from relay_compile.passes.host_reads import batch_host_reads
+        aot = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))
+
+        def backend(gm, example_inputs):
+            batch_host_reads(gm)
+            return aot(gm, example_inputs)
+        return compiled(backend)
+    if name == "relaymoe/aot_eager, no agreement":  # what the kept region's agreement exchange costs
+        from unittest import mock
+        from relay_compile.runtime import ops
+        run = compiled("relaymoe", {"inner_compiler": "aot_eager"})
+
+        def unchecked(*a):
+            with mock.patch.object(ops, "agree_kept", lambda *_, **__: None):
+                return run(*a)
+        return unchecked
     if name == "eager":
         return lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group)
     if name == "ring_moe default":
@@ -91,6 +111,13 @@ for n, fn in rows.items():
         step(fn)
         torch.cuda.synchronize()
     gpu_ms[n] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    if args.census:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(fn)
+            torch.cuda.synchronize()
+        top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+        print(f"-- {n}: host self time by op (us): " + ", ".join(
+            f"{e.key} {e.count}x {e.self_cpu_time_total:.0f}" for e in top), flush=True)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step(fn)
