@@ -21,7 +21,8 @@ After::
 
 Contract: the values read are the same, at the same point of the program (the copy syncs where the first
 read did); the ``item`` nodes themselves stay, with their unbacked SymInts. Only reads through integer indexing
-of a tensor on an accelerator are batched, and only where a tensor has at least two.
+of a tensor on an accelerator are batched, only where a tensor has at least two, and only where nothing between
+its first and its last read may write its storage.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +104,41 @@ def find_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None =
             value = _value(base)
             if path and isinstance(value, Tensor) and where(value):
                 by_base.setdefault(base, []).append((node, path, chain))
-    return [HostReads(base=base, reads=tuple(f[0] for f in found), paths=tuple(f[1] for f in found),
-                      chains=tuple(f[2] for f in found))
-            for base, found in by_base.items() if len(found) > 1]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    batched = []
+    for base, found in by_base.items():
+        reads = HostReads(base=base, reads=tuple(f[0] for f in found), paths=tuple(f[1] for f in found),
+                          chains=tuple(f[2] for f in found))
+        if len(found) > 1 and not _written_between(gm, reads, order):
+            batched.append(reads)
+    return batched
+
+
+def _written_between(gm: fx.GraphModule, reads: HostReads, order: dict[fx.Node, int]) -> bool:
+    """Whether a node between the first and the last read may write ``reads.base``'s storage (an in-place method,
+    ``setitem``, ``out=``, a mutable op, a submodule): one copy would then not hold what a later read reads."""
+    first = min(order[chain[0]] for chain in reads.chains)
+    last = max(order[read] for read in reads.reads)
+    storage = StorageWeakRef(_value(reads.base).untyped_storage())
+    for node in list(gm.graph.nodes)[first:last]:
+        for written in _writes(node):
+            value = _value(written) if isinstance(written, fx.Node) else None
+            if not isinstance(value, Tensor) or StorageWeakRef(value.untyped_storage()) == storage:
+                return True
+    return False
+
+
+def _writes(node: fx.Node) -> list[object]:
+    """What ``node`` may write in place (conservatively: every tensor argument of a submodule or mutable op)."""
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if node.op == "call_module" or (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
+        return [a for a in node.all_input_nodes]
+    if node.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_"):
+        return [node.args[0]] if node.args else []
+    if target is operator.setitem:
+        return [node.args[0]]
+    return [node.kwargs["out"]] if "out" in node.kwargs else []
 
 
 def _with_value(node: fx.Node, value: object) -> fx.Node:

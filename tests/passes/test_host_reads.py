@@ -30,7 +30,7 @@ def dispatch_like(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def captured(fn, *args: torch.Tensor, where=anywhere) -> tuple[fx.GraphModule, list]:
-    """``fn``'s Dynamo graph after the pass, and what the pass batched."""
+    """``fn``'s Dynamo graph after the pass, and what the pass batched; the compiled call must equal ``fn``'s."""
     out: list = []
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> object:
@@ -39,7 +39,8 @@ def captured(fn, *args: torch.Tensor, where=anywhere) -> tuple[fx.GraphModule, l
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+        got = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch.testing.assert_close(got, fn(*args))
     return out[0]
 
 
@@ -102,6 +103,23 @@ def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
         gm, found = captured(sliced, X, COUNTS[0])
         self.assertEqual([(r.base.target, r.paths) for r in found], [(operator.getitem, ((0,), (1,)))])
         self.assertIn("to('cpu')", gm.code)
+
+    def test_reads_around_a_write_to_the_tensor_are_left_alone(self) -> None:
+        def written(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            c = counts * 1
+            a, b = c.tolist()
+            c.add_(1)  # a copy before it would give the reads after it stale values
+            d, e = c.tolist()
+            return x[:a] * b + x[:d].sum() * e
+
+        def written_after(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            c = counts * 1
+            a, b = c.tolist()
+            c.add_(1)
+            return x[:a] * b + c.sum()
+
+        self.assertEqual(captured(written, X, COUNTS[0])[1], [])  # and the compiled call equals eager
+        self.assertEqual([len(r.reads) for r in captured(written_after, X, COUNTS[0])[1]], [2])
 
     def test_a_rewritten_graph_trains_like_eager_under_aot_autograd_without_recompiling(self) -> None:
         def loss(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
