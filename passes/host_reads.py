@@ -15,8 +15,8 @@ Before::
 
 After::
 
-    splits_2n_host = splits_2N.to('cpu')
-    getitem_3 = splits_2n_host[0];  getitem_4 = getitem_3[0];  item = getitem_4.item()
+    splits_2N_host = splits_2N.to('cpu', copy=True)
+    getitem_3 = splits_2N_host[0];  getitem_4 = getitem_3[0];  item = getitem_4.item()
     getitem_5 = getitem_3[1];  item_1 = getitem_5.item()
 
 Contract: the values read are the same, at the same point of the program (the copy syncs where the first
@@ -84,7 +84,9 @@ def _index(node: fx.Node) -> tuple[fx.Node, int] | None:
 
 def _path(read: fx.Node) -> tuple[fx.Node, tuple[int, ...], tuple[fx.Node, ...]]:
     """The tensor ``read`` reads an element of, the indices that lead there and their index nodes."""
-    node, path, chain = read.args[0], [], []
+    node = read.args[0]
+    path: list[int] = []
+    chain: list[fx.Node] = []
     assert isinstance(node, fx.Node)
     while (step := _index(node)) is not None:
         chain.append(node)
@@ -109,8 +111,12 @@ def find_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None =
     for base, found in by_base.items():
         reads = HostReads(base=base, reads=tuple(f[0] for f in found), paths=tuple(f[1] for f in found),
                           chains=tuple(f[2] for f in found))
-        if len(found) > 1 and not _written_between(gm, reads, order):
-            batched.append(reads)
+        if len(found) < 2:
+            continue
+        if _written_between(gm, reads, order):
+            log.debug("host_reads: %s left as it is: something between its reads may write it", base.name)
+            continue
+        batched.append(reads)
     return batched
 
 
@@ -128,16 +134,39 @@ def _written_between(gm: fx.GraphModule, reads: HostReads, order: dict[fx.Node, 
     return False
 
 
+# Python's augmented assignments: Dynamo records ``c += 1`` on a tensor as ``operator.iadd(c, 1)``.
+_IN_PLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.imatmul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.ilshift, operator.irshift, operator.iand, operator.ior, operator.ixor,
+    operator.setitem,
+})
+
+
+def _mutable(target: object) -> bool:
+    """An op whose schema writes an argument (any overload of a packet: Dynamo records packets)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(getattr(target, o)._schema.is_mutable for o in target.overloads())
+    return False
+
+
+def _in_place_name(name: str) -> bool:
+    """``add_``, ``index_put_``, ``_foreach_add_``, ``__iadd__``, ``__setitem__``; not ``__add__``."""
+    if name.startswith("__") and name.endswith("__"):
+        return name.startswith("__i") or name == "__setitem__"
+    return name.endswith("_")
+
+
 def _writes(node: fx.Node) -> list[object]:
-    """What ``node`` may write in place (conservatively: every tensor argument of a submodule or mutable op)."""
+    """What ``node`` may write in place (conservatively: every input of a submodule, a higher-order op or a
+    mutable op)."""
     target = node.target
+    if node.op == "call_module" or isinstance(target, torch._ops.HigherOrderOperator) or _mutable(target):
+        return list(node.all_input_nodes)
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if node.op == "call_module" or (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
-        return [a for a in node.all_input_nodes]
-    if node.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_"):
+    if target in _IN_PLACE_OPERATORS or (node.op in ("call_method", "call_function") and _in_place_name(name)):
         return [node.args[0]] if node.args else []
-    if target is operator.setitem:
-        return [node.args[0]]
     return [node.kwargs["out"]] if "out" in node.kwargs else []
 
 
@@ -146,7 +175,7 @@ def _with_value(node: fx.Node, value: object) -> fx.Node:
     return node
 
 
-def _rewrite(gm: fx.GraphModule, found: HostReads) -> fx.Node:
+def _insert_copy(gm: fx.GraphModule, found: HostReads) -> fx.Node:
     """The copy and the new index chains, before the first old one (where the first sync was)."""
     graph, base_value = gm.graph, _value(found.base)
     assert isinstance(base_value, Tensor)
@@ -156,8 +185,9 @@ def _rewrite(gm: fx.GraphModule, found: HostReads) -> fx.Node:
     # Dynamo's example values are fake tensors: the new nodes' values come from the same fake mode.
     mode = getattr(base_value, "fake_mode", None)
     with graph.inserting_before(first), mode if mode is not None else contextlib.nullcontext():
-        host = _with_value(graph.create_node("call_method", "to", (found.base, "cpu"), name=f"{found.base.name}_host"),
-                           base_value.to("cpu"))
+        # copy=True: a copy also where the tensor is already on the host (the CPU tests read a real copy).
+        host = _with_value(graph.create_node("call_method", "to", (found.base, "cpu"), {"copy": True},
+                                             name=f"{found.base.name}_host"), base_value.to("cpu", copy=True))
         chains[()] = host
         for read, path in zip(found.reads, found.paths, strict=True):
             for depth in range(1, len(path) + 1):
@@ -175,7 +205,7 @@ def batch_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None 
     replaced index chains are removed. Returns what it batched."""
     found = find_host_reads(gm, where)
     for reads in found:
-        host = _rewrite(gm, reads)
+        host = _insert_copy(gm, reads)
         log.debug("host_reads: %d reads of %s from one copy %s", len(reads.reads), reads.base.name, host.name)
     if found:
         _erase_unused({node for reads in found for chain in reads.chains for node in chain}, gm.graph)

@@ -199,8 +199,10 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     report.pass_seconds["rewrite"] = time.perf_counter() - start
     if rewrite:
         # What still reads split sizes on the host (kept and refused regions, other all-to-alls): one copy each.
+        start = time.perf_counter()
         report.host_reads = [f"{r.base.name}: {len(r.reads)} host reads from one copy"
                              for scope in find_scopes(gm) for r in batch_host_reads(scope.module)]
+        report.pass_seconds["host_reads"] = time.perf_counter() - start
         dump.write("1_rewritten_graph.py", gm.print_readable(False),
                    header=f"after relaymoe rewrite ({report.pass_seconds['rewrite']:.3f} s)")
     report.dumps = dump.files + ([str(dump.dir / "report.json")] if dump.dir else [])

@@ -11,8 +11,10 @@ import operator
 import torch
 import torch.fx as fx
 from expecttest import TestCase
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.compile_fx import compile_fx
 
 from relay_compile.passes.host_reads import batch_host_reads, find_host_reads
 
@@ -66,7 +68,7 @@ def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
     sum_1 = l_counts_.sum(1)
     sum_2 = l_counts_.sum(0);  l_counts_ = None
     splits = torch.stack([sum_1, sum_2]);  sum_1 = sum_2 = None
-    splits_host = splits.to('cpu');  splits = None
+    splits_host = splits.to('cpu', copy = True);  splits = None
     getitem_8 = splits_host[0]
     getitem_9 = getitem_8[0]
     getitem_10 = getitem_8[1];  getitem_8 = None
@@ -102,7 +104,7 @@ def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
         self.assertEqual(captured(one_read_each, X, COUNTS[0])[1], [])
         gm, found = captured(sliced, X, COUNTS[0])
         self.assertEqual([(r.base.target, r.paths) for r in found], [(operator.getitem, ((0,), (1,)))])
-        self.assertIn("to('cpu')", gm.code)
+        self.assertIn("to('cpu', copy = True)", gm.code)
 
     def test_reads_around_a_write_to_the_tensor_are_left_alone(self) -> None:
         def written(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,15 @@ def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
             c.add_(1)  # a copy before it would give the reads after it stale values
             d, e = c.tolist()
             return x[:a] * b + x[:d].sum() * e
+
+        def written_through_another_view(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            c = counts * 1
+            v = c.view(-1)
+            a = v[0].item()
+            c += 1  # operator.iadd on the view's base
+            return x[:a] * v[1].item()
+
+        self.assertEqual(captured(written_through_another_view, X, COUNTS[0])[1], [])
 
         def written_after(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
             c = counts * 1
@@ -121,6 +132,36 @@ def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
         self.assertEqual(captured(written, X, COUNTS[0])[1], [])  # and the compiled call equals eager
         self.assertEqual([len(r.reads) for r in captured(written_after, X, COUNTS[0])[1]], [2])
 
+    def test_the_finder_changes_nothing_and_reads_through_select_count(self) -> None:
+        def selected(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            return x[: counts.select(0, 0).item()] * counts.select(0, 1).item()
+
+        seen: list = []
+
+        def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+            before = gm.code
+            seen.append([r.paths for r in find_host_reads(gm, anywhere)])
+            self.assertEqual(gm.code, before)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            torch.compile(selected, backend=backend, fullgraph=True)(X, COUNTS[0])
+        self.assertEqual(seen, [[((0,), (1,))]])
+        self.assertIn("to('cpu', copy = True)", captured(selected, X, COUNTS[0])[0].code)
+
+    def test_inductor_compiles_a_rewritten_graph_to_the_same_values(self) -> None:
+        def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+            self.assertEqual(len(batch_host_reads(gm, anywhere)), 1)
+            return compile_fx(gm, example_inputs)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(dispatch_like, backend=backend, fullgraph=True)
+        for counts in (COUNTS, torch.tensor([[3, 0], [0, 3]])):
+            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                got = compiled(X, counts)
+            torch.testing.assert_close(got, dispatch_like(X, counts))
+
     def test_a_rewritten_graph_trains_like_eager_under_aot_autograd_without_recompiling(self) -> None:
         def loss(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
             y, total = dispatch_like(x, counts)
@@ -130,7 +171,8 @@ def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
 
         def backend(gm: fx.GraphModule, example_inputs: list) -> object:
             seen.append(len(batch_host_reads(gm, anywhere)))
-            return aot_autograd(fw_compiler=lambda g, _: g.forward, bw_compiler=lambda g, _: g.forward)(gm, example_inputs)
+            boxed = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
+            return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
 
         counter = CompileCounterWithBackend(backend)
         torch._dynamo.reset()

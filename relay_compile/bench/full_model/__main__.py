@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inner-compiler", choices=("inductor", "aot_eager"),
                     help="compiles the a2a row and the graphs after the relaymoe rewrite (default: inductor on CUDA, "
                          "aot_eager on the CPU)")
+    ap.add_argument("--static-shapes", action="store_true",
+                    help="compiled rows compile each length for its own size (default: one compile, tokens dynamic)")
     ap.add_argument("--link-gbps", type=float, default=450.0, help="modeled link bandwidth, GB/s one direction")
     ap.add_argument("--replot", action="store_true", help="redraw results.md and the PNG from --out/results.json")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -136,7 +138,8 @@ def _settings(args: argparse.Namespace, budget: int) -> SearchSettings:
                           warmup=args.warmup, repeats=args.repeats, link_gbps=args.link_gbps, ladder=args.ladder,
                           rel_tol=args.rel_tol,
                           deadline=time.perf_counter() + args.time_budget if args.time_budget else None,
-                          inner_compiler=args.inner_compiler or ("inductor" if cfg.device == "cuda" else "aot_eager"))
+                          inner_compiler=args.inner_compiler or ("inductor" if cfg.device == "cuda" else "aot_eager"),
+                          static_shapes=args.static_shapes)
 
 
 def _resident_note(trainer: Trainer, budget: int) -> str:

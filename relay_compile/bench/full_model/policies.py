@@ -14,7 +14,8 @@ GPU; ``backend="relaymoe"``) under a recompute policy:
 
 Compiled rows compile one function, ``_layer_forward(layer, x)``, shared by every layer (Dynamo inlines the
 module: its parameters are graph inputs, so the eight layers reuse one graph), with the token dimension
-marked dynamic (one compile for every length).
+marked dynamic (one compile for every length), or with static shapes (``--static-shapes``: one compile per
+length, as a run of one fixed length compiles).
 
 Legend: T tokens per rank, H hidden.
 """
@@ -105,26 +106,33 @@ _COMPILED_BODIES: dict[str, LayerRunner] = {
 }
 
 
-def _compiled(backend: Callable | str, body: LayerRunner = _layer_forward) -> LayerRunner:
-    """``body`` under ``torch.compile``, the token dimension dynamic from the first call."""
-    compiled = torch.compile(body, backend=backend, fullgraph=False)
+def _compiled(backend: Callable | str, body: LayerRunner = _layer_forward, static: bool = False) -> LayerRunner:
+    """``body`` under ``torch.compile``: the token dimension dynamic from the first call, or (``static``) every
+    length compiled for its own size, as a training run of one fixed length compiles it."""
+    compiled = torch.compile(body, backend=backend, fullgraph=False, dynamic=False if static else None)
 
     def run(layer: DecoderLayer, x_TH: Tensor) -> Tensor:
-        torch._dynamo.mark_dynamic(x_TH, 0)
+        if not static:
+            torch._dynamo.mark_dynamic(x_TH, 0)
         return compiled(layer, x_TH)
 
     return run
 
 
-def layer_runner(policy: Policy, *, inner_compiler: str, memory_budget: float | None = None) -> LayerRunner:
+def layer_runner(policy: Policy, *, inner_compiler: str, memory_budget: float | None = None,
+                 static_shapes: bool = False) -> LayerRunner:
     """The runner of one row; ``memory_budget`` is the partitioner's fraction (``budget`` rows only).
 
     ``inner_compiler``: what compiles the graph after the relaymoe rewrite, and the a2a row's backend
-    (``inductor`` on a GPU, ``aot_eager`` on the CPU, where it partitions alike).
+    (``inductor`` on a GPU, ``aot_eager`` on the CPU, where it partitions alike). ``static_shapes``: compiled
+    rows compile each length for its own size (the backend's cost model then decides at compile time, and a
+    region it keeps runs exactly as traced); else one compile serves every length and the ring op decides per
+    call.
     """
     if policy.backend == "eager":
         return {"none": _eager, "full": _full_checkpoint, "moe": _moe_checkpoint}[policy.recompute]
     if policy.backend == "compiled":
-        return _compiled(inner_compiler)
+        return _compiled(inner_compiler, static=static_shapes)
     options = {"inner_compiler": inner_compiler, "activation_memory_budget": memory_budget}
-    return _compiled(functools.partial(relaymoe_backend, options=options), _COMPILED_BODIES[policy.recompute])
+    return _compiled(functools.partial(relaymoe_backend, options=options), _COMPILED_BODIES[policy.recompute],
+                     static=static_shapes)

@@ -42,6 +42,8 @@ class SearchSettings:
     warmup: int = 1
     repeats: int = 2
     inner_compiler: str = "inductor"
+    # Compiled rows compile every length for its own size (else one compile with the token dimension dynamic).
+    static_shapes: bool = False
     link_gbps: float = 450.0
     ladder: tuple[float, ...] = LADDER
     # Bisection stops once the gap is at most this fraction of the largest fitting length (or one step).
@@ -101,7 +103,8 @@ class RowRuns:
         if (*key, tokens) not in self._probes:
             s = self.settings
             if key not in self._runners:
-                self._runners[key] = layer_runner(policy, inner_compiler=s.inner_compiler, memory_budget=key[1])
+                self._runners[key] = layer_runner(policy, inner_compiler=s.inner_compiler, memory_budget=key[1],
+                                                  static_shapes=s.static_shapes)
             seen = len(compiled_reports())
             probe = self.trainer.probe(self._runners[key], tokens, warmup=s.warmup, repeats=s.repeats,
                                        budget_bytes=s.budget_bytes)
