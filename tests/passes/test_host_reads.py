@@ -7,6 +7,7 @@ Here the device predicate is widened to the CPU (where the default leaves graphs
 from __future__ import annotations
 
 import operator
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -16,6 +17,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.compile_fx import compile_fx
 
+from relay_compile.backend import compiled_reports
+from relay_compile.passes import host_reads
 from relay_compile.passes.host_reads import batch_host_reads, find_host_reads
 
 
@@ -161,6 +164,33 @@ def forward(self, L_counts_ : torch.Tensor, L_x_ : torch.Tensor):
             with torch._dynamo.config.patch(capture_scalar_outputs=True):
                 got = compiled(X, counts)
             torch.testing.assert_close(got, dispatch_like(X, counts))
+
+    def test_the_backend_batches_reads_in_checkpoint_bodies_and_of_graph_inputs(self) -> None:
+        def block(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            y, total = dispatch_like(x, counts)  # the reads of a value computed in the body
+            return y.square() * total
+
+        def model(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            a, b = counts[0].tolist()  # the reads of a graph input (through an integer index)
+            y = torch.utils.checkpoint.checkpoint(block, x, counts, use_reentrant=False)
+            return y.sum() * (a + b)
+
+        seen = len(compiled_reports())
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="relaymoe", options={"inner_compiler": "aot_eager"})
+        with mock.patch.object(host_reads, "on_accelerator", anywhere):
+            for counts in (COUNTS, torch.tensor([[2, 1], [0, 3]])):
+                x = X.clone().requires_grad_()
+                got = compiled(x, counts)
+                (got_dx,) = torch.autograd.grad(got, x)
+                want_x = X.clone().requires_grad_()
+                want = model(want_x, counts)
+                torch.testing.assert_close(got, want)
+                torch.testing.assert_close(got_dx, torch.autograd.grad(want, want_x)[0])
+        reports = compiled_reports()[seen:]
+        self.assertEqual(len(reports), 1)
+        self.assertEqual(sorted(reports[0].host_reads), ["l_counts_: 2 host reads from one copy",
+                                                         "splits: 4 host reads from one copy"])
 
     def test_a_rewritten_graph_trains_like_eager_under_aot_autograd_without_recompiling(self) -> None:
         def loss(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
