@@ -10,9 +10,12 @@ import tempfile
 import unittest
 from pathlib import Path
 
+import torch
+from torch._dynamo.testing import CompileCounter
+
 from relay_compile.bench.capacity import largest_fitting
 from relay_compile.bench.full_model.budget import BudgetChooser
-from relay_compile.bench.full_model.policies import A2A_EAGER, POLICIES
+from relay_compile.bench.full_model.policies import A2A_EAGER, POLICIES, layer_runner
 from tests.bench.standin_case import StandinTestCase
 
 try:
@@ -77,6 +80,20 @@ class TinyFullModelTest(StandinTestCase):
             "largest tokens/rank vs a2a eager", "largest tokens/rank vs best a2a row",
             "tokens/s at a2a eager's largest length", "tokens/s where a2a needs full recompute"])
         self.assertAlmostEqual(data["bars"][0]["value"], budget["max_tokens"] / rows[A2A_EAGER]["max_tokens"])
+
+
+class ShapePolicyTest(unittest.TestCase):
+    def test_static_shapes_compile_each_length_and_the_default_one_graph_for_every_length(self) -> None:
+        policy = next(p for p in POLICIES if p.backend == "compiled")
+        layer = torch.nn.Linear(4, 4)
+        for static, frames in ((True, 2), (False, 1)):
+            counter = CompileCounter()
+            torch._dynamo.reset()
+            run = layer_runner(policy, inner_compiler=counter, static_shapes=static)
+            for tokens in (8, 12, 12):
+                x = torch.randn(tokens, 4)
+                torch.testing.assert_close(run(layer, x), layer(x))
+            self.assertEqual(counter.frame_count, frames, f"static_shapes={static}")
 
 
 class BudgetChooserTest(unittest.TestCase):
