@@ -1,7 +1,8 @@
 """host_reads: one device-to-host copy per tensor whose elements a graph reads on the host.
 
-Every all-to-all dispatcher reads its split sizes on the host (``splits.tolist()``: torchtitan, megatron-core,
-transformers, the reference layer). Dynamo traces that into one ``t[i][j].item()`` per element, and aot_autograd
+An all-to-all dispatcher reads its split sizes on the host. Some read the device tensor itself
+(``torch.stack([send, recv]).tolist()``: transformers' expert parallelism, the reference layer); torchtitan copies
+it to the host first. Dynamo traces a device ``tolist`` into one ``t[i][j].item()`` per element, and aot_autograd
 and inductor keep one ``_local_scalar_dense`` per element: on CUDA each is a stream sync and an 8-byte copy, so a
 graph that keeps its all-to-alls (a region the cost model keeps, a refused one, a model the backend does not
 rewrite) pays ``2 N`` syncs per call where eager paid one. At EP=64 on the H200 that made the compiled reference
