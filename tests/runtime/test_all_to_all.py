@@ -27,7 +27,7 @@ from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
 from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
-from relay_compile.runtime import agreement, segment_compute
+from relay_compile.runtime import agreement, all_to_all, segment_compute
 from relay_compile.runtime.cost_model import H200, BlockShape, Choice, a2a_time, choose, ring_time
 from relay_compile.runtime.transport import RingPeerError
 from tests import distributed
@@ -133,7 +133,11 @@ class AllToAllPath(DistributedTestCase):
         x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=2)
         weights = [w.requires_grad_() for w in local_weights(self.rank, self.e_l, world)]
         events = count_comm_events(lambda: ring_moe(x, ids, scores, *weights, ring="never").sum().backward())
-        self.assertGreater(events.all_to_all, 0, events.names)
+        # Per direction: the counts, the rows with their scores (or score gradients) as extra columns, the
+        # combine, the failure status. (The profiler shows one all-to-all as more than one event.)
+        one = torch.zeros(world)
+        per_call = count_comm_events(lambda: dist.all_to_all_single(torch.empty_like(one), one)).all_to_all
+        self.assertEqual(events.all_to_all, 8 * per_call, events.names)
         self.assertEqual(events.p2p, 0, events.names)
         ring_events = count_comm_events(lambda: ring_moe(x, ids, scores, *weights, ring="always").sum().backward())
         self.assertEqual(ring_events.all_to_all, 0, ring_events.names)
@@ -238,6 +242,25 @@ class AllToAllPath(DistributedTestCase):
             mixed(x, ids, scores, *weights)
         dist.barrier()
         self.check_matches_a2a("random")  # the group is usable afterwards
+
+
+class ValuesBesideRows(unittest.TestCase):
+    def test_values_ride_as_columns_of_the_rows_dtype_bit_for_bit_or_not_at_all(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        special = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
+        for rows_dtype, values_dtype, width in ((torch.bfloat16, torch.float32, 2), (torch.float32, torch.float32, 1),
+                                                (torch.float16, torch.float64, 4)):
+            for n in (0, 1, 4, 7):  # none and one row: slices whose storage offset is the rows' width
+                rows = torch.randn(n, 5, generator=gen).to(rows_dtype)
+                values = torch.cat([special, torch.randn(n, generator=gen)])[:n].to(values_dtype)
+                packed = all_to_all._with_values(rows, values)
+                self.assertEqual(packed.shape, (n, 5 + width))
+                got_rows, got_values = all_to_all._split_values(packed, 5, values_dtype)
+                self.assertTrue(torch.equal(got_rows, rows))
+                self.assertEqual(got_values.view(torch.uint8).tolist(), values.view(torch.uint8).tolist())
+        # A value narrower than a column, or not a whole number of columns: no packing (its own all-to-all).
+        self.assertIsNone(all_to_all._with_values(torch.zeros(3, 2), torch.zeros(3, dtype=torch.bfloat16)))
+        self.assertIsNone(all_to_all._with_values(torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3)))
 
 
 def _items_traced(fn, world: int) -> int:
