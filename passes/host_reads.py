@@ -176,11 +176,11 @@ def _with_value(node: fx.Node, value: object) -> fx.Node:
     return node
 
 
-def _insert_copy(gm: fx.GraphModule, found: HostReads) -> fx.Node:
-    """The copy and the new index chains, before the first old one (where the first sync was)."""
+def _insert_copy(gm: fx.GraphModule, found: HostReads, order: dict[fx.Node, int]) -> fx.Node:
+    """The copy and the new index chains, before the first old one (where the first sync was; ``order``: the
+    graph's nodes before any insertion, whose relative order insertions keep)."""
     graph, base_value = gm.graph, _value(found.base)
     assert isinstance(base_value, Tensor)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((chain[0] for chain in found.chains), key=order.__getitem__)
     chains: dict[tuple[int, ...], fx.Node] = {}
     # Dynamo's example values are fake tensors: the new nodes' values come from the same fake mode.
@@ -205,8 +205,9 @@ def batch_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None 
     """Rewrite ``gm`` so each tensor ``find_host_reads`` names is copied to the host once and read there; the
     replaced index chains are removed. Returns what it batched."""
     found = find_host_reads(gm, where)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for reads in found:
-        host = _insert_copy(gm, reads)
+        host = _insert_copy(gm, reads, order)
         log.debug("host_reads: %d reads of %s from one copy %s", len(reads.reads), reads.base.name, host.name)
     if found:
         _erase_unused({node for reads in found for chain in reads.chains for node in chain}, gm.graph)

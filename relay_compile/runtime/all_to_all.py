@@ -6,19 +6,21 @@ one ``relaymoe::ring_moe`` call (the decision is
 made per call from the agreed table, so a changing token count may cross it, on every rank alike); this step
 is what the op then runs, with the region's own expert function:
 
-    forward:   pairs sorted by expert; their rows dispatched to the experts' owners with their scores (one
-               all-to-all: the scores' bytes ride as extra columns of the rows, ``_with_values``); the owner
-               computes its experts on every row it received at once (the ``segment_compute`` of one hop, over
-               the received rows as tokens with one pair each); the outputs combined back (one all-to-all) and
-               summed into ``y`` per token.
-    backward:  the rows, the output gradients and the scores dispatched again (one all-to-all; nothing was
-               saved by the forward, as in the ring); the owner recomputes and takes the vector-Jacobian
-               product on all its rows; ``dx`` rows and score gradients combined back (one all-to-all); the
-               weight gradients are complete on the owner.
+    forward:   pairs sorted by expert; their rows dispatched to the experts' owners (one all-to-all, and one
+               of their scores); the owner computes its experts on every row it received at once (the
+               ``segment_compute`` of one hop, over the received rows as tokens with one pair each); the
+               outputs combined back (one all-to-all) and summed into ``y`` per token.
+    backward:  the rows, the output gradients and the scores dispatched again (one all-to-all: the scores'
+               bytes ride as extra columns of the concatenated rows, ``_value_columns``; nothing was saved by
+               the forward, as in the ring); the owner recomputes and takes the vector-Jacobian product on all
+               its rows; ``dx`` rows and score gradients combined back; the weight gradients are complete on
+               the owner.
 
-Beside these, each call exchanges the counts (to learn what it receives) and a failure status: four
-all-to-alls per forward and four per backward. Where a score's bytes do not fill whole columns of the rows'
-dtype (fp32 scores beside fp64 rows), the scores take an all-to-all of their own.
+Beside these, each call exchanges the counts (to learn what it receives) and a failure status: five all-to-alls
+per forward and five per backward. Only the backward's dispatch packs: there the rows are concatenated anyway,
+while packing the forward's rows or the combine's ``dx`` would hold a second copy of them during the exchange.
+Where a score's bytes do not fill whole columns of the rows' dtype (fp32 scores beside fp64 rows), the scores
+take an all-to-all of their own.
 
 It builds the top-k-expanded buffers the ring avoids (though not autograd's saved copies of them). A failure in the owner's compute sends zeros, completes the exchanges and
 raises on its rank; the peers learn of it from a failure status exchanged beside the combine (read at once on
@@ -53,20 +55,19 @@ def _exchange(ring: RingGroup, send: Tensor, send_splits: list[int], recv_splits
     return out
 
 
-def _with_values(rows_PC: Tensor, values_P: Tensor) -> Tensor | None:
-    """``rows`` with one value per row appended as columns of the rows' dtype that hold the value's bytes, so one
-    all-to-all moves both (exactly: the bytes are reinterpreted, not converted); None where a value's bytes do not
-    fill whole columns."""
-    width, rest = divmod(values_P.element_size(), rows_PC.element_size())
+def _value_columns(values_P: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """One value per row as columns of ``dtype`` that hold the value's bytes (reinterpreted, not converted), to
+    ride in a concatenation of rows; None where a value's bytes do not fill whole columns."""
+    width, rest = divmod(values_P.element_size(), torch.empty((), dtype=dtype).element_size())
     if rest or not width:
         return None
-    return torch.cat([rows_PC, values_P.contiguous().view(rows_PC.dtype).view(-1, width)], dim=1)
+    return values_P.contiguous().view(dtype).view(-1, width)
 
 
 def _split_values(packed_RC: Tensor, columns: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``_with_values`` undone on what arrived: the rows (a view) and the values in ``dtype``. (A fresh contiguous
-    copy of the value columns: with one row or none, ``contiguous()`` and a plain ``clone()`` keep the slice's
-    offset and row stride, which need not suit the wider dtype.)"""
+    """``_value_columns`` undone on what arrived: the rows (a view) and the values in ``dtype``. (A fresh
+    contiguous copy of the value columns: with one row or none, ``contiguous()`` and a plain ``clone()`` keep the
+    slice's offset and row stride, which need not suit the wider dtype.)"""
     values = packed_RC[:, columns:].clone(memory_format=torch.contiguous_format)
     return packed_RC[:, :columns], values.view(dtype).view(-1)
 
@@ -124,28 +125,26 @@ class AllToAllStep:
         routing, chunks = self.recv_plan
         return HopRows(routing=routing, chunks=chunks, src=self.cfg.ring.rank, scores_S=scores_R[routing.order_P])
 
-    def _moved(self, rows_PC: Tensor, values_P: Tensor | None, send: list[int], recv: list[int]
-               ) -> tuple[Tensor, Tensor | None]:
-        """Rows and their per-row values through one all-to-all where their dtypes allow (``_with_values``)."""
-        ring = self.cfg.ring
-        packed = None if values_P is None else _with_values(rows_PC, values_P)
-        if packed is not None:
-            assert values_P is not None
-            return _split_values(_exchange(ring, packed, send, recv), rows_PC.shape[1], values_P.dtype)
-        values = None if values_P is None else _exchange(ring, values_P, send, recv)
-        return _exchange(ring, rows_PC, send, recv), values
-
-    def _dispatch(self, rows_PH: Tensor) -> tuple[Tensor, Tensor]:
-        """Rows (in sorted-pair order) and their scores to the owners: what this rank received."""
+    def _dispatch(self, *sources_TC: Tensor) -> tuple[Tensor, Tensor]:
+        """The sources' rows of this rank's pairs (in sorted-pair order, side by side) and their scores to the
+        owners: what this rank received. Where the rows are a concatenation anyway (the backward's x and dy), the
+        scores join it as columns and one all-to-all moves both; a single source's rows are sent as gathered
+        and the scores apart (packing them would copy the rows)."""
+        tok_P, ring = self.send.tokens_P, self.cfg.ring
         scores_P = self.scores_TK.reshape(-1)[self.send.order_P]
-        rows_RH, scores_R = self._moved(rows_PH, scores_P, self.send_splits, self.recv_splits)
-        assert scores_R is not None
-        return rows_RH, scores_R
+        columns = _value_columns(scores_P, sources_TC[0].dtype) if len(sources_TC) > 1 else None
+        if columns is not None:
+            packed = torch.cat([*(s[tok_P] for s in sources_TC), columns], dim=1)
+            received = _exchange(ring, packed, self.send_splits, self.recv_splits)
+            return _split_values(received, sum(s.shape[1] for s in sources_TC), scores_P.dtype)
+        rows_PC = sources_TC[0][tok_P] if len(sources_TC) == 1 else torch.cat([s[tok_P] for s in sources_TC], dim=1)
+        return (_exchange(ring, rows_PC, self.send_splits, self.recv_splits),
+                _exchange(ring, scores_P, self.send_splits, self.recv_splits))
 
-    def _combine(self, rows_RH: Tensor, values_R: Tensor | None = None, *, failed: bool) -> tuple[Tensor, Tensor | None]:
+    def _combine(self, *received: Tensor, failed: bool) -> list[Tensor]:
         """What the owner computed, back to the sources (in their sorted-pair order), with the failure status."""
         ring = self.cfg.ring
-        back = self._moved(rows_RH, values_R, self.recv_splits, self.send_splits)
+        back = [_exchange(ring, t, self.recv_splits, self.send_splits) for t in received]
         if ring.group is not None:
             own = torch.full((ring.size,), ring.rank + 1 if failed else 0, dtype=torch.int64, device=self.x_TH.device)
             heard = _exchange(ring, own, [1] * ring.size, [1] * ring.size).max().reshape(1)
@@ -163,7 +162,7 @@ class AllToAllStep:
 
     def forward(self) -> tuple[Tensor]:
         x_TH, cfg = self.x_TH, self.cfg
-        recv_RH, scores_R = self._dispatch(x_TH[self.send.tokens_P])
+        recv_RH, scores_R = self._dispatch(x_TH)
         y_RH = torch.zeros_like(recv_RH)
         error = None
         if self.recv_plan is not None:
@@ -172,7 +171,7 @@ class AllToAllStep:
             except Exception as e:  # noqa: BLE001 -- the peers still wait for the combine: zeros, then raise
                 error, y_RH = e, torch.zeros_like(recv_RH)
         del recv_RH
-        back_PH, _ = self._combine(y_RH, failed=error is not None)
+        (back_PH,) = self._combine(y_RH, failed=error is not None)
         if error is not None:
             raise error
         y = RowSum(x_TH, cfg.sum_dtype(x_TH))
@@ -183,7 +182,7 @@ class AllToAllStep:
         x_TH, cfg, h = self.x_TH, self.cfg, self.x_TH.shape[1]
         assert self.grad_y_TH is not None
         tok_P = self.send.tokens_P
-        recv, scores_R = self._dispatch(torch.cat([x_TH[tok_P], self.grad_y_TH[tok_P]], dim=1))
+        recv, scores_R = self._dispatch(x_TH, self.grad_y_TH)
         recv_RH, dy_RH = recv[:, :h], recv[:, h:]
         dx_RH = torch.zeros_like(recv_RH)
         ds_R = torch.zeros(recv.shape[0], dtype=ACC_DTYPE, device=x_TH.device)
@@ -200,7 +199,6 @@ class AllToAllStep:
                 error, dx_RH, ds_R = e, torch.zeros_like(dx_RH), torch.zeros_like(ds_R)
         del recv, recv_RH, dy_RH
         back_dx_PH, back_ds_P = self._combine(dx_RH, ds_R, failed=error is not None)
-        assert back_ds_P is not None
         if error is not None:
             raise error
         dx = RowSum(x_TH, cfg.sum_dtype(x_TH))

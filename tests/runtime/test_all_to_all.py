@@ -133,11 +133,12 @@ class AllToAllPath(DistributedTestCase):
         x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=2)
         weights = [w.requires_grad_() for w in local_weights(self.rank, self.e_l, world)]
         events = count_comm_events(lambda: ring_moe(x, ids, scores, *weights, ring="never").sum().backward())
-        # Per direction: the counts, the rows with their scores (or score gradients) as extra columns, the
-        # combine, the failure status. (The profiler shows one all-to-all as more than one event.)
+        # Forward: the counts, the rows, their scores, the combine, the failure status. Backward: the counts,
+        # the rows with their scores as extra columns, dx, the score gradients, the failure status. (The profiler
+        # shows one all-to-all as more than one event.)
         one = torch.zeros(world)
         per_call = count_comm_events(lambda: dist.all_to_all_single(torch.empty_like(one), one)).all_to_all
-        self.assertEqual(events.all_to_all, 8 * per_call, events.names)
+        self.assertEqual(events.all_to_all, 10 * per_call, events.names)
         self.assertEqual(events.p2p, 0, events.names)
         ring_events = count_comm_events(lambda: ring_moe(x, ids, scores, *weights, ring="always").sum().backward())
         self.assertEqual(ring_events.all_to_all, 0, ring_events.names)
@@ -253,14 +254,14 @@ class ValuesBesideRows(unittest.TestCase):
             for n in (0, 1, 4, 7):  # none and one row: slices whose storage offset is the rows' width
                 rows = torch.randn(n, 5, generator=gen).to(rows_dtype)
                 values = torch.cat([special, torch.randn(n, generator=gen)])[:n].to(values_dtype)
-                packed = all_to_all._with_values(rows, values)
+                packed = torch.cat([rows, all_to_all._value_columns(values, rows_dtype)], dim=1)
                 self.assertEqual(packed.shape, (n, 5 + width))
                 got_rows, got_values = all_to_all._split_values(packed, 5, values_dtype)
                 self.assertTrue(torch.equal(got_rows, rows))
                 self.assertEqual(got_values.view(torch.uint8).tolist(), values.view(torch.uint8).tolist())
         # A value narrower than a column, or not a whole number of columns: no packing (its own all-to-all).
-        self.assertIsNone(all_to_all._with_values(torch.zeros(3, 2), torch.zeros(3, dtype=torch.bfloat16)))
-        self.assertIsNone(all_to_all._with_values(torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3)))
+        self.assertIsNone(all_to_all._value_columns(torch.zeros(3, dtype=torch.bfloat16), torch.float32))
+        self.assertIsNone(all_to_all._value_columns(torch.zeros(3), torch.float64))
 
 
 def _items_traced(fn, world: int) -> int:
