@@ -74,7 +74,11 @@ def unsupported(module: nn.Module, fp8_manager: Any = None) -> str:
     reads: Dynamo traces them as constants of the module (and guards on them)."""
     wgrad_store = getattr(module, "wgrad_store", None)
     flags = {
-        "fp8": bool(getattr(module, "fp8", False)) or bool(fp8_manager is not None and fp8_manager.is_fp8_enabled()),
+        # TE's FP8 recipes keep per-module scaling state (amax histories, scales) the ring would bypass; the
+        # ring's own FP8 hops are an option of theirs, taken outside fp8_autocast.
+        "fp8 (Transformer Engine's fp8_autocast or the module's FP8; for FP8 hops on the ring compile with "
+        "options={'fp8': True} outside fp8_autocast)":
+            bool(getattr(module, "fp8", False)) or bool(fp8_manager is not None and fp8_manager.is_fp8_enabled()),
         "fuse_wgrad_accumulation": bool(getattr(module, "fuse_wgrad_accumulation", False)),
         "delay_wgrad_compute": bool(wgrad_store is not None and wgrad_store.delay_wgrad_compute()),
         "single_grouped_weight": bool(getattr(module, "single_grouped_weight", False)),

@@ -12,6 +12,8 @@ forward is TE's.
 
 from __future__ import annotations
 
+import unittest
+
 import torch
 from torch.testing._internal.common_utils import run_tests
 
@@ -106,6 +108,26 @@ class GroupedLinearWorld4(GroupedLinearCases):
     def test_te_grouped_linear_experts_at_world_4_are_rewritten(self) -> None:
         self.init_pg()
         self.check_te_experts()
+
+
+class FP8Refusals(unittest.TestCase):
+    """FP8, from TE's autocast or the module's own flag, is refused with what to do instead."""
+
+    class _Manager:
+        def __init__(self, enabled: bool) -> None:
+            self.enabled = enabled
+
+        def is_fp8_enabled(self) -> bool:
+            return self.enabled
+
+    def test_fp8_autocast_and_module_fp8_name_the_ring_option(self) -> None:
+        module = GroupedLinear(2, H, F)
+        self.assertEqual(grouped_linear.unsupported(module, self._Manager(False)), "")
+        for why in (grouped_linear.unsupported(module, self._Manager(True)),
+                    grouped_linear.unsupported(type("FP8Module", (), {"fp8": True})())):
+            self.assertIn("fp8_autocast", why)
+            self.assertIn("options={'fp8': True}", why)
+            self.assertTrue(why.endswith("which the ring does not honour"), why)
 
 
 if __name__ == "__main__":
