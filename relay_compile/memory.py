@@ -17,7 +17,9 @@
 - CPU, ``cpu_method="allocator"``: a counting CPU allocator (``c10::SetCPUAllocator``, built once with
   ``load_inline``, about a minute; cached after) counts every thread's allocations exactly, like the CUDA
   allocator's statistics. Installed process-wide on first use; blocks allocated before that are freed unseen,
-  so call ``install_counting_cpu_allocator()`` before building the model.
+  so call ``install_counting_cpu_allocator()`` before building the model. It also counts per thread tag (the
+  blocks a tagged thread allocated, wherever freed): ranks run as threads measure themselves so
+  (``bench.rank_threads.RankPeak``).
 
 Memory over time (``memory_events``, ``memory_timeline``), for figures: every allocation and free of one run,
 in time order, from one of two sources:
@@ -74,16 +76,25 @@ _COUNTING_ALLOCATOR_CPP = r"""
 #include <unordered_map>
 
 namespace {
+struct Level { int64_t current = 0, peak = 0; };
+struct Block { size_t size; int tag; };
 std::mutex mu;
-std::unordered_map<void*, size_t> sizes;
+std::unordered_map<void*, Block> sizes;
 int64_t current = 0, peak = 0;
+// Per thread tag (0: none): the bytes of blocks its threads allocated, wherever they are freed.
+std::unordered_map<int, Level> tags;
+thread_local int thread_tag = 0;
 c10::DeleterFnPtr base_deleter = nullptr;
 
 void counting_delete(void* ptr) {
   {
     std::lock_guard<std::mutex> g(mu);
     auto it = sizes.find(ptr);
-    if (it != sizes.end()) { current -= it->second; sizes.erase(it); }
+    if (it != sizes.end()) {
+      current -= it->second.size;
+      if (it->second.tag) tags[it->second.tag].current -= it->second.size;
+      sizes.erase(it);
+    }
   }
   base_deleter(ptr);
 }
@@ -100,9 +111,14 @@ struct CountingAllocator final : c10::Allocator {
     d.release_context();
     {
       std::lock_guard<std::mutex> g(mu);
-      sizes[ptr] = n;
+      sizes[ptr] = Block{n, thread_tag};
       current += n;
       if (current > peak) peak = current;
+      if (thread_tag) {
+        Level& level = tags[thread_tag];
+        level.current += n;
+        if (level.current > level.peak) level.peak = level.current;
+      }
     }
     return c10::DataPtr(ptr, ptr, &counting_delete, d.device());
   }
@@ -125,6 +141,17 @@ bool install() {
 }
 std::vector<int64_t> stats() { std::lock_guard<std::mutex> g(mu); return {current, peak}; }
 void reset_peak() { std::lock_guard<std::mutex> g(mu); peak = current; }
+void set_thread_tag(int64_t tag) { thread_tag = static_cast<int>(tag); }
+std::vector<int64_t> tag_stats(int64_t tag) {
+  std::lock_guard<std::mutex> g(mu);
+  Level& level = tags[static_cast<int>(tag)];
+  return {level.current, level.peak};
+}
+void reset_tag_peak(int64_t tag) {
+  std::lock_guard<std::mutex> g(mu);
+  Level& level = tags[static_cast<int>(tag)];
+  level.peak = level.current;
+}
 """
 
 _counting_allocator: Any = None
@@ -133,7 +160,9 @@ _counting_allocator: Any = None
 def install_counting_cpu_allocator() -> Any:
     """Build (once, cached by torch's extension cache) and install the counting CPU allocator; idempotent.
 
-    Returns the extension module: ``stats() -> [current_bytes, peak_bytes]``, ``reset_peak()``.
+    Returns the extension module: ``stats() -> [current_bytes, peak_bytes]``, ``reset_peak()``; per thread tag
+    (``set_thread_tag(tag)`` on a thread, ``tag > 0``; blocks count against the tag of the thread that allocated
+    them, wherever they are freed): ``tag_stats(tag) -> [current_bytes, peak_bytes]``, ``reset_tag_peak(tag)``.
     """
     global _counting_allocator
     if _counting_allocator is None:
@@ -142,7 +171,7 @@ def install_counting_cpu_allocator() -> Any:
         module = load_inline(
             "relay_compile_counting_cpu_allocator",
             cpp_sources=_COUNTING_ALLOCATOR_CPP,
-            functions=["install", "stats", "reset_peak"],
+            functions=["install", "stats", "reset_peak", "set_thread_tag", "tag_stats", "reset_tag_peak"],
         )
         if module.install():
             log.info("memory: counting CPU allocator installed")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -104,6 +105,30 @@ _PINNED: dict[str, SpecState] = {}
 _FUNCTIONAL: OrderedDict[str, SpecState] = OrderedDict()
 # The spec a backward runs with: its forward's, held by the autograd context.
 _HELD: contextvars.ContextVar[SpecState | None] = contextvars.ContextVar("relaymoe_held_spec", default=None)
+# Ranks run as threads of one process (``bench.rank_threads``) share the specs (a compiled graph registers its
+# spec on the thread that traced it) but not what a spec resolves: each thread's ``states`` holds its own
+# rank's ring (a group's name is the same on every thread) and its calls' resolutions.
+_THREAD = threading.local()
+
+
+def per_thread_states() -> None:
+    """This thread resolves every spec for itself from now on (one rank of ranks run as threads)."""
+    _THREAD.states = {}
+
+
+def _this_thread(state: SpecState) -> SpecState:
+    """``state`` as this thread holds it (``per_thread_states``), or ``state`` itself where threads share it."""
+    states: dict[str, SpecState] | None = getattr(_THREAD, "states", None)
+    if states is None:
+        return state
+    mine = states.get(state.key)
+    if mine is None or mine.spec is not state.spec:
+        if state.spec.options.chunk_graphs:
+            raise ValueError(f"relaymoe: ring spec {state.key!r}: option chunk_graphs keeps CUDA graph arenas "
+                             "shared by the process, which ranks run as threads would share; turn it off there")
+        mine = states[state.key] = SpecState(key=state.key, spec=state.spec,
+                                              ring=RingGroup.resolve(state.spec.group_name), identity=state.identity)
+    return mine
 
 
 def register_spec(
@@ -139,13 +164,13 @@ def spec_state(key: str) -> SpecState:
         return held
     state = _PINNED.get(key)
     if state is not None:
-        return state
+        return _this_thread(state)
     try:
         state = _FUNCTIONAL[key]
     except KeyError:
         raise KeyError(f"relaymoe: no ring spec {key!r} registered in this process") from None
     _FUNCTIONAL.move_to_end(key)
-    return state
+    return _this_thread(state)
 
 
 def spec_held(key: str) -> SpecState | None:
