@@ -54,7 +54,7 @@ from relay_compile.runtime.specs import RingSpec, register_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["guard_refused", "moe_ring_pass", "region_fn_name", "rewrite_moe_region"]
+__all__ = ["guard_refused", "moe_ring_pass", "region_fn_identity", "region_fn_name", "rewrite_moe_region"]
 
 ExpertFns = RegionExpertFn | LoweredFFN | CompiledExpertFn
 
@@ -64,6 +64,17 @@ def region_fn_name(region: Region, fn: ExpertFns) -> str:
     process (F's code and binding, the weights' shapes and dtypes)."""
     weights = [(tuple(v.shape), str(v.dtype)) for v in map(node_value, region.weights) if isinstance(v, Tensor)]
     return f"fx_region[{hashlib.sha256(repr((fn.digest(), weights)).encode()).hexdigest()[:12]}]"
+
+
+def region_fn_identity(region: Region, fn: ExpertFns) -> str:
+    """What every rank of the group must agree on about the expert function (``runtime.agreement``): a lowered
+    F by what it computes (its plan, the weights' shapes and dtypes), so that ranks whose graphs differ only in
+    how Dynamo specialized the token count (one rank's static, another's dynamic after its T changed) agree;
+    any other F by ``region_fn_name`` (its code)."""
+    if not isinstance(fn, LoweredFFN):
+        return region_fn_name(region, fn)
+    weights = [(tuple(v.shape), str(v.dtype)) for v in map(node_value, region.weights) if isinstance(v, Tensor)]
+    return f"fx_lowered[{hashlib.sha256(repr((fn.plan, fn.experts_per_rank, weights)).encode()).hexdigest()[:12]}]"
 
 
 def _check_record(gm: fx.GraphModule, region: Region) -> None:
@@ -153,7 +164,7 @@ def rewrite_moe_region(
         expert_fn=fn, experts_per_rank=region.experts_per_rank, group_name=region.group_name, options=options,
         scores_applied=region.scores_applied,
     )
-    key = register_spec(spec, region_fn_name(region, fn))
+    key = register_spec(spec, region_fn_name(region, fn), identity=region_fn_identity(region, fn))
 
     # Step 3: the ring call, right before the output (every input of the ring is upstream of the output).
     fake = _fake_output(region)
