@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import _create_work_from_future
 
+from relay_compile.bench.python_group import PythonProcessGroup
 from relay_compile.memory import install_counting_cpu_allocator
 from relay_compile.runtime import specs
 
@@ -400,64 +401,14 @@ def _completed(result: Any) -> dist.Work:
     return _create_work_from_future(fut)
 
 
-class RankThreadGroup(dist.ProcessGroup):
+class RankThreadGroup(PythonProcessGroup):
     """Rank ``rank`` of a group whose ranks are threads of this process (module docstring). Each operation takes
     the arguments of ``torch.distributed.ProcessGroup``'s method of that name, in group ranks."""
 
     def __init__(self, rank: int, size: int, exchange: _Exchange) -> None:
-        super().__init__(rank, size)
-        self._rank, self._size, self._exchange = rank, size, exchange
-        self._name = self._desc = ""
+        super().__init__(rank, size, BACKEND)
+        self._exchange = exchange
         self._seq = itertools.count()
-
-    # --- identity -------------------------------------------------------------------------------------
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def getRank(self) -> int:
-        return self._rank
-
-    def getSize(self) -> int:
-        return self._size
-
-    def getBackendName(self) -> str:
-        return BACKEND
-
-    def name(self) -> str:
-        return BACKEND
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def getGroupName(self) -> str:
-        return self._name
-
-    def setGroupName(self, name: str) -> None:
-        self._name = name
-
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    @property
-    def group_desc(self) -> str:
-        return self._desc
-
-    def getGroupDesc(self) -> str:
-        return self._desc
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._desc = desc
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._desc = desc
-
-    def __repr__(self) -> str:
-        return f"RankThreadGroup(rank={self._rank}, size={self._size}, name={self._name!r})"
 
     # --- point to point -------------------------------------------------------------------------------
 

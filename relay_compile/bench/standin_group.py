@@ -55,6 +55,8 @@ from torch import Tensor
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from relay_compile.bench.python_group import PythonProcessGroup
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -176,7 +178,7 @@ def _reduce_in_place(t: Tensor, op: Any, world: int) -> None:
         )
 
 
-class StandinGroup(dist.ProcessGroup):
+class StandinGroup(PythonProcessGroup):
     """Rank ``rank`` of a ``size``-rank group whose peers are copies of this rank (module docstring).
 
     Each collective takes the arguments of ``torch.distributed.ProcessGroup``'s method of that name and returns
@@ -184,63 +186,11 @@ class StandinGroup(dist.ProcessGroup):
     """
 
     def __init__(self, rank: int, size: int) -> None:
-        super().__init__(rank, size)
-        self._rank, self._size = rank, size
-        self._name = ""
-        self._desc = ""
+        super().__init__(rank, size, BACKEND)
         # (peer, tag) -> queued messages: sends waiting for the receive that mirrors them, and receives
         # waiting for their send. A receive from src mirrors the send to (2r - src) mod N.
         self._sends: dict[tuple[int, int], deque[list[Tensor]]] = defaultdict(deque)
         self._recvs: dict[tuple[int, int], deque[_PendingRecvWork]] = defaultdict(deque)
-
-    # --- identity -------------------------------------------------------------------------------------
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def getRank(self) -> int:
-        return self._rank
-
-    def getSize(self) -> int:
-        return self._size
-
-    def getBackendName(self) -> str:
-        return BACKEND
-
-    def name(self) -> str:
-        return BACKEND
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def getGroupName(self) -> str:
-        return self._name
-
-    def setGroupName(self, name: str) -> None:
-        self._name = name
-
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    @property
-    def group_desc(self) -> str:
-        return self._desc
-
-    def getGroupDesc(self) -> str:
-        return self._desc
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._desc = desc
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._desc = desc
-
-    def __repr__(self) -> str:
-        return f"StandinGroup(rank={self._rank}, size={self._size}, name={self._name!r})"
 
     def drop_pending(self) -> int:
         """Forget unmatched sends and receives (after a failure mid-transfer); how many there were."""
