@@ -570,10 +570,17 @@ class RankPeak:
     def __exit__(self, *exc: Any) -> None:
         if self._pool is not None:
             torch.cuda.current_stream(self.device).synchronize()
-            self.peak_bytes = sum(s["total_size"] for s in self._pool.snapshot(include_traces=False))
+            self.peak_bytes = sum(s["total_size"] for s in _pool_segments(self._pool))
             self._stack.close()
         else:
             self.peak_bytes = install_counting_cpu_allocator().tag_stats(_thread_tag())[1] - self._base
+
+
+def _pool_segments(pool: Any) -> list[dict[str, Any]]:
+    try:
+        return pool.snapshot(include_traces=False)
+    except TypeError:  # a torch whose MemPool.snapshot takes no arguments
+        return pool.snapshot()
 
 
 _TAGS = itertools.count(1)

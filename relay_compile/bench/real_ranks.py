@@ -1,0 +1,160 @@
+"""Every rank real (``bench.rank_threads``): numerics of both routings, and per-rank peaks under skewed routing.
+
+    python -m relay_compile.bench.real_ranks numerics --ep 2 4 8 --tokens 16384 --routers qwen3 hot_expert:inf
+    python -m relay_compile.bench.real_ranks imbalance --ep 8 --tokens 16384 --budget-gib 4
+
+``numerics``: per EP size and router, every leaf's error (``bench.numerics``: max abs error over max abs truth)
+of a2a eager and the ring (expert and token routing) against the same blocks in fp32 on the same inputs, the
+largest over the ranks; each ring error also as a ratio to a2a's. Unlike the stand-in, token routing computes
+the real layer here.
+
+``imbalance``: per router, per row (a2a eager, ring expert, ring token) every rank's peak (``RankPeak``: its
+own memory pool), the group's step time (the slowest rank's fwd+bwd, median of ``--repeats`` after a warm-up;
+the ranks share one GPU and one interpreter, so it is the group's time, not one GPU's), and whether the largest
+peak fits ``--budget-gib``. The routers' measured shares of all pairs on the hottest expert and rank are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relay_compile import ring_moe
+from relay_compile.bench.configs import QWEN3_30B, LayerConfig
+from relay_compile.bench.numerics import LEAVES, BlockInputs, leaf_values, relative_errors
+from relay_compile.bench.rank_threads import RankPeak, run_rank_threads
+from relay_compile.bench.routers import Skew, pair_shares, rank_inputs
+from relay_compile.reference import a2a_moe
+
+ROWS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
+    "a2a eager": (a2a_moe, {}),
+    "ring expert": (ring_moe, {"routing": "expert", "ring": "always"}),
+    "ring token": (ring_moe, {"routing": "token", "ring": "always"}),
+}
+
+
+def _block_inputs(cfg: LayerConfig, rank: int, skew: Skew) -> BlockInputs:
+    inp = rank_inputs(cfg, rank, skew)
+    return BlockInputs(x_TH=inp.x_TH, topk_ids_TK=inp.topk_ids_TK, topk_scores_TK=inp.topk_scores_TK,
+                       weights=inp.weights, grad_y_TH=inp.grad_y_TH)
+
+
+def rank_errors(cfg: LayerConfig, skew: Skew, timeout: float = 600) -> dict[str, dict[str, float]]:
+    """``{row: {leaf: error}}``, the largest over ``cfg.ep`` real ranks, against a2a in fp32 (module docstring)."""
+
+    def step(rank: int, group: dist.ProcessGroup) -> dict[str, dict[str, float]]:
+        inputs = _block_inputs(cfg, rank, skew)
+        truth = leaf_values(a2a_moe, inputs.to(torch.float32), group=group)
+        errors = {row: relative_errors(leaf_values(fn, inputs, group=group, **kw), truth)
+                  for row, (fn, kw) in ROWS.items()}
+        del truth
+        return errors
+
+    per_rank = run_rank_threads(cfg.ep, step, device=cfg.device, timeout=timeout)
+    return {row: {leaf: max(r[row][leaf] for r in per_rank) for leaf in LEAVES} for row in ROWS}
+
+
+def imbalance_row(cfg: LayerConfig, skew: Skew, repeats: int = 3, timeout: float = 600) -> dict[str, Any]:
+    """Per row: every rank's peak bytes and the group's step times (module docstring); and the router's shares."""
+
+    def step(rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
+        inp = rank_inputs(cfg, rank, skew)
+        out: dict[str, Any] = {"ids": inp.topk_ids_TK.cpu()}
+        for row, (fn, kw) in ROWS.items():
+            def fwd_bwd() -> None:
+                inp.clear_grads()
+                fn(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights, group=group, **kw).backward(
+                    inp.grad_y_TH)
+
+            times = []
+            for _ in range(repeats + 1):  # a warm-up, then the timed steps
+                dist.barrier()
+                _synchronize(cfg)
+                start = time.perf_counter()
+                fwd_bwd()
+                _synchronize(cfg)
+                times.append(time.perf_counter() - start)
+            dist.barrier()
+            with RankPeak(cfg.device) as mem:  # a step of its own: a fresh pool allocates anew
+                fwd_bwd()
+            out[row] = {"peak": mem.peak_bytes, "times": times[1:]}
+        return out
+
+    per_rank = run_rank_threads(cfg.ep, step, device=cfg.device, timeout=timeout)
+    expert_share, rank_share = pair_shares(cfg, [r["ids"] for r in per_rank])
+    rows = {}
+    for row in ROWS:
+        group_times = [max(r[row]["times"][i] for r in per_rank) for i in range(repeats)]
+        rows[row] = {"peaks": [r[row]["peak"] for r in per_rank], "ms": 1e3 * statistics.median(group_times)}
+    return {"skew": skew.label(), "expert_share": expert_share, "rank_share": rank_share, "rows": rows}
+
+
+def _synchronize(cfg: LayerConfig) -> None:
+    if cfg.device == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
+def _skew(text: str) -> Skew:
+    """``kind[:share][:uneven]``, e.g. ``hot_rank:0.5``, ``zipf:1.2:uneven``, ``hot_expert:inf``."""
+    parts = text.split(":")
+    uneven = parts[-1] == "uneven"
+    parts = parts[:-1] if uneven else parts
+    return Skew(parts[0], float(parts[1]) if len(parts) > 1 else 0.0, uneven)
+
+
+def _numerics(args: argparse.Namespace) -> None:
+    print("| EP | router | leaf | a2a eager | ring expert | ring token |\n|---:|---|---|---:|---:|---:|")
+    for ep in args.ep:
+        for text in args.routers:
+            cfg = QWEN3_30B.with_(ep=ep, tokens=args.tokens, device=args.device, dtype=args.dtype)
+            errors = rank_errors(cfg, _skew(text))
+            for leaf in LEAVES:
+                base = errors["a2a eager"][leaf]
+                cells = [f"{errors[r][leaf]:.2e}" + ("" if r == "a2a eager" or not base else
+                                                     f" ({errors[r][leaf] / base:.2f}x)") for r in ROWS]
+                print(f"| {ep} | {text} | {leaf} | " + " | ".join(cells) + " |", flush=True)
+            print("RAW", json.dumps({"ep": ep, "router": text, "errors": errors}), flush=True)
+
+
+def _imbalance(args: argparse.Namespace) -> None:
+    budget = int(args.budget_gib * 2**30)
+    cfg = QWEN3_30B.with_(ep=args.ep[0], tokens=args.tokens, device=args.device, dtype=args.dtype)
+    print(f"{cfg.label()}, budget {args.budget_gib:g} GiB per rank")
+    print("| router | hottest expert / rank share | row | ms | peak per rank (MiB) | max / min | fits |\n"
+          "|---|---|---|---:|---|---:|---|")
+    for text in args.routers:
+        res = imbalance_row(cfg, _skew(text), args.repeats)
+        for row, r in res["rows"].items():
+            peaks = r["peaks"]
+            print(f"| {res['skew']} | {res['expert_share']:.3f} / {res['rank_share']:.3f} | {row} | {r['ms']:.1f} | "
+                  + " ".join(f"{p / 2**20:.0f}" for p in peaks)
+                  + f" | {max(peaks) / max(min(peaks), 1):.2f} | {'yes' if max(peaks) <= budget else 'no'} |",
+                  flush=True)
+        print("RAW", json.dumps(res), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relay_compile.bench.real_ranks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("numerics", "imbalance"))
+    parser.add_argument("--ep", type=int, nargs="+", default=[8])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--routers", nargs="+", default=["qwen3"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-gib", type=float, default=4.0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16")
+    args = parser.parse_args(argv)
+    (_numerics if args.what == "numerics" else _imbalance)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
