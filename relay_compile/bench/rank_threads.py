@@ -548,8 +548,10 @@ class RankPeak:
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:  # use_mem_pool needs the index (2.11)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.peak_bytes = 0
         self._stack = contextlib.ExitStack()
         self._pool: Any = None
@@ -604,9 +606,17 @@ def _thread_local_c10d() -> Iterator[None]:
     """c10d's world and group registry per thread while within (module docstring)."""
     from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
 
+    class World(ThreadLocalWorld):
+        """torch's ThreadLocalWorld, with what its version may lack (2.11's has no ``comms``, which
+        ``destroy_process_group`` reads)."""
+
+        @property
+        def comms(self) -> list[Any]:
+            return self._get_world().__dict__.setdefault("comms", [])
+
     c10d = dist.distributed_c10d
     saved = c10d._world
-    c10d._world = ThreadLocalWorld()
+    c10d._world = World()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     try:
         yield
