@@ -130,6 +130,9 @@ class _Run:
         self.lock = threading.Lock()
         self.failures: dict[int, BaseException] = {}
         self.results: list[Any] = [None] * size
+        # Memory pools of finished measurements, destroyed once every rank thread is done: destroying a pool
+        # while another thread allocates to its own pool fails an internal assert of torch 2.11's allocator.
+        self.pools: list[Any] = []
 
     def exchange(self, token: str, size: int) -> _Exchange:
         with self.lock:
@@ -574,6 +577,11 @@ class RankPeak:
             torch.cuda.current_stream(self.device).synchronize()
             self.peak_bytes = sum(s["total_size"] for s in _pool_segments(self._pool))
             self._stack.close()
+            run = _ACTIVE
+            if run is not None:
+                with run.lock:
+                    run.pools.append(self._pool)
+            self._pool = None
         else:
             self.peak_bytes = install_counting_cpu_allocator().tag_stats(_thread_tag())[1] - self._base
 
@@ -674,6 +682,7 @@ def run_rank_threads(size: int, fn: Callable[[int, dist.ProcessGroup], R], *, de
                 t.start()
             for t in threads:
                 t.join()
+        run.pools.clear()
     finally:
         _ACTIVE = None
         _RUN_LOCK.release()

@@ -62,12 +62,13 @@ def rank_errors(cfg: LayerConfig, skew: Skew, timeout: float = 600) -> dict[str,
 
 
 def imbalance_row(cfg: LayerConfig, skew: Skew, repeats: int = 3, timeout: float = 600) -> dict[str, Any]:
-    """Per row: every rank's peak bytes and the group's step times (module docstring); and the router's shares."""
+    """Per row: every rank's peak bytes and the group's step times (module docstring); and the router's shares.
+    Each row is a run of its own (its memory pools are released between rows)."""
+    rows, ids = {}, []
+    for row, (fn, kw) in ROWS.items():
+        def step(rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
+            inp = rank_inputs(cfg, rank, skew)
 
-    def step(rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
-        inp = rank_inputs(cfg, rank, skew)
-        out: dict[str, Any] = {"ids": inp.topk_ids_TK.cpu()}
-        for row, (fn, kw) in ROWS.items():
             def fwd_bwd() -> None:
                 inp.clear_grads()
                 fn(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights, group=group, **kw).backward(
@@ -84,15 +85,13 @@ def imbalance_row(cfg: LayerConfig, skew: Skew, repeats: int = 3, timeout: float
             dist.barrier()
             with RankPeak(cfg.device) as mem:  # a step of its own: a fresh pool allocates anew
                 fwd_bwd()
-            out[row] = {"peak": mem.peak_bytes, "times": times[1:]}
-        return out
+            return {"ids": inp.topk_ids_TK.cpu(), "peak": mem.peak_bytes, "times": times[1:]}
 
-    per_rank = run_rank_threads(cfg.ep, step, device=cfg.device, timeout=timeout)
-    expert_share, rank_share = pair_shares(cfg, [r["ids"] for r in per_rank])
-    rows = {}
-    for row in ROWS:
-        group_times = [max(r[row]["times"][i] for r in per_rank) for i in range(repeats)]
-        rows[row] = {"peaks": [r[row]["peak"] for r in per_rank], "ms": 1e3 * statistics.median(group_times)}
+        per_rank = run_rank_threads(cfg.ep, step, device=cfg.device, timeout=timeout)
+        ids = [r["ids"] for r in per_rank]
+        group_times = [max(r["times"][i] for r in per_rank) for i in range(repeats)]
+        rows[row] = {"peaks": [r["peak"] for r in per_rank], "ms": 1e3 * statistics.median(group_times)}
+    expert_share, rank_share = pair_shares(cfg, ids)
     return {"skew": skew.label(), "expert_share": expert_share, "rank_share": rank_share, "rows": rows}
 
 
