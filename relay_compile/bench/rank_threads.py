@@ -10,7 +10,7 @@
 
 The stand-in group (``bench.standin_group``) makes every peer a copy of rank 0: exact for expert routing, but
 token routing then computes ``N * Y_0`` and routing is symmetric. Here each rank is a thread running the
-caller's code on its own tokens, routing and experts, with its own process group, CUDA stream and memory pool,
+caller's code on its own tokens, routing and experts, with its own process group and CUDA stream,
 and the group moves real data between ranks, so ``ring_moe``, ``a2a_moe`` and the backend run unmodified and
 compute what N processes would.
 
@@ -35,10 +35,11 @@ How it is built:
 - **Autograd on the rank's own thread** (``torch.autograd.set_multithreading_enabled(False)``): the engine's
   one worker thread per device would run the ranks' backward passes one after another, and a ring's backward
   waits for its neighbour's: they would never finish.
-- **Memory per rank** (``RankPeak``): CUDA, a ``torch.cuda.MemPool`` per measurement to which the rank
-  thread's allocations are routed (``use_mem_pool`` is per thread); the caching allocator grows a pool only
-  when no cached block of it fits, so the pool's reserved bytes after the measurement are the rank's high-water
-  mark (allocations rounded as the allocator rounds them). CPU: the counting CPU allocator
+- **Memory per rank** (``RankPeak``): CUDA, the caching allocator's memory history, a rank's events being
+  those on its own stream (it allocates nowhere else): the peak of their running sum, allocated bytes as the
+  allocator rounds them. (A ``torch.cuda.MemPool`` per rank measured reserved bytes, which fragmentation
+  inflated to 1.2x a2a's peak for a ring expected to hold a third of it, and torch 2.11 asserts when a pool
+  is destroyed while another thread allocates to its own.) CPU: the counting CPU allocator
   (``memory.install_counting_cpu_allocator``) counts the blocks each rank's thread allocates, wherever freed.
 
 Not modeled: the ranks' host work shares one interpreter (the GIL) and their kernels share one GPU, so a step's
@@ -130,9 +131,6 @@ class _Run:
         self.lock = threading.Lock()
         self.failures: dict[int, BaseException] = {}
         self.results: list[Any] = [None] * size
-        # Memory pools of finished measurements, destroyed once every rank thread is done: destroying a pool
-        # while another thread allocates to its own pool fails an internal assert of torch 2.11's allocator.
-        self.pools: list[Any] = []
 
     def exchange(self, token: str, size: int) -> _Exchange:
         with self.lock:
@@ -543,27 +541,30 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> RankThreadGroup:
 
 
 class RankPeak:
-    """Context manager on a rank thread: ``peak_bytes``, this rank's peak above entry (module docstring).
+    """Context manager on a rank thread: ``peak_bytes``, this rank's peak allocated above entry (module docstring).
 
-    CUDA: the reserved bytes of a memory pool of its own. CPU: the counting CPU allocator's bytes of blocks
-    this thread allocated (``memory.install_counting_cpu_allocator``: built once, needs a C++ compiler; install it
-    before the tensors the measurement frees are made).
+    CUDA: the caching allocator's memory history (recorded while any measurement is open), this rank's events:
+    those on its stream (a rank allocates on its own stream; link streams only copy) between two pairs of
+    marker allocations of sizes unique to the measurement; their running sum's maximum. CPU: the counting CPU
+    allocator's bytes of blocks this thread allocated (``memory.install_counting_cpu_allocator``: built once,
+    needs a C++ compiler; install it before the tensors the measurement frees are made).
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda" and self.device.index is None:  # use_mem_pool needs the index (2.11)
+        if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.peak_bytes = 0
-        self._stack = contextlib.ExitStack()
-        self._pool: Any = None
         self._base = 0
+        self._markers: tuple[int, ...] = ()
 
     def __enter__(self) -> RankPeak:
         if self.device.type == "cuda":
-            self._pool = torch.cuda.MemPool()
-            self._stack.enter_context(torch.cuda.use_mem_pool(self._pool, self.device))
+            _history(+1)
+            n = next(_MARKS) % 500
+            self._markers = tuple(512 * (1 + 4 * n + i) for i in range(4))
+            _mark(self._markers[:2], self.device)
         else:
             counter = install_counting_cpu_allocator()
             tag = _thread_tag()
@@ -573,24 +574,64 @@ class RankPeak:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._pool is not None:
-            torch.cuda.current_stream(self.device).synchronize()
-            self.peak_bytes = sum(s["total_size"] for s in _pool_segments(self._pool))
-            self._stack.close()
-            run = _ACTIVE
-            if run is not None:
-                with run.lock:
-                    run.pools.append(self._pool)
-            self._pool = None
-        else:
+        if self.device.type != "cuda":
             self.peak_bytes = install_counting_cpu_allocator().tag_stats(_thread_tag())[1] - self._base
+            return
+        stream = torch.cuda.current_stream(self.device)
+        _mark(self._markers[2:], self.device)
+        stream.synchronize()
+        try:
+            trace = torch.cuda.memory._snapshot()["device_traces"][self.device.index]
+            self.peak_bytes = _stream_peak(trace, stream.cuda_stream, self._markers)
+        finally:
+            _history(-1)
 
 
-def _pool_segments(pool: Any) -> list[dict[str, Any]]:
-    try:
-        return pool.snapshot(include_traces=False)
-    except TypeError:  # a torch whose MemPool.snapshot takes no arguments
-        return pool.snapshot()
+_MARKS = itertools.count()
+_HISTORY_LOCK = threading.Lock()
+_history_users = 0
+
+
+def _history(delta: int) -> None:
+    """Count an open CUDA measurement in (+1) or out (-1): the memory history records while any is open."""
+    global _history_users
+    with _HISTORY_LOCK:
+        if _history_users == 0 and delta > 0:
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                     max_entries=1 << 22)
+        _history_users += delta
+        if _history_users == 0:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _mark(sizes: Sequence[int], device: torch.device) -> None:
+    """Allocate and free blocks of ``sizes`` bytes, in order, on the current stream: a marker in the history."""
+    blocks = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    del blocks
+
+
+def _stream_peak(trace: list[dict[str, Any]], stream: int, markers: Sequence[int]) -> int:
+    """The peak of the running sum of ``stream``'s allocations minus completed frees between the marker pairs
+    (``markers[:2]`` opens, ``markers[2:]`` closes), above the level at the opening marker."""
+    events = [e for e in trace if e.get("stream") == stream and e.get("action") in ("alloc", "free_completed")]
+    allocs = [(i, e["size"]) for i, e in enumerate(events) if e["action"] == "alloc"]
+
+    def find(a: int, b: int) -> int:
+        hits = [i for (i, size), (j, nxt) in zip(allocs, allocs[1:]) if (size, nxt) == (a, b) and j == i + 1]
+        if not hits:
+            raise RankThreadsError("RankPeak: the memory history lost this measurement's markers (too many "
+                                   "events: measure a shorter span)")
+        return hits[-1]
+
+    start, end = find(*markers[:2]), find(*markers[2:])
+    level, peak, ignored = 0, 0, {events[start]["addr"], events[start + 1]["addr"]}
+    for e in events[start + 2:end]:
+        if e["action"] == "free_completed" and e["addr"] in ignored:
+            ignored.discard(e["addr"])
+            continue
+        level += e["size"] if e["action"] == "alloc" else -e["size"]
+        peak = max(peak, level)
+    return peak
 
 
 _TAGS = itertools.count(1)
@@ -682,7 +723,6 @@ def run_rank_threads(size: int, fn: Callable[[int, dist.ProcessGroup], R], *, de
                 t.start()
             for t in threads:
                 t.join()
-        run.pools.clear()
     finally:
         _ACTIVE = None
         _RUN_LOCK.release()

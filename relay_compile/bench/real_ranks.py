@@ -83,7 +83,7 @@ def imbalance_row(cfg: LayerConfig, skew: Skew, repeats: int = 3, timeout: float
                 _synchronize(cfg)
                 times.append(time.perf_counter() - start)
             dist.barrier()
-            with RankPeak(cfg.device) as mem:  # a step of its own: a fresh pool allocates anew
+            with RankPeak(cfg.device) as mem:  # a step of its own: the memory history costs host time
                 fwd_bwd()
             return {"ids": inp.topk_ids_TK.cpu(), "peak": mem.peak_bytes, "times": times[1:]}
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from relay_compile import ring_moe
 from relay_compile.backend import compiled_reports
-from relay_compile.bench.rank_threads import RankPeak, RankThreadsError, run_rank_threads
+from relay_compile.bench.rank_threads import RankPeak, RankThreadsError, _stream_peak, run_rank_threads
 from relay_compile.reference import AllToAllMoE, a2a_moe, dense_moe, moe_weights
 from tests.test_memory import needs_build
 from tests.test_ring_moe import F, H, ROUTER_CASES, assert_close_rel, local_weights, routed_inputs
@@ -152,6 +152,22 @@ class GroupSemantics(unittest.TestCase):
         for rank, peak in enumerate(peaks):
             self.assertGreaterEqual(peak, (rank + 1) << 20)
             self.assertLess(peak, ((rank + 1) << 20) + (1 << 16), f"rank {rank} counted another rank's bytes")
+
+    def test_a_cuda_ranks_peak_is_read_from_its_streams_events_between_its_markers(self) -> None:
+        """``RankPeak`` on CUDA reads the memory history (its logic here, on a written trace): another stream's
+        events, events outside the markers and the markers' own blocks do not count."""
+        def ev(action: str, size: int, addr: int, stream: int = 1) -> dict[str, int | str]:
+            return {"action": action, "size": size, "addr": addr, "stream": stream}
+
+        trace = [ev("alloc", 512, 1), ev("alloc", 1024, 2),  # an older measurement's markers
+                 ev("alloc", 4096, 3), ev("alloc", 512, 4), ev("alloc", 1024, 5),  # this one opens
+                 ev("free_completed", 512, 4), ev("free_completed", 1024, 5),
+                 ev("alloc", 100, 6), ev("alloc", 10**6, 7, stream=2), ev("free_completed", 4096, 3),
+                 ev("alloc", 300, 8), ev("alloc", 200, 9), ev("free_completed", 300, 8),
+                 ev("alloc", 1536, 10), ev("alloc", 2048, 11), ev("alloc", 10**5, 12)]  # closes; after it
+        self.assertEqual(_stream_peak(trace, 1, (512, 1024, 1536, 2048)), 100)  # before the older block is freed
+        with self.assertRaisesRegex(RankThreadsError, "lost this measurement's markers"):
+            _stream_peak(trace, 2, (512, 1024, 1536, 2048))
 
 
 def truth(inputs: list[tuple[Tensor, Tensor, Tensor]], grads: list[Tensor], num_experts: int) -> list[list[Tensor]]:
