@@ -66,6 +66,7 @@ from moe_transformer import MoEModelConfig, MoETransformer  # noqa: E402
 from train_moe_report import LABELS, MEASURED_STEPS, RTOL, RankResult, report  # noqa: E402
 
 from relay_compile.backend import compiled_reports  # noqa: E402
+from relay_compile.bench.rank_threads import RankPeak, run_rank_threads  # noqa: E402
 from relay_compile.runtime.dynamo_settings import dynamo_settings  # noqa: E402
 from relay_compile.memory import PeakMemory, memory_timeline  # noqa: E402
 from relay_compile.reference import AllToAllMoE  # noqa: E402
@@ -84,6 +85,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="SIMULATED EP: this one process is rank 0 of an N-rank stand-in group (relay_compile.bench."
              "standin_group; peers are copies of this rank: memory and compute exact, no link time); default 8 "
              "on one GPU under torchrun (EP=1 has no all-to-all to rewrite)",
+    )
+    run.add_argument(
+        "--rank-threads", type=int, default=0, metavar="N",
+        help="EVERY RANK REAL on one device: N ranks as threads of this process (relay_compile.bench.rank_threads:"
+             " each rank its own data and experts, real transfers; per-rank peaks from each rank's allocations; "
+             "the MoE-block-alone measurement and the timeline are skipped)",
     )
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     run.add_argument("--dtype", choices=tuple(RTOL), default="float32")
@@ -154,8 +161,8 @@ def _under_torchrun() -> bool:
 
 
 def _world_size(args: argparse.Namespace) -> int:
-    if args.simulate_ep:
-        return args.simulate_ep
+    if args.simulate_ep or args.rank_threads:
+        return args.simulate_ep or args.rank_threads
     return int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.world
 
 
@@ -309,12 +316,15 @@ def train(
     ).to(device)
 
     peak_step, timeline_step = args.steps - MEASURED_STEPS, args.steps - MEASURED_STEPS + 1
+    if args.rank_threads:  # one profiler per process: no timeline; the reports are the process's
+        timeline_step = -1
     seen = len(compiled_reports())
     train_steps(rank, args, trainers, batch, peak_step, timeline_step, result)
-    reports = compiled_reports()[seen:]
+    reports = compiled_reports()[seen:]  # rank threads share the process's compiled graphs and their reports
     result.regions = [report.summary() for report in reports]
     result.regions_rewritten = sum(r.status == "rewritten" for report in reports for r in report.regions)
-    measure_block(rank, args, cfg, model_group, device, dtype, options, result)
+    if not args.rank_threads:
+        measure_block(rank, args, cfg, model_group, device, dtype, options, result)
     return result
 
 
@@ -341,7 +351,7 @@ def train_steps(
             _sync(device)
             start = time.perf_counter()
             if step == peak_step:
-                with PeakMemory(device) as mem:
+                with (RankPeak(device) if args.rank_threads else PeakMemory(device)) as mem:
                     loss = trainer.step(tokens)
                 result.step_peak[trainer.label] = mem.peak_bytes
             elif step == timeline_step:
@@ -396,7 +406,7 @@ def measure_block(
             block.zero_grad(set_to_none=True)
             x_BSH.grad = None
             if measure == "peak":
-                with PeakMemory(device) as mem:
+                with (RankPeak(device) if args.rank_threads else PeakMemory(device)) as mem:
                     fwd_bwd(fn)
                 result.block_peak[label] = mem.peak_bytes
             else:
@@ -532,6 +542,18 @@ def simulated_rank(args: argparse.Namespace) -> int:
         destroy_standin_groups()
 
 
+def threaded_ranks(args: argparse.Namespace) -> int:
+    """``--rank-threads N``: N ranks as threads of this process on one device, every rank real."""
+    world = args.rank_threads
+    print(f"  EVERY RANK REAL: {world} ranks as threads of one process on one {args.device} device "
+          "(relay_compile.bench.rank_threads)", flush=True)
+    device = _device(args, 0)
+    results = run_rank_threads(world, lambda rank, group: train(rank, world, args, device, group,
+                                                                model_group_by_name=True),
+                               device=device, timeout=args.timeout)
+    return report(results, args, world, f"{args.device}, {world} ranks as threads")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     world = _world_size(args)
@@ -543,6 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     if args.simulate_ep:
         code = simulated_rank(args)
+    elif args.rank_threads:
+        code = threaded_ranks(args)
     else:
         code = torchrun_rank(args) if _under_torchrun() else spawn_and_report(args)
     if not _under_torchrun() or int(os.environ["RANK"]) == 0:

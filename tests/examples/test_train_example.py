@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tests.examples.scripts import load_example
+from tests.test_memory import needs_build
 
 LAYERS = 1
 TINY = [
@@ -56,6 +57,21 @@ class TrainExampleTest(unittest.TestCase):
         self.assertEqual(result["regions_rewritten"], [LAYERS])  # one rank: rank 0 of the simulated group
         self.assertEqual(result["args"]["routing"], "expert")  # auto would pick token routing at this size
         self.assertFalse(torch.distributed.is_initialized())  # the stand-in world is torn down
+
+    @needs_build  # per-rank peaks on CPU: the counting allocator
+    def test_rank_threads_train_every_rank_real_with_token_routing_and_per_rank_peaks(self) -> None:
+        train_moe = load_example("train_moe")
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.json"
+            code = train_moe.main([*TINY[2:], "--rank-threads", "2", "--routing", "token", "--plot", "",
+                                   "--report-json", str(report)])
+            result = json.loads(report.read_text())
+        self.assertEqual(code, 0, result)
+        self.assertTrue(result["loss_ok"], result)
+        self.assertEqual(len(result["regions_rewritten"]), 2)
+        self.assertTrue(all(n >= LAYERS for n in result["regions_rewritten"]), result)
+        self.assertTrue(all(row["relaymoe"] > 0 and row["a2a"] > 0 for row in result["step_peak"]), result)
+        self.assertFalse(torch.distributed.is_initialized())
 
 
 if __name__ == "__main__":
