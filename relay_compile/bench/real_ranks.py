@@ -8,7 +8,8 @@ of a2a eager and the ring (expert and token routing) against the same blocks in 
 largest over the ranks; each ring error also as a ratio to a2a's. Unlike the stand-in, token routing computes
 the real layer here.
 
-``imbalance``: per router, per row (a2a eager, ring expert, ring token) every rank's peak (``RankPeak``: its
+``imbalance``: per router, per row (a2a eager, a2a with a capacity factor of 1.25 dropping the pairs beyond it,
+ring expert, ring token) every rank's peak (``RankPeak``: its
 own memory pool), the group's step time (the slowest rank's fwd+bwd, median of ``--repeats`` after a warm-up;
 the ranks share one GPU and one interpreter, so it is the group's time, not one GPU's), and whether the largest
 peak fits ``--budget-gib``. The routers' measured shares of all pairs on the hottest expert and rank are printed.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B, LayerConfig
@@ -38,6 +41,37 @@ ROWS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "ring expert": (ring_moe, {"routing": "expert", "ring": "always"}),
     "ring token": (ring_moe, {"routing": "token", "ring": "always"}),
 }
+CAPACITY_FACTOR = 1.25
+
+
+def capacity_kept(topk_ids_TK: Tensor, num_experts: int, factor: float) -> Tensor:
+    """Which pairs a capacity factor keeps, bool ``(T, K)``: each expert takes at most
+    ``ceil(factor * T * K / E)`` of this rank's pairs, first choices before second ones, then in token order
+    (GShard's local capacity); the rest are dropped."""
+    t, k = topk_ids_TK.shape
+    capacity = math.ceil(factor * t * k / num_experts)
+    ids_P = topk_ids_TK.t().reshape(-1)  # slot-major: every first choice before any second choice
+    order_P = torch.argsort(ids_P, stable=True)
+    counts_E = torch.bincount(ids_P, minlength=num_experts)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    position_P = torch.empty_like(order_P)
+    position_P[order_P] = torch.arange(ids_P.numel(), device=ids_P.device) - starts_E[ids_P[order_P]]
+    return (position_P < capacity).view(k, t).t()
+
+
+def a2a_capacity(x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, *weights: Tensor,
+                 group: dist.ProcessGroup, capacity_factor: float = CAPACITY_FACTOR) -> Tensor:
+    """a2a with pairs beyond an expert's capacity dropped (``capacity_kept``): the kept pairs as tokens of one
+    choice each through ``a2a_moe``, summed back per token. It holds the kept pairs' rows once more than a
+    dispatcher with the capacity built in would (an upper bound on such a dispatcher's peak)."""
+    kept_TK = capacity_kept(topk_ids_TK, weights[0].shape[0] * group.size(), capacity_factor)
+    token_P, slot_P = kept_TK.nonzero(as_tuple=True)
+    y_PH = a2a_moe(x_TH[token_P], topk_ids_TK[token_P, slot_P, None], topk_scores_TK[token_P, slot_P, None],
+                   *weights, group=group)
+    return torch.zeros_like(x_TH).index_add(0, token_P, y_PH)
+
+
+IMBALANCE_ROWS = {**ROWS, f"a2a capacity {CAPACITY_FACTOR:g}": (a2a_capacity, {})}
 
 
 def _block_inputs(cfg: LayerConfig, rank: int, skew: Skew) -> BlockInputs:
@@ -65,7 +99,7 @@ def imbalance_row(cfg: LayerConfig, skew: Skew, repeats: int = 3, timeout: float
     """Per row: every rank's peak bytes and the group's step times (module docstring); and the router's shares.
     Each row is a run of its own (its memory pools are released between rows)."""
     rows, ids = {}, []
-    for row, (fn, kw) in ROWS.items():
+    for row, (fn, kw) in IMBALANCE_ROWS.items():
         def step(rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
             inp = rank_inputs(cfg, rank, skew)
 

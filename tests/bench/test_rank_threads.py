@@ -259,6 +259,17 @@ class MoEOnRankThreads(unittest.TestCase):
         self.assertLess(max(ring), a2a[-1] / 2, f"ring {ring} against a2a {a2a}")
 
 
+class CapacityRow(unittest.TestCase):
+    def test_capacity_keeps_first_choices_first_then_token_order_and_drops_the_rest(self) -> None:
+        from relay_compile.bench.real_ranks import capacity_kept
+
+        ids = torch.tensor([[0, 1], [0, 2], [1, 0], [0, 3], [0, 1], [2, 3]])  # T=6, K=2, E=4: 12 pairs, cap 3
+        kept = capacity_kept(ids, 4, 1.0)
+        want = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1], [0, 1], [1, 1]], dtype=torch.bool)
+        self.assertTrue(torch.equal(kept, want), kept)  # expert 0: first choices of tokens 0, 1, 3; rest dropped
+        self.assertTrue(capacity_kept(ids, 4, 10.0).all())
+
+
 class BackendOnRankThreads(unittest.TestCase):
     def test_the_backend_rewrites_every_ranks_block_and_equals_eager(self) -> None:
         torch._dynamo.reset()
