@@ -11,9 +11,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 rows = [json.loads(line[4:]) for line in open(sys.argv[1]) if line.startswith("RAW ")]
 fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4), sharey=True)
 for ax, res in zip(axes, rows):
+    width = 0.8 / len(res["rows"])
     for i, (label, r) in enumerate(res["rows"].items()):
         ranks = range(len(r["peaks"]))
-        ax.bar([x + 0.27 * (i - 1) for x in ranks], [p / 2**30 for p in r["peaks"]], width=0.27, label=label)
+        offset = width * (i - (len(res["rows"]) - 1) / 2)
+        ax.bar([x + offset for x in ranks], [p / 2**30 for p in r["peaks"]], width=width, label=label)
     ax.set_title(f"{res['skew']}\nexpert {res['expert_share']:.1%}, rank {res['rank_share']:.1%}", fontsize=9)
     ax.set_xlabel("rank")
 axes[0].set_ylabel("peak per rank (GiB)")
