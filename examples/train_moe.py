@@ -122,6 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--inner-compiler", choices=("inductor", "aot_eager", "eager"), default=None,
         help="default: aot_eager on CPU, inductor on CUDA",
     )
+    backend.add_argument("--ring", choices=("auto", "memory", "always"), default="auto",
+                         help="the backend's ring option: on CUDA, auto keeps the all-to-all where the time model "
+                              "predicts the ring slower; always runs the ring")
     backend.add_argument("--dump-dir", default="", help="per-graph dumps of the backend (empty: none)")
     backend.add_argument(
         "--activation-memory-budget", type=float, default=None, metavar="F",
@@ -175,6 +178,8 @@ def model_config(args: argparse.Namespace) -> MoEModelConfig:
 
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"routing": args.routing, "inner_compiler": args.inner_compiler, "dump_dir": args.dump_dir}
+    if args.ring != "auto":
+        options["ring"] = args.ring
     if args.activation_memory_budget is not None:
         options["activation_memory_budget"] = args.activation_memory_budget
     return options
