@@ -1,15 +1,28 @@
-"""A ``torch.distributed.ProcessGroup`` written in Python: its identity under the torch 2.11 and 2.13 names.
+"""A ``torch.distributed.ProcessGroup`` written in Python: its identity under the torch 2.11 and 2.13 names, and
+the coalesced collectives as loops over the single ones.
 
 A ``Backend`` subclass cannot be constructed from Python, so the bench's simulated groups (``standin_group``,
 ``rank_threads``) subclass ``ProcessGroup`` itself and answer c10d's identity queries here (rank, size, backend
-name, group name and description, each under every name torch calls it by); their operations are their own.
+name, group name and description, each under every name torch calls it by); their operations are their own; the coalesced variants torch may call run them one by one.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from typing import Any
 
-__all__ = ["PythonProcessGroup"]
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._C._distributed_c10d import _create_work_from_future
+
+__all__ = ["PythonProcessGroup", "completed_work"]
+
+
+def completed_work(result: Any = None) -> dist.Work:
+    """A ``Work`` already completed with ``result``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
 
 
 class PythonProcessGroup(dist.ProcessGroup):
@@ -67,3 +80,31 @@ class PythonProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self._rank}, size={self._size}, name={self._name!r})"
+
+    # --- coalesced collectives: one by one (subclasses define the single ones) --------------------------
+
+    @torch.compiler.disable
+    def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self.all_gather_single(out, inp)
+        return completed_work(outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    @torch.compiler.disable
+    def allgather_coalesced(self, output_lists: list[list[Tensor]], input_list: list[Tensor],
+                            opts: Any = None) -> dist.Work:
+        return self.allgather(output_lists, input_list, opts)
+
+    @torch.compiler.disable
+    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        return self.allreduce(tensors, opts)
+
+    @torch.compiler.disable
+    def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
+                                        opts: Any = None) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self.reduce_scatter_single(out, inp, opts)
+        return completed_work(outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced

@@ -52,10 +52,9 @@ import torch
 import torch._dynamo.decorators
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from relay_compile.bench.python_group import PythonProcessGroup
+from relay_compile.bench.python_group import PythonProcessGroup, completed_work
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +78,9 @@ class StandinError(RuntimeError):
     """A collective the stand-in model cannot answer (for example all-to-all splits that are not symmetric)."""
 
 
-def _completed(result: Any = None) -> dist.Work:
-    fut: Future = Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
-
-
 class _DoneWork(dist.Work):
     """A completed point-to-point operation. One shared instance (``_DONE``): a ring posts a few hundred sends
-    and receives per step at EP=64, and a ``Future`` per message (``_completed``) cost the simulation tens of
+    and receives per step at EP=64, and a ``Future`` per message (``completed_work``) cost the simulation tens of
     microseconds of host time each, charged to the ring's time though a real peer has no such cost."""
 
     def is_completed(self) -> bool:
@@ -238,7 +231,7 @@ class StandinGroup(PythonProcessGroup):
         pass
 
     def _end_coalescing(self, device: torch.device) -> dist.Work:
-        return _completed()
+        return completed_work()
 
     # --- all-to-all -----------------------------------------------------------------------------------
 
@@ -262,7 +255,7 @@ class StandinGroup(PythonProcessGroup):
         for s in range(n):
             if outs[s].numel():
                 outs[s].copy_(ins[mirror[s]])
-        return _completed([output])
+        return completed_work([output])
 
     alltoall_base = all_to_all_single
 
@@ -270,66 +263,38 @@ class StandinGroup(PythonProcessGroup):
     def alltoall(self, output_tensors: list[Tensor], input_tensors: list[Tensor], opts: Any = None) -> dist.Work:
         for s, out in enumerate(output_tensors):
             out.copy_(input_tensors[self._mirror(s)])
-        return _completed(output_tensors)
+        return completed_work(output_tensors)
 
     # --- gathers and reductions -----------------------------------------------------------------------
 
     @torch.compiler.disable
     def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
         output.view(self._size, -1).copy_(input.reshape(1, -1))
-        return _completed([output])
+        return completed_work([output])
 
     _allgather_base = all_gather_single
-
-    @torch.compiler.disable
-    def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
-        for out, inp in zip(outputs, inputs, strict=True):
-            self.all_gather_single(out, inp)
-        return _completed(outputs)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     @torch.compiler.disable
     def allgather(self, output_tensors: list[list[Tensor]], input_tensors: list[Tensor], opts: Any = None) -> dist.Work:
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             for out in outs:
                 out.copy_(inp)
-        return _completed(output_tensors)
-
-    @torch.compiler.disable
-    def allgather_coalesced(
-        self, output_lists: list[list[Tensor]], input_list: list[Tensor], opts: Any = None
-    ) -> dist.Work:
-        return self.allgather(output_lists, input_list, opts)
+        return completed_work(output_tensors)
 
     @torch.compiler.disable
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in tensors:
             _reduce_in_place(t, op, self._size)
-        return _completed(tensors)
-
-    @torch.compiler.disable
-    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
-        return self.allreduce(tensors, opts)
+        return completed_work(tensors)
 
     @torch.compiler.disable
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
         output.copy_(input.reshape(self._size, *output.shape)[self._rank])
         _reduce_in_place(output, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self._size)
-        return _completed([output])
+        return completed_work([output])
 
     _reduce_scatter_base = reduce_scatter_single
-
-    @torch.compiler.disable
-    def reduce_scatter_single_coalesced(
-        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
-    ) -> dist.Work:
-        for out, inp in zip(outputs, inputs, strict=True):
-            self.reduce_scatter_single(out, inp, opts)
-        return _completed(outputs)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     @torch.compiler.disable
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:
@@ -337,13 +302,13 @@ class StandinGroup(PythonProcessGroup):
         for out, inputs in zip(outputs, input_lists, strict=True):
             out.copy_(inputs[self._rank])
             _reduce_in_place(out, op, self._size)
-        return _completed(outputs)
+        return completed_work(outputs)
 
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
-        return _completed(tensors)
+        return completed_work(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        return _completed()
+        return completed_work()
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
         pass

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from relay_compile import ring_moe
 from relay_compile.backend import compiled_reports
-from relay_compile.bench.rank_threads import RankPeak, RankThreadsError, _stream_peak, run_rank_threads
+from relay_compile.bench.rank_peak import _stream_peak
+from relay_compile.bench.rank_threads import RankPeak, RankThreadsError, run_rank_threads
 from relay_compile.reference import AllToAllMoE, a2a_moe, dense_moe, moe_weights
 from tests.test_memory import needs_build
 from tests.test_ring_moe import F, H, ROUTER_CASES, assert_close_rel, local_weights, routed_inputs
