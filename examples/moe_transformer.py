@@ -87,13 +87,16 @@ class Attention(nn.Module):
 
     def _heads(self, x_BSH: Tensor) -> Tensor:
         batch, seq, _ = x_BSH.shape
-        return x_BSH.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        return x_BSH.view(batch, seq, self.heads, self.head_dim)
 
     def forward(self, x_BSH: Tensor) -> Tensor:
         batch, seq, hidden = x_BSH.shape
-        q_BNSD = self.q_norm(self._heads(self.q_proj(x_BSH)))
-        k_BNSD = self.k_norm(self._heads(self.k_proj(x_BSH)))
-        v_BNSD = self._heads(self.v_proj(x_BSH))
+        # q/k norms before the transpose, as Qwen3 orders them: on contiguous heads. (Normalizing the transposed
+        # view also trips torch 2.11's CUDA `_fused_rms_norm_backward`, whose gradient's strides differ from its
+        # fake's, so aot_autograd's backward fails in a `view`: docs/bench/h200-aot-eager.)
+        q_BNSD = self.q_norm(self._heads(self.q_proj(x_BSH))).transpose(1, 2)
+        k_BNSD = self.k_norm(self._heads(self.k_proj(x_BSH))).transpose(1, 2)
+        v_BNSD = self._heads(self.v_proj(x_BSH)).transpose(1, 2)
         cos_SD, sin_SD = _rope_cos_sin(seq, self.head_dim, self.rope_theta, x_BSH.device)
         q_BNSD, k_BNSD = _apply_rope(q_BNSD, cos_SD, sin_SD), _apply_rope(k_BNSD, cos_SD, sin_SD)
         out_BNSD = nnf.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)

@@ -17,7 +17,9 @@ on CUDA, memory_a2a.pickle / memory_ring.pickle under --out; at most 5 files, on
 - ``ablation``: paper Figure 17 (sequential / overlap, with and without grouped GEMM).
 - ``memory``: memory over time of one forward+backward, a2a and ring (paper Figures 4 and 7).
 - ``numerics``: bf16 leaf errors (y, dx, d scores, d weights) of the a2a layer and the ring against an fp32
-  truth, the Qwen3 layer at each ``--ep`` (default 8 64); with ``--dtype`` other than bf16, in that dtype.
+  truth, the Qwen3 layer at each ``--ep`` (default 8 64) on the stand-in (expert routing); then every rank real
+  (``bench.rank_threads``: both routings, random / all-to-one-expert / Zipf with uneven tokens) at each ``--ep``
+  up to 8 (default 2 4 8) with ``--tokens`` (default 16384); with ``--dtype`` other than bf16, in that dtype.
 - ``sweep``: the Qwen3 layer at each ``--ep`` (default 8 64) and ``--tokens`` (default 4096 .. 131072): the
   backend's default, ``ring_moe``'s default and the forced ring (auto / expert / token) beside a2a eager, steps
   interleaved (``bench.sweep``); also writes ``sweep.json`` with the cost model's predictions
@@ -48,11 +50,14 @@ from relay_compile.bench.inputs import make_weights
 from relay_compile.bench.measure import measure_layer, quiet_warnings
 from relay_compile.bench.numerics import layer_numerics
 from relay_compile.bench.progress import Progress
+from relay_compile.bench.real_ranks import NUMERICS_ROUTERS, real_rank_numerics
 from relay_compile.bench.results import Report, report_from_json
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, ablation_rows, default_rows, sweep_rows
 from relay_compile.bench.sweep import token_sweep_rows, write_sweep
 from relay_compile.bench.timeline import record_timeline
 
+# Every rank real holds all N ranks on the one device.
+REAL_RANKS_MAX_EP = 8
 PRESETS = ("tiny", "qwen3", "table3", "tokens", "ep", "capacity", "ablation", "memory", "numerics", "sweep", "all",
            "device")
 
@@ -116,11 +121,21 @@ def _timeline(cfg: LayerConfig, opts: BenchOptions, out: Path) -> Task:
     return Task(title=f"memory over time {cfg.name} EP={cfg.ep}", run=run)
 
 
-def _numerics(configs: list[LayerConfig]) -> Task:
+def _numerics(configs: list[LayerConfig], real_rank_configs: list[LayerConfig]) -> Task:
+    """Stand-in numerics (expert routing) for ``configs``; every rank real (both routings, each router of
+    ``real_ranks.NUMERICS_ROUTERS``) for ``real_rank_configs``."""
+
     def run(report: Report, progress: Progress, deadline: float | None) -> None:
         for cfg in configs:
             progress.line(f"numerics {cfg.label()}")
             report.numerics.append(layer_numerics(cfg))
+        for cfg in real_rank_configs:
+            for router in NUMERICS_ROUTERS:
+                if deadline is not None and time.perf_counter() > deadline:
+                    report.notes.append(f"numerics every rank real {cfg.label()} {router} skipped: time budget spent")
+                    continue
+                progress.line(f"numerics every rank real {cfg.label()} router {router}")
+                report.numerics.append(real_rank_numerics(cfg, router))
 
     return Task(title="bf16 numerics", run=run)
 
@@ -194,7 +209,10 @@ def build_tasks(args: argparse.Namespace, opts: BenchOptions) -> list[Task]:
         "capacity": lambda: [_capacity(qwen_at(ep0), opts, budget, step, args.capacity_max)],
         "ablation": lambda: [ablation(ep0)],
         "memory": lambda: [_timeline(qwen_at(ep0), opts, out)],
-        "numerics": lambda: [_numerics([qwen_at(e) for e in eps or [8, 64]])],
+        "numerics": lambda: [_numerics([qwen_at(e) for e in eps or [8, 64]],
+                                       # Every rank real: N ranks share the device (16384 tokens fit 8 on the H200).
+                                       [qwen_at(e, tokens[0] if tokens else 16384)
+                                        for e in eps or [2, 4, 8] if e <= REAL_RANKS_MAX_EP])],
         "sweep": lambda: [cost_sweep(eps or [8, 64], tokens or [4096, 8192, 16384, 32768, 65536, 131072])],
     }
     if p in tasks:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B, LayerConfig
-from relay_compile.bench.numerics import LEAVES, BlockInputs, leaf_values, relative_errors
+from relay_compile.bench.numerics import LEAVES, BlockInputs, NumericsResult, leaf_values, relative_errors
 from relay_compile.bench.rank_threads import RankPeak, run_rank_threads
 from relay_compile.bench.routers import Skew, pair_shares, rank_inputs
 from relay_compile.reference import a2a_moe
@@ -93,6 +93,20 @@ def rank_errors(cfg: LayerConfig, skew: Skew, timeout: float = 600) -> dict[str,
 
     per_rank = run_rank_threads(cfg.ep, step, device=cfg.device, timeout=timeout)
     return {row: {leaf: max(r[row][leaf] for r in per_rank) for leaf in LEAVES} for row in ROWS}
+
+
+# The routers the bench's ``numerics`` preset runs every rank real: random, all first choices on one expert,
+# and Zipf popularity with uneven token counts across ranks.
+NUMERICS_ROUTERS = ("qwen3", "hot_expert:inf", "zipf:1.2:uneven")
+
+
+def real_rank_numerics(cfg: LayerConfig, router: str, timeout: float = 600) -> NumericsResult:
+    """``rank_errors`` as a section of the bench's report: ``router`` is a ``Skew`` text (``_skew``)."""
+    return NumericsResult(
+        label=f"{cfg.label()}, every rank real, router {router}",
+        truth="a2a_moe on the same inputs in fp32, every rank real (largest error over the ranks)",
+        errors=rank_errors(cfg, _skew(router), timeout),
+    )
 
 
 def imbalance_row(cfg: LayerConfig, skew: Skew, repeats: int = 3, timeout: float = 600) -> dict[str, Any]:

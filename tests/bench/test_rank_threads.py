@@ -260,6 +260,42 @@ class MoEOnRankThreads(unittest.TestCase):
         self.assertLess(max(ring), a2a[-1] / 2, f"ring {ring} against a2a {a2a}")
 
 
+class NumericsSection(unittest.TestCase):
+    """The bench's ``numerics`` preset, every rank real: each row's leaf errors against fp32 from all ranks."""
+
+    def test_fp32_rings_match_the_truth_and_bf16_errors_are_bf16_sized(self) -> None:
+        from relay_compile.bench.configs import LayerConfig
+        from relay_compile.bench.numerics import LEAVES
+        from relay_compile.bench.real_ranks import real_rank_numerics
+
+        cfg = LayerConfig(name="tiny", hidden=64, ffn=32, experts=8, top_k=4, tokens=96, ep=2, device="cpu",
+                          dtype="fp32")
+        exact = real_rank_numerics(cfg, "zipf:1.2:uneven", timeout=20)
+        self.assertIn("every rank real, router zipf:1.2:uneven", exact.label)
+        self.assertEqual(set(exact.errors), {"a2a eager", "ring expert", "ring token"})
+        for row, errors in exact.errors.items():
+            self.assertEqual(tuple(errors), LEAVES)
+            self.assertLess(max(errors.values()), 1e-5, f"fp32 {row}: {errors}")
+
+    def test_the_numerics_preset_adds_a_section_per_router_with_bf16_sized_errors(self) -> None:
+        from relay_compile.bench.__main__ import _numerics
+        import io
+
+        from relay_compile.bench.configs import BenchOptions, LayerConfig
+        from relay_compile.bench.progress import Progress
+        from relay_compile.bench.real_ranks import NUMERICS_ROUTERS
+        from relay_compile.bench.results import Report
+
+        cfg = LayerConfig(name="tiny", hidden=64, ffn=32, experts=8, top_k=4, tokens=96, ep=2, device="cpu")
+        report = Report(options=BenchOptions())
+        _numerics([], [cfg]).run(report, Progress(io.StringIO()), None)
+        self.assertEqual([n.label.rsplit(" ", 1)[-1] for n in report.numerics], list(NUMERICS_ROUTERS))
+        for n in report.numerics:  # bf16 rounds: errors above fp32's, far below a wrong result's
+            for row, errors in n.errors.items():
+                self.assertTrue(all(1e-4 < e < 5e-2 for e in errors.values()), f"{n.label} {row}: {errors}")
+        self.assertIn("every rank real, router hot_expert:inf", report.markdown())
+
+
 class CapacityRow(unittest.TestCase):
     def test_capacity_keeps_first_choices_first_then_token_order_and_drops_the_rest(self) -> None:
         from relay_compile.bench.real_ranks import capacity_kept
