@@ -20,6 +20,7 @@ from relay_compile import ring_moe
 from relay_compile.backend import compiled_reports
 from relay_compile.bench.rank_peak import _stream_peak
 from relay_compile.bench.rank_threads import RankPeak, RankThreadsError, run_rank_threads
+from relay_compile.bench.routers import Skew
 from relay_compile.reference import AllToAllMoE, a2a_moe, dense_moe, moe_weights
 from tests.test_memory import needs_build
 from tests.test_ring_moe import F, H, ROUTER_CASES, assert_close_rel, local_weights, routed_inputs
@@ -294,6 +295,30 @@ class NumericsSection(unittest.TestCase):
             for row, errors in n.errors.items():
                 self.assertTrue(all(1e-4 < e < 5e-2 for e in errors.values()), f"{n.label} {row}: {errors}")
         self.assertIn("every rank real, router hot_expert:inf", report.markdown())
+
+
+class SkewSearch(unittest.TestCase):
+    @needs_build
+    def test_the_search_finds_the_all_to_alls_largest_hot_rank_share_within_a_budget_and_the_ring_takes_all(
+        self,
+    ) -> None:
+        from relay_compile.bench.configs import LayerConfig
+        from relay_compile.bench.real_ranks import largest_skew, row_run
+
+        cfg = LayerConfig(name="tiny", hidden=64, ffn=32, experts=8, top_k=2, tokens=512, ep=4, device="cpu",
+                          dtype="fp32")
+        peak = lambda row, share: max(r["peak"] for r in row_run(cfg, Skew("hot_rank", share), row))  # noqa: E731
+        budget = (peak("a2a eager", 0.25) + peak("a2a eager", 1.0)) // 2
+        a2a = largest_skew(cfg, "hot_rank", "a2a eager", budget, 0.25, 1.0, probes=4)
+        self.assertTrue(0.25 <= a2a["share"] < 1.0, a2a)
+        self.assertLessEqual(a2a["peak"], budget)
+        above = [p for s, p in a2a["probes"] if s > a2a["share"]]
+        self.assertTrue(above and min(above) > budget, a2a)  # every larger share tried ran over
+        ring = largest_skew(cfg, "hot_rank", "ring expert", budget, 0.25, 1.0, probes=4)
+        self.assertEqual((ring["share"], len(ring["probes"])), (1.0, 1), ring)  # every pair on one rank fits
+        self.assertGreater(ring["rank_share"], 0.99)
+        none = largest_skew(cfg, "hot_rank", "a2a eager", 1, 0.25, 1.0)
+        self.assertIsNone(none["share"])
 
 
 class CapacityRow(unittest.TestCase):
