@@ -49,6 +49,7 @@ from relay_compile.passes import (
     kept_at_compile_time,
     rewrite_moe_region,
 )
+from relay_compile.passes.dynamic_keep import SwitchPlan, plan_switch, switchable
 from relay_compile.passes.expert_lowering import choose_expert_fn
 from relay_compile.passes.fx_nodes import is_all_to_all
 from relay_compile.passes.refusals import Refusal
@@ -57,6 +58,7 @@ from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime import program_dumps
 from relay_compile.runtime.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
+from relay_compile.runtime.token_switch import TokenSwitch
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +167,11 @@ def _verifying(
     return run
 
 
-def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> GraphReport:
-    """Match (and with ``rewrite``, rewrite) ``gm``'s MoE regions in place; the report of what happened."""
+def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
+            keep_switched: bool = False) -> tuple[GraphReport, SwitchPlan | None]:
+    """Match (and with ``rewrite``, rewrite) ``gm``'s MoE regions in place: the report of what happened, and the
+    plan of its token switch where regions with a dynamic token count may be kept per call
+    (``passes.dynamic_keep``). With ``keep_switched``, those regions are kept (the graph's kept variant)."""
     report = GraphReport(graph=graph, rank=_rank(), options=opts.as_dict())
     dump = GraphDump(opts.dump_dir, graph, report.rank)
     dump.write("0_dynamo_graph.py", gm.print_readable(False), header="Dynamo graph, before relaymoe")
@@ -178,6 +183,14 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
     regions = [(scope, r) for scope, (matched, _) in found for r in matched]
     for i, (scope, r) in enumerate(refused):
         report.regions.append(RegionReport(index=i, status="refused", anchor=scope.anchor(r.node), reason=r.reason))
+    # A dynamic token count: the graph may also be compiled with its regions kept, chosen per call.
+    plan = plan_switch(gm, [r for _, r in regions], opts.ring)
+    if isinstance(plan, SwitchPlan):
+        report.token_switch = {"tokens": str(plan.tokens), "ring_from": plan.ring_from(),
+                               "regions": [len(refused) + i for i in plan.regions], "calls": {"kept": 0, "ring": 0}}
+    elif any(switchable(r, opts.ring) for _, r in regions):
+        report.token_switch = {"none": plan}
+    switched = set(plan.regions) if isinstance(plan, SwitchPlan) else set()
     # Step 2: rewrite, one region at a time (records hold nodes of the graph being rewritten).
     start = time.perf_counter()
     for i, (scope, region) in enumerate(regions, start=len(refused)):
@@ -186,8 +199,9 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
         )
         entry.idiom = region.idiom()
+        switch = (report.token_switch if i - len(refused) in switched else None)
         try:
-            _apply(scope, region, opts, entry, dump, i, rewrite)
+            _apply(scope, region, opts, entry, dump, i, rewrite, switch, keep_switched)
         except Refusal as r:  # experts the ring cannot run: raised before the graph changed
             entry.status, entry.reason = "refused", r.reason
             refused.append((scope, r.record()))
@@ -213,14 +227,27 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool) -> Gra
         payload_fn=report.to_json,
     )
     log.info("%s", report.summary())
-    return report
+    return report, plan if isinstance(plan, SwitchPlan) else None
 
 
 def _apply(
-    scope: Scope, region: Region, opts: Options, entry: RegionReport, dump: GraphDump, i: int, rewrite: bool
+    scope: Scope, region: Region, opts: Options, entry: RegionReport, dump: GraphDump, i: int, rewrite: bool,
+    switch: dict[str, Any] | None = None, keep_switched: bool = False,
 ) -> None:
     """One matched region: kept (the cost model keeps its all-to-all), rewritten into a ring, or with
-    ``rewrite`` off only analyzed; ``entry`` records which. Raises ``Refusal`` before changing the graph."""
+    ``rewrite`` off only analyzed; ``entry`` records which. ``switch``: the graph's token switch covers the
+    region (kept in its kept variant, ``keep_switched``). Raises ``Refusal`` before changing the graph."""
+    if switch is not None and keep_switched:
+        entry.status, entry.execution_predicted = "kept", "all_to_all"
+        entry.reason = "kept: the kept variant of a graph whose token count is dynamic (runtime.token_switch)"
+        if rewrite:
+            keep_all_to_all(scope.module, region)
+        return
+    if switch is not None:
+        below = f"below {switch['ring_from']}" if switch["ring_from"] else "at every"
+        entry.reason = (f"token count {switch['tokens']} is dynamic: the graph is also compiled with this region "
+                        f"kept, and each call runs that variant where the cost model keeps it at the group's "
+                        f"largest token count ({below} tokens per rank when the counts are equal)")
     kept = kept_at_compile_time(region, opts.ring)
     if kept is not None:
         entry.status, entry.reason = ("kept" if rewrite else "matched"), f"kept its all-to-all: {kept.reason}"
@@ -247,13 +274,36 @@ def relaymoe_backend(
     opts = resolve(options)
     graph = f"graph{next(_GRAPH_COUNTER)}"
     original = copy.deepcopy(gm) if opts.verify else None
-    report = analyze(gm, opts, graph, rewrite=True)
+    # The graph before the rewrite, for a kept variant (only where one may be wanted: a copy costs compile time).
+    pristine = copy.deepcopy(gm) if _may_switch(gm, opts) else None
+    report, plan = analyze(gm, opts, graph, rewrite=True)
     _REPORTS.append(report)
     compiled = _compile_inner(opts, gm, example_inputs)
     if original is not None and any(r.status == "rewritten" for r in report.regions):
-        return _verifying(compiled, original, graph, opts.inner_compiler,
-                          fp8=any(r.fp8 == "on" for r in report.regions))
-    return compiled
+        compiled = _verifying(compiled, original, graph, opts.inner_compiler,
+                              fp8=any(r.fp8 == "on" for r in report.regions))
+    if plan is None or pristine is None:
+        return compiled
+    start = time.perf_counter()
+    kept_report, _ = analyze(pristine, opts, f"{graph}_kept", rewrite=True, keep_switched=True)
+    kept_at = [r.index for r in kept_report.regions if r.status == "kept"]
+    assert kept_at == report.token_switch["regions"], (
+        f"relaymoe: {graph}'s kept variant kept regions {kept_at}, its plan names {report.token_switch['regions']}")
+    kept = _compile_inner(opts, pristine, example_inputs)
+    report.pass_seconds["kept_variant"] = time.perf_counter() - start
+    return TokenSwitch(plan, kept, compiled, graph, report.token_switch["calls"])
+
+
+def _may_switch(gm: fx.GraphModule, opts: Options) -> bool:
+    """Whether ``gm`` may get a kept variant (``passes.dynamic_keep``): an all-to-all, a dynamic input size, and
+    a ``ring`` option under which the cost model decides."""
+    if opts.ring.ring not in ("auto", "memory"):
+        return False
+    nodes = list(gm.graph.nodes)
+    dynamic = any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in v.shape)) for v in (n.meta.get("example_value", n.meta.get("val"))
+                                                                   for n in nodes if n.op == "placeholder"))
+    return dynamic and any(is_all_to_all(n) for n in nodes)
 
 
 # Dynamo enters this around each call of a frame compiled with the backend (tracing included): the settings
@@ -274,7 +324,7 @@ def explain(model: Callable, *inputs: Any, **options: Any) -> list[GraphReport]:
     reports: list[GraphReport] = []
 
     def match_only(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        reports.append(analyze(gm, opts, f"explain{len(reports)}", rewrite=False))
+        reports.append(analyze(gm, opts, f"explain{len(reports)}", rewrite=False)[0])
         return gm.forward
 
     match_only.backend_ctx_ctor = dynamo_settings  # type: ignore[attr-defined]

@@ -101,6 +101,10 @@ class GraphReport:
     dumps: list[str] = field(default_factory=list)
     # Tensors whose elements the graph reads on the host, now through one copy each (passes.host_reads).
     host_reads: list[str] = field(default_factory=list)
+    # A dynamic token count (``passes.dynamic_keep``): the symbolic T, the smallest equal T from which a region
+    # runs as a ring, the regions the switch covers and how often each variant ran (updated per call);
+    # ``{"none": why}`` where regions have a dynamic T but no switch.
+    token_switch: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -125,6 +129,12 @@ class GraphReport:
             if r.decision:
                 lines.append(f"    runs as {r.execution_predicted or '(per call)'}: {r.decision}")
         lines += [f"  {reads}" for reads in self.host_reads]
+        if "tokens" in self.token_switch:
+            sw = self.token_switch
+            lines.append(f"  token switch on T={sw['tokens']}: regions {sw['regions']} kept per call below "
+                         f"{sw['ring_from'] or 'every'} tokens per rank (equal counts)")
+        elif self.token_switch:
+            lines.append(f"  no token switch: {self.token_switch['none']}")
         return "\n".join(lines)
 
 

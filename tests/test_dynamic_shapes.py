@@ -23,9 +23,13 @@ from torch import Tensor, nn
 from torch.testing._internal.common_utils import run_tests
 
 import tests.distributed
+from relay_compile import RingInputError
 from relay_compile.backend import compiled_reports, relaymoe_backend
+from relay_compile.comm_events import count_comm_events
+from relay_compile.passes.dynamic_keep import SwitchPlan
 from relay_compile.reference import AllToAllMoE, a2a_moe, moe_weights
 from relay_compile.report import GraphReport
+from relay_compile.runtime import cost_model
 from tests.distributed import DistributedTestCase
 
 # H, F differ from every T below (and from each other): Dynamo's duck sizing would give equal sizes one symbol.
@@ -125,6 +129,47 @@ class DynamicTokenCount(DistributedTestCase):
         self.assertEqual(backend.regions(), [("rewritten", 16), ("refused", 0)])
         refused = backend.reports[1].regions[0].reason
         self.assertRegex(refused, rf"^tokens \w+ have shape \(s\d+, {H}\), not \(T=s\d+, H\)")
+
+    @torch._dynamo.config.patch(capture_scalar_outputs=True)
+    def test_a_dynamic_token_count_runs_the_kept_graph_or_the_ring_per_call_from_every_ranks_largest(self) -> None:
+        # The H200 cost model's threshold (passes.dynamic_keep) stands in as "keep below 24 tokens": these shapes
+        # are far too small to reach its real one. CPU joins the calibrated devices so the switch is built.
+        self.init_pg()
+        moe = AllToAllMoE(H, F, E, K, group=dist.group.WORLD, seed=3, use_grouped_mm=False)
+        torch._dynamo.reset()
+        backend = CountingBackend()
+        with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}), \
+                unittest.mock.patch.object(SwitchPlan, "keeps", lambda plan, tokens: tokens < 24):
+            compiled = torch.compile(moe, backend=backend, dynamic=True)
+            # (this rank's T, the other rank's T, the variant both run): the group's largest T decides.
+            mine = lambda a, b: a if self.rank == 0 else b  # noqa: E731
+            cases = [(16, 16, "kept"), (32, 32, "ring"), (16, 20, "kept"), (16, 32, "ring"), (20, 16, "kept")]
+            for a, b, variant in cases:
+                x = routed(self.rank, mine(a, b))[0]
+                before = dict(backend.reports[-1].token_switch["calls"]) if backend.reports else {variant: 0}
+                events = count_comm_events(lambda: step(compiled, moe, x))
+                self.assert_steps_equal(step(compiled, moe, x), step(moe, moe, x), f"T {a}/{b}")
+                calls = backend.reports[-1].token_switch["calls"]
+                self.assertEqual(calls[variant] - before[variant], 2, (a, b, calls))
+                # The kept graph runs the traced all-to-alls, the ring graph P2P transfers only.
+                self.assertEqual(events.p2p > 0, variant == "ring", (a, b, events.names))
+                self.assertEqual(events.all_to_all > 0, variant == "kept", (a, b, events.names))
+        self.assertEqual(len(backend.reports), 1)  # one graph, both variants: no recompile
+        (region,) = backend.reports[0].regions
+        self.assertEqual(region.status, "rewritten")
+        self.assertIn("the graph is also compiled with this region kept", region.reason)
+        switch = backend.reports[0].token_switch
+        self.assertEqual(switch["regions"], [0], switch)
+        self.assertRegex(switch["tokens"], r"^s\d+$")
+        self.assertIn(f"token switch on T={switch['tokens']}: regions [0] kept per call", backend.reports[0].summary())
+        # Rank 1 compiled the ring only (ring="always": no switch): its op's exchange meets rank 0's switch's, and
+        # both raise instead of meeting different collectives.
+        torch._dynamo.reset()
+        options = {"inner_compiler": "aot_eager", **({"ring": "always"} if self.rank == 1 else {})}
+        with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}):
+            mixed = torch.compile(moe, backend="relaymoe", options=options, dynamic=True)
+            with self.assertRaisesRegex(RingInputError, "compiled different graphs of this MoE block"):
+                step(mixed, moe, routed(self.rank, 16)[0])
 
 
 if __name__ == "__main__":

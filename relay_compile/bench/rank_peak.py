@@ -96,20 +96,25 @@ def _mark(sizes: Sequence[int], device: torch.device) -> None:
 
 def _stream_peak(trace: list[dict[str, Any]], stream: int, markers: Sequence[int]) -> int:
     """The peak of the running sum of ``stream``'s allocations minus completed frees between the marker pairs
-    (``markers[:2]`` opens, ``markers[2:]`` closes), above the level at the opening marker."""
+    (``markers[:2]`` opens, ``markers[2:]`` closes: two allocations in a row on the stream), above the level at
+    the opening marker. Completed frees may fall between a pair's allocations: the allocator completes frees
+    deferred by other streams' use (``record_stream``) inside the next allocation."""
     events = [e for e in trace if e.get("stream") == stream and e.get("action") in ("alloc", "free_completed")]
     allocs = [(i, e["size"]) for i, e in enumerate(events) if e["action"] == "alloc"]
 
-    def find(a: int, b: int) -> int:
-        hits = [i for (i, size), (j, nxt) in zip(allocs, allocs[1:]) if (size, nxt) == (a, b) and j == i + 1]
+    def find(a: int, b: int) -> tuple[int, int]:
+        hits = [(i, j) for (i, size), (j, nxt) in zip(allocs, allocs[1:]) if (size, nxt) == (a, b)]
         if not hits:
             raise RankThreadsError("RankPeak: the memory history lost this measurement's markers (too many "
                                    "events: measure a shorter span)")
         return hits[-1]
 
-    start, end = find(*markers[:2]), find(*markers[2:])
-    level, peak, ignored = 0, 0, {events[start]["addr"], events[start + 1]["addr"]}
-    for e in events[start + 2:end]:
+    (start, second), (end, _) = find(*markers[:2]), find(*markers[2:])
+    level, peak, ignored = 0, 0, {events[start]["addr"], events[second]["addr"]}
+    for i in range(start + 1, end):
+        e = events[i]
+        if i == second:
+            continue
         if e["action"] == "free_completed" and e["addr"] in ignored:
             ignored.discard(e["addr"])
             continue

@@ -134,7 +134,9 @@ class Claims:
     scores_before: bool = False
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
     cuda: bool = False
-    kept: int = 0  # 1: the region kept its all-to-all at compile time, 2: it was refused (``agree_kept``)
+    # 1: the region kept its all-to-all at compile time, 2: it was refused (``agree_kept``); 3: a graph compiled
+    # twice chooses its kept or its ring variant (``agree_tokens``)
+    kept: int = 0
 
     def header(self, counts_len: int) -> list[int]:
         if self.problem is None:
@@ -397,7 +399,8 @@ def _check_direction(table: list[list[int]]) -> None:
 
 
 _KEPT = ("runs the region as a ring", "kept the region's all-to-all (the cost model)",
-         "runs the region's all-to-alls (its graph of the block was refused)")
+         "runs the region's all-to-alls (its graph of the block was refused)",
+         "chooses between its graph's kept and ring variants (a dynamic token count)")
 
 
 def _check_kept(table: list[list[int]]) -> None:
@@ -406,7 +409,7 @@ def _check_kept(table: list[list[int]]) -> None:
         if row[col] == table[0][col]:
             continue
         mine, first = _KEPT[row[col]], _KEPT[table[0][col]]
-        if 2 in (row[col], table[0][col]):
+        if {2, 3} & {row[col], table[0][col]}:
             raise RingInputError(
                 f"relaymoe: rank {rank} {mine} while rank 0 {first}: the ranks compiled different graphs of this "
                 "MoE block (a graph break, a warning or a branch on some ranks only; the refusing rank's report "
@@ -428,6 +431,18 @@ def agree_kept(ring: RingGroup, device: torch.device, refused: bool = False) -> 
     no_counts = torch.zeros(0, dtype=torch.int64, device=device)
     table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
     _check(ring, claims, table)
+
+
+def agree_tokens(ring: RingGroup, device: torch.device, tokens: int) -> list[int]:
+    """The exchange of a graph compiled twice (``runtime.token_switch``), before either variant runs: every
+    rank's token count, from the group's table, so every rank chooses alike. A rank whose graph differs (it runs
+    a ring op or a kept region's exchange instead) meets it in the same exchange, and all raise
+    ``RingInputError``. Reports a previous ring's failure alike."""
+    claims = Claims(kept=3, tokens=tokens)
+    no_counts = torch.zeros(0, dtype=torch.int64, device=device)
+    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
+    _check(ring, claims, table)
+    return [row[_AT["tokens"]] for row in table]
 
 
 def _check_weights(table: list[list[int]]) -> None:

@@ -87,6 +87,11 @@ def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None) -> 
     return {"a2a": a2a, "ring": ring}
 
 
+# Device types whose time ``H200`` predicts: the backend decides at compile time (or per call, a dynamic token
+# count) only there. (CPU tests add "cpu" to exercise those decisions.)
+CALIBRATED_DEVICES = {"cuda"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
     """A machine's constants for the time model (``H200``: how they were measured is in its comment)."""

@@ -168,6 +168,10 @@ class GroupSemantics(unittest.TestCase):
                  ev("alloc", 300, 8), ev("alloc", 200, 9), ev("free_completed", 300, 8),
                  ev("alloc", 1536, 10), ev("alloc", 2048, 11), ev("alloc", 10**5, 12)]  # closes; after it
         self.assertEqual(_stream_peak(trace, 1, (512, 1024, 1536, 2048)), 100)  # before the older block is freed
+        # A deferred free the allocator completes inside the second marker's allocation: the markers still
+        # open, and the freed older block counts (the peak is above the level at entry).
+        deferred = [*trace[:4], ev("free_completed", 64, 13), *trace[4:]]
+        self.assertEqual(_stream_peak(deferred, 1, (512, 1024, 1536, 2048)), 36)
         with self.assertRaisesRegex(RankThreadsError, "lost this measurement's markers"):
             _stream_peak(trace, 2, (512, 1024, 1536, 2048))
 
