@@ -45,6 +45,7 @@ from relay_compile.passes.match import find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
 from relay_compile.runtime.compiled_experts import CompiledExpertFn
+from relay_compile.runtime import cost_model
 from relay_compile.runtime.cost_model import H200, Choice, choose
 from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
@@ -227,7 +228,7 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     if options.ring == "never":
         return choose(region.block_shape(), routing=options.routing, ring="never", cal=H200)
     static = isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape)
-    if options.ring == "always" or not static or x.device.type != "cuda":
+    if options.ring == "always" or not static or x.device.type not in cost_model.CALIBRATED_DEVICES:
         return None
     choice = choose(region.block_shape(), routing=options.routing, ring=options.ring, cal=H200,
                     max_hop_rows=options.max_hop_rows)

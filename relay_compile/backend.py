@@ -184,7 +184,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
     for i, (scope, r) in enumerate(refused):
         report.regions.append(RegionReport(index=i, status="refused", anchor=scope.anchor(r.node), reason=r.reason))
     # A dynamic token count: the graph may also be compiled with its regions kept, chosen per call.
-    plan = plan_switch(gm, [r for _, r in regions], opts.ring)
+    plan = plan_switch(gm, [r for _, r in regions], opts.ring) if opts.dynamic_keep else "option dynamic_keep=False"
     if isinstance(plan, SwitchPlan):
         report.token_switch = {"tokens": str(plan.tokens), "ring_from": plan.ring_from(),
                                "regions": [len(refused) + i for i in plan.regions], "calls": {"kept": 0, "ring": 0}}
@@ -297,7 +297,7 @@ def relaymoe_backend(
 def _may_switch(gm: fx.GraphModule, opts: Options) -> bool:
     """Whether ``gm`` may get a kept variant (``passes.dynamic_keep``): an all-to-all, a dynamic input size, and
     a ``ring`` option under which the cost model decides."""
-    if opts.ring.ring not in ("auto", "memory"):
+    if not opts.dynamic_keep or opts.ring.ring not in ("auto", "memory"):
         return False
     nodes = list(gm.graph.nodes)
     dynamic = any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(

@@ -57,6 +57,12 @@ ring: str = Config(default="auto", env_name_default="RELAYMOE_RING")
 # wide. Grouped SwiGLU experts only; off by default (docs/BENCHMARKS.md, "FP8 hops").
 fp8: bool = Config(default=False, env_name_default="RELAYMOE_FP8")
 
+# Where an MoE region's token count is dynamic and the cost model may keep its all-to-all at some counts (CUDA,
+# ring "auto" or "memory"): compile the graph a second time with those regions kept, and pick per call from every
+# rank's agreed count (``runtime.token_switch``). False: one compile, the ring op decides per call and runs small
+# calls through its own all-to-all path (which recomputes the experts in backward).
+dynamic_keep: bool = Config(default=True, env_name_default="RELAYMOE_DYNAMIC_KEEP")
+
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
 inner_compiler: str = Config(

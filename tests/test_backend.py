@@ -76,6 +76,7 @@ class BackendOptions(unittest.TestCase):
             ({"max_hop_rows": "64"}, r"option max_hop_rows='64' must be an int"),
             ({"overlap": "false"}, r"option overlap='false' must be a bool"),
             ({"verify": 1}, r"option verify=1 must be a bool"),
+            ({"dynamic_keep": "no"}, r"option dynamic_keep='no' must be a bool"),
             ({"routing": 1}, r"option routing=1 must be a str$"),
             ({"inner_compiler": None}, r"option inner_compiler=None must be a str$"),
             ({"dump_dir": True}, r"option dump_dir=True must be a directory"),
@@ -128,7 +129,7 @@ class BackendOptions(unittest.TestCase):
         # The config module reads RELAYMOE_* once, at import: a fresh interpreter.
         env = {**os.environ, "RELAYMOE_DUMP_DIR": "0", "RELAYMOE_OVERLAP": "FALSE", "RELAYMOE_VERIFY": "1",
                "RELAYMOE_ROUTING": "token", "RELAYMOE_CHUNK_GRAPHS": "auto", "RELAYMOE_RING": "memory",
-               "OMP_NUM_THREADS": "1"}
+               "RELAYMOE_DYNAMIC_KEEP": "false", "OMP_NUM_THREADS": "1"}
         script = (
             "from relay_compile.options import resolve\n"
             "try:\n    resolve()\nexcept ValueError as e:\n    print(e)\n"
@@ -140,6 +141,7 @@ class BackendOptions(unittest.TestCase):
         self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows='auto', "
                       "fp32_accumulation=True, chunk_graphs='auto', ring='memory', fp8=False)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
+        self.assertIn("dynamic_keep=False", out[1])
 
     def test_activation_memory_budget_reaches_the_partitioner_for_this_graph_only(self) -> None:
         def saved_by(options: dict) -> int:

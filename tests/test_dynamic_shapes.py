@@ -162,6 +162,17 @@ class DynamicTokenCount(DistributedTestCase):
         self.assertEqual(switch["regions"], [0], switch)
         self.assertRegex(switch["tokens"], r"^s\d+$")
         self.assertIn(f"token switch on T={switch['tokens']}: regions [0] kept per call", backend.reports[0].summary())
+        # dynamic_keep=False: one compile, no switch; the ring op decides per call (and runs the ring on the CPU).
+        torch._dynamo.reset()
+        seen = len(compiled_reports())
+        with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}):
+            single = torch.compile(moe, backend="relaymoe", options={"inner_compiler": "aot_eager",
+                                                                     "dynamic_keep": False}, dynamic=True)
+            x = routed(self.rank, 16)[0]
+            self.assert_steps_equal(step(single, moe, x), step(moe, moe, x), "dynamic_keep=False")
+        (report,) = compiled_reports()[seen:]
+        self.assertEqual(report.token_switch, {"none": "option dynamic_keep=False"})
+        self.assertEqual(report.regions[0].reason, "")
         # Rank 1 compiled the ring only (ring="always": no switch): its op's exchange meets rank 0's switch's, and
         # both raise instead of meeting different collectives.
         torch._dynamo.reset()
