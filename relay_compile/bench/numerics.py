@@ -62,13 +62,19 @@ def leaf_values(block: Block, inputs: BlockInputs, **kw: object) -> dict[str, Te
 
 
 def relative_errors(got: dict[str, Tensor], truth: dict[str, Tensor]) -> dict[str, float]:
-    """Per leaf, ``max |got - truth| / max |truth|`` (in fp32; 0 where the truth is all zeros and so is got)."""
-    errors = {}
+    """Per leaf, ``max |got - truth| / max |truth|``, then per leaf (``"<leaf> rms"``) the root-mean-square error
+    over the truth's (in fp32; the error itself where the truth is all zeros). The max is one element's luck
+    within a rounding; the rms says whether a path is worse throughout."""
+    errors, rms = {}, {}
     for leaf, want in truth.items():
-        diff = (got[leaf].float() - want.float()).abs().max().item()
-        scale = want.float().abs().max().item()
-        errors[leaf] = diff / scale if scale > 0 else diff
-    return errors
+        diff, want = got[leaf].float() - want.float(), want.float()
+        errors[leaf] = _ratio(diff.abs().max().item(), want.abs().max().item())
+        rms[f"{leaf} rms"] = _ratio(diff.square().mean().sqrt().item(), want.square().mean().sqrt().item())
+    return errors | rms
+
+
+def _ratio(err: float, scale: float) -> float:
+    return err / scale if scale > 0 else err
 
 
 def block_errors(

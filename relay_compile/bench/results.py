@@ -186,7 +186,7 @@ class Report:
             out += [f"| {t.row} | {fmt_bytes(t.peak_bytes)} | {t.snapshot_file or '-'} |" for t in self.timelines]
             out += ["", "![memory over time](memory_timeline.png)", ""]
         for n in self.numerics:
-            out += ["", f"## bf16 numerics: {n.label}", "", f"Each leaf's max |error| / max |truth|; truth: {n.truth}.",
+            out += ["", f"## bf16 numerics: {n.label}", "", f"Each leaf's max |error| / max |truth|, then (rows `rms`) its rms error / rms truth; truth: {n.truth}.",
                      "", errors_table(n.errors, next(iter(n.errors))), ""]
         return "\n".join(out) + "\n"
 
