@@ -162,6 +162,21 @@ class DynamicTokenCount(DistributedTestCase):
         self.assertEqual(switch["regions"], [0], switch)
         self.assertRegex(switch["tokens"], r"^s\d+$")
         self.assertIn(f"token switch on T={switch['tokens']}: regions [0] kept per call", backend.reports[0].summary())
+        # Tokens as (B, S, H), flattened by the layer: T = B*S, read from both dimensions of the input.
+        torch._dynamo.reset()
+        backend = CountingBackend()
+        with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}), \
+                unittest.mock.patch.object(SwitchPlan, "keeps", lambda plan, tokens: tokens < 24):
+            compiled = torch.compile(moe, backend=backend, dynamic=True)
+            for batch, seq, variant in ((2, 8, "kept"), (3, 8, "ring"), (2, 10, "kept")):
+                x = routed(self.rank, batch * seq)[0].view(batch, seq, H)
+                before = dict(backend.reports[-1].token_switch["calls"]) if backend.reports else {variant: 0}
+                self.assert_steps_equal(step(compiled, moe, x), step(moe, moe, x), f"B {batch} S {seq}")
+                self.assertEqual(backend.reports[-1].token_switch["calls"][variant], before[variant] + 1)
+        switch = backend.reports[-1].token_switch
+        self.assertEqual(len(backend.reports), 1)
+        self.assertRegex(switch["tokens"], r"^s\d+\*s\d+$")
+        self.assertEqual(switch["calls"], {"kept": 2, "ring": 1})
         # dynamic_keep=False: one compile, no switch; the ring op decides per call (and runs the ring on the CPU).
         torch._dynamo.reset()
         seen = len(compiled_reports())
