@@ -74,6 +74,7 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions) -> int | None:
 
 
 def _choice(shape: BlockShape, options: RingOptions, tokens: int) -> str:
+    """What ``cost_model.choose`` runs ``shape`` as at ``tokens`` per rank (the compile-time keep's rule)."""
     return choose(dataclasses.replace(shape, tokens=tokens), routing=options.routing, ring=options.ring, cal=H200,
                   max_hop_rows=options.max_hop_rows).execution
 
@@ -81,39 +82,42 @@ def _choice(shape: BlockShape, options: RingOptions, tokens: int) -> str:
 @dataclass(frozen=True, kw_only=True)
 class SwitchPlan:
     """The regions one switch covers (by their index among the graph's matched regions), their T, and how to
-    read T from a call's arguments (``where``: each symbol's placeholder index and dimension, None for a SymInt
-    input)."""
+    read T from a call's arguments (``where``: per symbol of T, its placeholder's index and the dimension of that
+    tensor input, None where the input is the SymInt itself). ``device``: the tokens' device at trace time, where
+    the switch's exchange runs (as the ring op's would)."""
 
     regions: tuple[int, ...]
     shapes: tuple[BlockShape, ...]
     tokens: sympy.Expr
-    where: dict[sympy.Symbol, tuple[int, int | None]]
+    where: tuple[tuple[sympy.Symbol, int, int | None], ...]
     group_name: str
-    device_type: str
+    device: torch.device
     options: RingOptions
+    ring_from: int  # the smallest equal T from which some covered region runs as a ring
 
     def read_tokens(self, args: Sequence[Any]) -> int:
         """T of a call with positional ``args`` (the graph's placeholders, in order)."""
-        values = tuple(args[i] if dim is None else args[i].shape[dim] for i, dim in self.where.values())
-        return _evaluate(self.tokens, tuple(self.where), values)
+        values = tuple(args[i] if dim is None else args[i].shape[dim] for _, i, dim in self.where)
+        return _evaluate(self.tokens, tuple(s for s, _, _ in self.where), values)
 
     def keeps(self, tokens: int) -> bool:
         """Whether every covered region keeps its all-to-all at an agreed largest T of ``tokens``."""
         return _keeps(self.shapes, self.options, tokens)
 
-    def ring_from(self) -> int | None:
-        """The smallest equal T from which some covered region runs as a ring (None: none up to 2**24)."""
-        found = [t for t in (ring_from_tokens(s, self.options) for s in self.shapes) if t is not None]
-        return min(found, default=None)
-
 
 @functools.lru_cache(maxsize=1024)
 def _evaluate(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...], values: tuple[int, ...]) -> int:
-    return int(expr.xreplace({s: sympy.Integer(v) for s, v in zip(symbols, values, strict=True)}))
+    """``expr`` at ``symbols = values`` (cached: a call's sizes repeat step after step)."""
+    value = expr.xreplace({s: sympy.Integer(v) for s, v in zip(symbols, values, strict=True)})
+    if not value.is_Integer:
+        raise ValueError(f"relaymoe: the token count {expr} at {dict(zip(symbols, values))} is {value}, not an "
+                         "integer; pass options={'dynamic_keep': False} and report the model")
+    return int(value)
 
 
 @functools.lru_cache(maxsize=1024)
 def _keeps(shapes: tuple[BlockShape, ...], options: RingOptions, tokens: int) -> bool:
+    """``SwitchPlan.keeps``, cached per agreed T."""
     return all(_choice(s, options, tokens) == "all_to_all" for s in shapes)
 
 
@@ -132,6 +136,11 @@ def _symbol_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[int, int | N
     return where
 
 
+def has_symbolic_inputs(gm: fx.GraphModule) -> bool:
+    """Whether some input of ``gm`` holds a size symbol (a plan may read T from it)."""
+    return bool(_symbol_sources(gm))
+
+
 def plan_switch(gm: fx.GraphModule, regions: Sequence[Region], options: RingOptions) -> SwitchPlan | str:
     """The switch for ``gm``'s switchable ``regions`` (module docstring), or why there is none."""
     chosen = [(i, r) for i, r in enumerate(regions) if switchable(r, options)]
@@ -148,9 +157,15 @@ def plan_switch(gm: fx.GraphModule, regions: Sequence[Region], options: RingOpti
     if missing:
         return (f"the token count {expr} has symbols no graph input holds ({', '.join(map(str, missing))}): each "
                 "region runs as a ring op that decides per call")
+    shapes = tuple(r.block_shape() for _, r in chosen)
+    ring_from = min((t for t in (ring_from_tokens(s, options) for s in shapes) if t is not None), default=None)
+    if ring_from is None or ring_from <= 1:
+        always = "keeps its all-to-all at every" if ring_from is None else "runs a ring at every"
+        return (f"the cost model {always} token count up to {_MAX_TOKENS}: one variant would never run, so each "
+                "region runs as a ring op that decides per call")
     return SwitchPlan(
-        regions=tuple(i for i, _ in chosen), shapes=tuple(r.block_shape() for _, r in chosen), tokens=expr,
-        where={s: where[s] for s in sorted(expr.free_symbols, key=str)}, group_name=groups.pop(),
-        device_type=node_value(chosen[0][1].x).device.type, options=options,
+        regions=tuple(i for i, _ in chosen), shapes=shapes, tokens=expr,
+        where=tuple((s, *where[s]) for s in sorted(expr.free_symbols, key=str)), group_name=groups.pop(),
+        device=node_value(chosen[0][1].x).device, options=options, ring_from=ring_from,
     )
 

@@ -44,8 +44,8 @@ from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
-from relay_compile.runtime.compiled_experts import CompiledExpertFn
 from relay_compile.runtime import cost_model
+from relay_compile.runtime.compiled_experts import CompiledExpertFn
 from relay_compile.runtime.cost_model import H200, Choice, choose
 from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE

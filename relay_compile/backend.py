@@ -49,7 +49,7 @@ from relay_compile.passes import (
     kept_at_compile_time,
     rewrite_moe_region,
 )
-from relay_compile.passes.dynamic_keep import SwitchPlan, plan_switch, switchable
+from relay_compile.passes.dynamic_keep import SwitchPlan, has_symbolic_inputs, plan_switch, switchable
 from relay_compile.passes.expert_lowering import choose_expert_fn
 from relay_compile.passes.fx_nodes import is_all_to_all
 from relay_compile.passes.refusals import Refusal
@@ -186,7 +186,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
     # A dynamic token count: the graph may also be compiled with its regions kept, chosen per call.
     plan = plan_switch(gm, [r for _, r in regions], opts.ring) if opts.dynamic_keep else "option dynamic_keep=False"
     if isinstance(plan, SwitchPlan):
-        report.token_switch = {"tokens": str(plan.tokens), "ring_from": plan.ring_from(),
+        report.token_switch = {"tokens": str(plan.tokens), "ring_from": plan.ring_from,
                                "regions": [len(refused) + i for i in plan.regions], "calls": {"kept": 0, "ring": 0}}
     elif any(switchable(r, opts.ring) for _, r in regions):
         report.token_switch = {"none": plan}
@@ -199,9 +199,9 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
         )
         entry.idiom = region.idiom()
-        switch = (report.token_switch if i - len(refused) in switched else None)
         try:
-            _apply(scope, region, opts, entry, dump, i, rewrite, switch, keep_switched)
+            _apply(scope, region, opts, entry, dump, i, rewrite,
+                   _switch_reason(report.token_switch) if i - len(refused) in switched else None, keep_switched)
         except Refusal as r:  # experts the ring cannot run: raised before the graph changed
             entry.status, entry.reason = "refused", r.reason
             refused.append((scope, r.record()))
@@ -230,24 +230,27 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
     return report, plan if isinstance(plan, SwitchPlan) else None
 
 
+def _switch_reason(switch: dict[str, Any]) -> str:
+    """A switched region's reason in the ring variant's report."""
+    return (f"token count {switch['tokens']} is dynamic: the graph is also compiled with this region kept, and each "
+            "call runs that variant where the cost model keeps it at the group's largest token count (below "
+            f"{switch['ring_from']} tokens per rank when the counts are equal)")
+
+
 def _apply(
     scope: Scope, region: Region, opts: Options, entry: RegionReport, dump: GraphDump, i: int, rewrite: bool,
-    switch: dict[str, Any] | None = None, keep_switched: bool = False,
+    switched: str | None = None, keep_switched: bool = False,
 ) -> None:
     """One matched region: kept (the cost model keeps its all-to-all), rewritten into a ring, or with
-    ``rewrite`` off only analyzed; ``entry`` records which. ``switch``: the graph's token switch covers the
-    region (kept in its kept variant, ``keep_switched``). Raises ``Refusal`` before changing the graph."""
-    if switch is not None and keep_switched:
+    ``rewrite`` off only analyzed; ``entry`` records which. ``switched``: the graph's token switch covers the
+    region, and why (kept in the kept variant, ``keep_switched``). Raises ``Refusal`` before changing the graph."""
+    if switched is not None and keep_switched:
         entry.status, entry.execution_predicted = "kept", "all_to_all"
-        entry.reason = "kept: the kept variant of a graph whose token count is dynamic (runtime.token_switch)"
+        entry.reason = KEPT_VARIANT_REASON
         if rewrite:
             keep_all_to_all(scope.module, region)
         return
-    if switch is not None:
-        below = f"below {switch['ring_from']}" if switch["ring_from"] else "at every"
-        entry.reason = (f"token count {switch['tokens']} is dynamic: the graph is also compiled with this region "
-                        f"kept, and each call runs that variant where the cost model keeps it at the group's "
-                        f"largest token count ({below} tokens per rank when the counts are equal)")
+    entry.reason = switched or ""
     kept = kept_at_compile_time(region, opts.ring)
     if kept is not None:
         entry.status, entry.reason = ("kept" if rewrite else "matched"), f"kept its all-to-all: {kept.reason}"
@@ -282,28 +285,41 @@ def relaymoe_backend(
     if original is not None and any(r.status == "rewritten" for r in report.regions):
         compiled = _verifying(compiled, original, graph, opts.inner_compiler,
                               fp8=any(r.fp8 == "on" for r in report.regions))
-    if plan is None or pristine is None:
+    if plan is None:
         return compiled
+    kept = _kept_variant(pristine, plan, report, opts, graph, example_inputs)
+    return compiled if kept is None else TokenSwitch(plan, kept, compiled, graph, report.token_switch["calls"])
+
+
+# The reason a switched region gives in the kept variant's report.
+KEPT_VARIANT_REASON = "kept: the kept variant of a graph whose token count is dynamic (runtime.token_switch)"
+
+
+def _kept_variant(pristine: fx.GraphModule | None, plan: SwitchPlan, report: GraphReport, opts: Options,
+                  graph: str, example_inputs: list[Any]) -> Callable | None:
+    """The graph before the rewrite with ``plan``'s regions kept, compiled; None (the report says why, and the
+    ring variant's ops decide per call) where its analysis does not keep exactly those regions."""
     start = time.perf_counter()
-    kept_report, _ = analyze(pristine, opts, f"{graph}_kept", rewrite=True, keep_switched=True)
-    kept_at = [r.index for r in kept_report.regions if r.status == "kept"]
-    assert kept_at == report.token_switch["regions"], (
-        f"relaymoe: {graph}'s kept variant kept regions {kept_at}, its plan names {report.token_switch['regions']}")
+    kept_report, _ = analyze(pristine, opts, f"{graph}_kept", rewrite=True, keep_switched=True) if pristine else (
+        None, None)
+    kept_at = [r.index for r in kept_report.regions if r.reason == KEPT_VARIANT_REASON] if kept_report else []
+    if kept_at != report.token_switch["regions"]:
+        report.token_switch = {"none": f"the kept variant's analysis kept regions {kept_at}, not the plan's "
+                                       f"{report.token_switch['regions']}: each region runs as a ring op that "
+                                       "decides per call"}
+        log.warning("relaymoe %s: no token switch: %s", graph, report.token_switch["none"])
+        return None
     kept = _compile_inner(opts, pristine, example_inputs)
-    report.pass_seconds["kept_variant"] = time.perf_counter() - start
-    return TokenSwitch(plan, kept, compiled, graph, report.token_switch["calls"])
+    log.info("relaymoe %s: kept variant analyzed and compiled in %.1f s", graph, time.perf_counter() - start)
+    return kept
 
 
 def _may_switch(gm: fx.GraphModule, opts: Options) -> bool:
-    """Whether ``gm`` may get a kept variant (``passes.dynamic_keep``): an all-to-all, a dynamic input size, and
-    a ``ring`` option under which the cost model decides."""
-    if not opts.dynamic_keep or opts.ring.ring not in ("auto", "memory"):
+    """Whether ``gm`` may get a kept variant (``passes.dynamic_keep``): an all-to-all (in the graph or a
+    checkpoint's body), a size symbol among its inputs, and options under which the cost model decides."""
+    if not opts.dynamic_keep or opts.ring.ring not in ("auto", "memory") or not has_symbolic_inputs(gm):
         return False
-    nodes = list(gm.graph.nodes)
-    dynamic = any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
-        isinstance(d, torch.SymInt) for d in v.shape)) for v in (n.meta.get("example_value", n.meta.get("val"))
-                                                                   for n in nodes if n.op == "placeholder"))
-    return dynamic and any(is_all_to_all(n) for n in nodes)
+    return any(is_all_to_all(n) for scope in find_scopes(gm) for n in scope.module.graph.nodes)
 
 
 # Dynamo enters this around each call of a frame compiled with the backend (tracing included): the settings

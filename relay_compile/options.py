@@ -47,7 +47,8 @@ class Options:
 
     def as_dict(self) -> dict[str, Any]:
         """Flat ``{option: value}`` as the user spells them (``max_hop_rows`` None: no bound)."""
-        return {**dataclasses.asdict(self.ring), "dynamic_keep": self.dynamic_keep, "inner_compiler": self.inner_compiler,
+        return {**dataclasses.asdict(self.ring), "dynamic_keep": self.dynamic_keep,
+                "inner_compiler": self.inner_compiler,
                 "dump_dir": self.dump_dir, "verify": self.verify,
                 "activation_memory_budget": self.activation_memory_budget}
 

@@ -132,7 +132,7 @@ class GraphReport:
         if "tokens" in self.token_switch:
             sw = self.token_switch
             lines.append(f"  token switch on T={sw['tokens']}: regions {sw['regions']} kept per call below "
-                         f"{sw['ring_from'] or 'every'} tokens per rank (equal counts)")
+                         f"{sw['ring_from']} tokens per rank (equal counts)")
         elif self.token_switch:
             lines.append(f"  no token switch: {self.token_switch['none']}")
         return "\n".join(lines)

@@ -26,7 +26,7 @@ import tests.distributed
 from relay_compile import RingInputError
 from relay_compile.backend import compiled_reports, relaymoe_backend
 from relay_compile.comm_events import count_comm_events
-from relay_compile.passes.dynamic_keep import SwitchPlan
+from relay_compile.passes import dynamic_keep
 from relay_compile.reference import AllToAllMoE, a2a_moe, moe_weights
 from relay_compile.report import GraphReport
 from relay_compile.runtime import cost_model
@@ -84,6 +84,22 @@ class CountingBackend:
         return [(r.status, r.shape.get("tokens", 0)) for report in self.reports for r in report.regions]
 
 
+class Checkpointed(nn.Module):
+    """``block`` under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def KEEP_BELOW_24(shape: Any, options: Any, tokens: int) -> str:  # noqa: N802 -- a stand-in decision rule
+    """``dynamic_keep._choice`` as a threshold: the all-to-all below 24 tokens per rank, an expert ring from 24."""
+    return "all_to_all" if tokens < 24 else "expert"
+
+
 class DynamicTokenCount(DistributedTestCase):
     def init_pg(self, backend: str = "gloo") -> dist.ProcessGroup:
         # A regression that deadlocks one rank fails in seconds, not after the harness's two minutes.
@@ -132,14 +148,14 @@ class DynamicTokenCount(DistributedTestCase):
 
     @torch._dynamo.config.patch(capture_scalar_outputs=True)
     def test_a_dynamic_token_count_runs_the_kept_graph_or_the_ring_per_call_from_every_ranks_largest(self) -> None:
-        # The H200 cost model's threshold (passes.dynamic_keep) stands in as "keep below 24 tokens": these shapes
-        # are far too small to reach its real one. CPU joins the calibrated devices so the switch is built.
+        # "Keep below 24 tokens" stands in for the H200 cost model's decision (these shapes are far too small to
+        # reach its real threshold). CPU joins the calibrated devices so the switch is built.
         self.init_pg()
         moe = AllToAllMoE(H, F, E, K, group=dist.group.WORLD, seed=3, use_grouped_mm=False)
         torch._dynamo.reset()
         backend = CountingBackend()
         with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}), \
-                unittest.mock.patch.object(SwitchPlan, "keeps", lambda plan, tokens: tokens < 24):
+                unittest.mock.patch.object(dynamic_keep, "_choice", KEEP_BELOW_24):
             compiled = torch.compile(moe, backend=backend, dynamic=True)
             # (this rank's T, the other rank's T, the variant both run): the group's largest T decides.
             mine = lambda a, b: a if self.rank == 0 else b  # noqa: E731
@@ -159,14 +175,14 @@ class DynamicTokenCount(DistributedTestCase):
         self.assertEqual(region.status, "rewritten")
         self.assertIn("the graph is also compiled with this region kept", region.reason)
         switch = backend.reports[0].token_switch
-        self.assertEqual(switch["regions"], [0], switch)
+        self.assertEqual((switch["regions"], switch["ring_from"]), ([0], 24), switch)
         self.assertRegex(switch["tokens"], r"^s\d+$")
         self.assertIn(f"token switch on T={switch['tokens']}: regions [0] kept per call", backend.reports[0].summary())
         # Tokens as (B, S, H), flattened by the layer: T = B*S, read from both dimensions of the input.
         torch._dynamo.reset()
         backend = CountingBackend()
         with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}), \
-                unittest.mock.patch.object(SwitchPlan, "keeps", lambda plan, tokens: tokens < 24):
+                unittest.mock.patch.object(dynamic_keep, "_choice", KEEP_BELOW_24):
             compiled = torch.compile(moe, backend=backend, dynamic=True)
             for batch, seq, variant in ((2, 8, "kept"), (3, 8, "ring"), (2, 10, "kept")):
                 x = routed(self.rank, batch * seq)[0].view(batch, seq, H)
@@ -177,6 +193,18 @@ class DynamicTokenCount(DistributedTestCase):
         self.assertEqual(len(backend.reports), 1)
         self.assertRegex(switch["tokens"], r"^s\d+\*s\d+$")
         self.assertEqual(switch["calls"], {"kept": 2, "ring": 1})
+        # The block inside torch.utils.checkpoint: its all-to-alls live in the checkpoint's body, switched alike.
+        torch._dynamo.reset()
+        backend = CountingBackend()
+        checkpointed = Checkpointed(moe)
+        with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}), \
+                unittest.mock.patch.object(dynamic_keep, "_choice", KEEP_BELOW_24):
+            compiled = torch.compile(checkpointed, backend=backend, dynamic=True)
+            for tokens in (16, 32):
+                x = routed(self.rank, tokens)[0]
+                self.assert_steps_equal(step(compiled, moe, x), step(moe, moe, x), f"checkpointed T {tokens}")
+        self.assertEqual(backend.reports[-1].token_switch["calls"], {"kept": 1, "ring": 1})
+        self.assertRegex(backend.reports[-1].regions[0].anchor, r"^wrap_body")
         # dynamic_keep=False: one compile, no switch; the ring op decides per call (and runs the ring on the CPU).
         torch._dynamo.reset()
         seen = len(compiled_reports())
@@ -192,10 +220,18 @@ class DynamicTokenCount(DistributedTestCase):
         # both raise instead of meeting different collectives.
         torch._dynamo.reset()
         options = {"inner_compiler": "aot_eager", **({"ring": "always"} if self.rank == 1 else {})}
-        with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}):
+        with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}), \
+                unittest.mock.patch.object(dynamic_keep, "_choice", KEEP_BELOW_24):
             mixed = torch.compile(moe, backend="relaymoe", options=options, dynamic=True)
-            with self.assertRaisesRegex(RingInputError, "compiled different graphs of this MoE block"):
+            with self.assertRaisesRegex(RingInputError, "some ranks compiled this graph with a kept variant"):
                 step(mixed, moe, routed(self.rank, 16)[0])
+            # Automatic dynamic: only rank 1's count changes, so only rank 1 recompiles with a symbolic T (and a
+            # switch) while rank 0 runs its static graph's ring op: both raise, naming the remedy.
+            torch._dynamo.reset()
+            auto = torch.compile(moe, backend="relaymoe", options={"inner_compiler": "aot_eager"})
+            step(auto, moe, routed(self.rank, 16)[0])
+            with self.assertRaisesRegex(RingInputError, r"Mark the token dimension dynamic on every rank"):
+                step(auto, moe, routed(self.rank, 16 if self.rank == 0 else 24)[0])
 
 
 if __name__ == "__main__":

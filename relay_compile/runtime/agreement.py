@@ -409,7 +409,16 @@ def _check_kept(table: list[list[int]]) -> None:
         if row[col] == table[0][col]:
             continue
         mine, first = _KEPT[row[col]], _KEPT[table[0][col]]
-        if {2, 3} & {row[col], table[0][col]}:
+        pair = {row[col], table[0][col]}
+        if 3 in pair and 2 not in pair:
+            raise RingInputError(
+                f"relaymoe: rank {rank} {mine} while rank 0 {first}: some ranks compiled this graph with a kept "
+                "variant (a dynamic token count, option dynamic_keep) and others without. Dynamo's automatic dynamic "
+                "shapes recompile a rank with a symbolic token count only once its own count changed, and ranks "
+                "may pass different options. Mark the token dimension dynamic on every rank (torch.compile(..., "
+                "dynamic=True) or torch._dynamo.mark_dynamic), pass the same options everywhere, or pass "
+                "options={'dynamic_keep': False}")
+        if 2 in pair:
             raise RingInputError(
                 f"relaymoe: rank {rank} {mine} while rank 0 {first}: the ranks compiled different graphs of this "
                 "MoE block (a graph break, a warning or a branch on some ranks only; the refusing rank's report "

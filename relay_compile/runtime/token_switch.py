@@ -33,7 +33,7 @@ class SwitchRule(Protocol):
     """What the switch needs of its plan (``passes.dynamic_keep.SwitchPlan``)."""
 
     group_name: str
-    device_type: str
+    device: torch.device
 
     def read_tokens(self, args: Sequence[Any]) -> int: ...
 
@@ -48,14 +48,9 @@ class TokenSwitch:
         self.rule, self.kept, self.ring, self.graph, self.calls = rule, kept, ring, graph, calls
         self._last: bool | None = None
 
-    def _device(self) -> torch.device:
-        if self.rule.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.rule.device_type)
-
     def __call__(self, *args: Any) -> Any:
         tokens = self.rule.read_tokens(args)
-        tokens_N = agree_tokens(RingGroup.resolve(self.rule.group_name), self._device(), tokens)
+        tokens_N = agree_tokens(RingGroup.resolve(self.rule.group_name), self.rule.device, tokens)
         kept = self.rule.keeps(max(tokens_N))
         if kept != self._last:
             log.info("relaymoe %s: runs its %s variant from %d tokens per rank (the group's largest)", self.graph,

@@ -55,6 +55,26 @@ def qwen3(tokens: int, ep: int) -> BlockShape:
 class Decision(unittest.TestCase):
     """``choose`` on the H200 calibration: time first under ``auto``, memory under ``memory``."""
 
+    def test_a_dynamic_token_counts_threshold_splits_the_counts_the_cost_model_keeps_from_those_it_rings(
+        self,
+    ) -> None:
+        # passes.dynamic_keep bisects for the threshold assuming the ring's advantage grows with T: check that on
+        # a grid around it, for both EP sizes and both ring options that decide.
+        from relay_compile.passes.dynamic_keep import _keeps, ring_from_tokens
+        from relay_compile.runtime.ring_options import RingOptions
+
+        for ep, ring in ((8, "auto"), (64, "auto"), (8, "memory"), (64, "memory")):
+            options = RingOptions(ring=ring)
+            start = ring_from_tokens(qwen3(1, ep), options)
+            self.assertIsNotNone(start, (ep, ring))
+            for tokens in (*(2**k for k in range(8, 19)), start - 1, start):
+                want = choose(qwen3(tokens, ep), routing="auto", ring=ring, cal=H200).execution == "all_to_all"
+                self.assertEqual(want, tokens < start, (ep, ring, tokens, start))
+                self.assertEqual(_keeps((qwen3(1, ep),), options, tokens), want, (ep, ring, tokens))
+        # ring="memory" runs the ring from fewer tokens than "auto": it also buys memory with time.
+        self.assertLess(ring_from_tokens(qwen3(1, 8), RingOptions(ring="memory")), 8192)
+        self.assertGreater(ring_from_tokens(qwen3(1, 8), RingOptions(ring="auto")), 8192)
+
     def test_auto_keeps_the_all_to_all_where_the_ring_is_slower_and_runs_the_ring_where_it_is_faster(self) -> None:
         small, large = choose(qwen3(4096, 64), routing="auto", ring="auto", cal=H200), choose(
             qwen3(131072, 8), routing="auto", ring="auto", cal=H200)
