@@ -184,16 +184,12 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
     for i, (scope, r) in enumerate(refused):
         report.regions.append(RegionReport(index=i, status="refused", anchor=scope.anchor(r.node), reason=r.reason))
     # A dynamic token count: the graph may also be compiled with its regions kept, chosen per call.
-    plan = plan_switch(gm, [r for _, r in regions], opts.ring) if opts.dynamic_keep else "option dynamic_keep=False"
-    if isinstance(plan, SwitchPlan):
-        report.token_switch = {"tokens": str(plan.tokens), "ring_from": plan.ring_from,
-                               "regions": [len(refused) + i for i in plan.regions], "calls": {"kept": 0, "ring": 0}}
-    elif any(switchable(r, opts.ring) for _, r in regions):
-        report.token_switch = {"none": plan}
-    switched = set(plan.regions) if isinstance(plan, SwitchPlan) else set()
+    first = len(refused)
+    plan = _plan_switch(report, gm, [r for _, r in regions], opts, first)
+    switched = set(report.token_switch.get("regions", ()))
     # Step 2: rewrite, one region at a time (records hold nodes of the graph being rewritten).
     start = time.perf_counter()
-    for i, (scope, region) in enumerate(regions, start=len(refused)):
+    for i, (scope, region) in enumerate(regions, start=first):
         entry = RegionReport.matched(
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
@@ -201,11 +197,14 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
         entry.idiom = region.idiom()
         try:
             _apply(scope, region, opts, entry, dump, i, rewrite,
-                   _switch_reason(report.token_switch) if i - len(refused) in switched else None, keep_switched)
+                   _switch_reason(report.token_switch) if i in switched else None, keep_switched)
         except Refusal as r:  # experts the ring cannot run: raised before the graph changed
             entry.status, entry.reason = "refused", r.reason
             refused.append((scope, r.record()))
         report.regions.append(entry)
+    unswitched = [r.index for r in report.regions if r.index in switched and r.status == "refused"]
+    if unswitched:  # a refused region runs its all-to-alls in both variants: no switch
+        report.token_switch, plan = {"none": f"regions {unswitched} were refused"}, None
     if rewrite:  # what runs its all-to-alls checks that every rank does (a rank whose graph differs may not)
         for scope, r in refused:
             if is_all_to_all(r.node):
@@ -227,7 +226,21 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
         payload_fn=report.to_json,
     )
     log.info("%s", report.summary())
-    return report, plan if isinstance(plan, SwitchPlan) else None
+    return report, plan
+
+
+def _plan_switch(report: GraphReport, gm: fx.GraphModule, regions: list[Region], opts: Options,
+                 first: int) -> SwitchPlan | None:
+    """``passes.dynamic_keep.plan_switch`` for ``regions`` (report indices from ``first``), into the report's
+    ``token_switch``: the plan, or why there is none where some region has a dynamic token count."""
+    plan = plan_switch(gm, regions, opts.ring) if opts.dynamic_keep else "option dynamic_keep=False"
+    if isinstance(plan, SwitchPlan):
+        report.token_switch = {"tokens": str(plan.tokens), "ring_from": plan.ring_from,
+                               "regions": [first + i for i in plan.regions], "calls": {"kept": 0, "ring": 0}}
+        return plan
+    if any(switchable(r, opts.ring) for r in regions):
+        report.token_switch = {"none": plan}
+    return None
 
 
 def _switch_reason(switch: dict[str, Any]) -> str:
