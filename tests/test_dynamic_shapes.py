@@ -84,6 +84,15 @@ class CountingBackend:
         return [(r.status, r.shape.get("tokens", 0)) for report in self.reports for r in report.regions]
 
 
+def _first(fn: Callable[..., Any]) -> Callable[[Tensor], Tensor]:
+    """``fn`` returning only its first output where it returns a tuple (a layer's ``(y, aux)``)."""
+    def call(x: Tensor) -> Tensor:
+        out = fn(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    return call
+
+
 class Checkpointed(nn.Module):
     """``block`` under ``torch.utils.checkpoint`` (non-reentrant)."""
 
@@ -106,10 +115,10 @@ class DynamicTokenCount(DistributedTestCase):
         with unittest.mock.patch.object(tests.distributed, "PG_TIMEOUT", datetime.timedelta(seconds=15)):
             return super().init_pg(backend)
 
-    def assert_steps_equal(self, got: list[Tensor], want: list[Tensor], what: str) -> None:
+    def assert_steps_equal(self, got: list[Tensor], want: list[Tensor], what: str, tol: float = 1e-5) -> None:
         self.assertEqual(len(got), len(want), what)
         for i, (g, w) in enumerate(zip(got, want)):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=f"{what} [{i}]")
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item(), msg=f"{what} [{i}]")
 
     @torch._dynamo.config.patch(capture_scalar_outputs=True)
     def test_reference_layer_stays_rewritten_as_the_token_count_changes_recompiling_at_most_once(self) -> None:
@@ -232,6 +241,42 @@ class DynamicTokenCount(DistributedTestCase):
             step(auto, moe, routed(self.rank, 16)[0])
             with self.assertRaisesRegex(RingInputError, r"Mark the token dimension dynamic on every rank"):
                 step(auto, moe, routed(self.rank, 16 if self.rank == 0 else 24)[0])
+
+    @torch._dynamo.config.patch(capture_scalar_outputs=True)
+    def test_torchtitan_and_transformers_layers_switch_per_call_under_a_dynamic_token_count(self) -> None:
+        # The released layers (torchtitan 0.3.0, transformers' Qwen3-MoE block with its all_to_all EP), tokens
+        # (1, S, H) with S dynamic: one switched graph, the kept variant below 24 tokens and the ring from 24,
+        # equal to eager.
+        self.init_pg()
+        from tests.models.torchtitan_moe import build_torchtitan_moe, torchtitan_available
+        from tests.thirdparty import packages
+
+        layers = {"transformers qwen3_moe": (*packages.hf_moe_block("qwen3_moe", H, F, E, K), H, 1e-5)}
+        if torchtitan_available():
+            # Its grouped GEMMs run in bf16 (rows of 16-byte multiples): equal to bf16 sums' rounding, as in
+            # tests/passes/test_match_rewrite.py.
+            titan = build_torchtitan_moe(self.world_size, dim=16, hidden=F, num_experts=E, top_k=K, seed=7)
+            layers["torchtitan"] = (titan, titan, 16, 1e-2)
+        for name, (module, forward, hidden, tol) in layers.items():
+            torch._dynamo.reset()
+            seen = len(compiled_reports())
+            with unittest.mock.patch.object(cost_model, "CALIBRATED_DEVICES", {"cuda", "cpu"}), \
+                    unittest.mock.patch.object(dynamic_keep, "_choice", KEEP_BELOW_24):
+                # backend="relaymoe" by name: its Dynamo settings (runtime.dynamo_settings) hold around the calls.
+                compiled = torch.compile(forward, backend="relaymoe", options={"inner_compiler": "aot_eager"},
+                                         dynamic=True)
+                for seq in (16, 32, 20):
+                    x = torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(self.rank * 100 + seq))
+                    self.assert_steps_equal(step(_first(compiled), module, x), step(_first(forward), module, x),
+                                            f"{name} S {seq}", tol)
+            reports = compiled_reports()[seen:]
+            summary = "\n".join(r.summary() + f" {r.token_switch}" for r in reports)
+            switched = [r for r in reports if "calls" in r.token_switch]
+            self.assertEqual(len(switched), 1, f"{name}: {summary}")
+            self.assertEqual([r.status for r in switched[0].regions], ["rewritten"], summary)
+            # (torchtitan's first call compiles with a static T, which Dynamo makes dynamic at the second.)
+            calls = switched[0].token_switch["calls"]
+            self.assertTrue(calls["kept"] >= 1 and calls["ring"] == 1, summary)
 
 
 if __name__ == "__main__":
