@@ -136,11 +136,6 @@ def _symbol_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[int, int | N
     return where
 
 
-def has_symbolic_inputs(gm: fx.GraphModule) -> bool:
-    """Whether some input of ``gm`` holds a size symbol (a plan may read T from it)."""
-    return bool(_symbol_sources(gm))
-
-
 def plan_switch(gm: fx.GraphModule, regions: Sequence[Region], options: RingOptions) -> SwitchPlan | str:
     """The switch for ``gm``'s switchable ``regions`` (module docstring), or why there is none."""
     chosen = [(i, r) for i, r in enumerate(regions) if switchable(r, options)]

@@ -18,6 +18,9 @@ Per Dynamo graph:
                                             one device-to-host copy per tensor, not one sync per element
     inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph, under the
                                             activation_memory_budget option (torch's partitioner budget)
+    token switch          (passes.dynamic_keep, runtime.token_switch)  regions with a dynamic token count the
+                                            cost model may keep: the graph from before the rewrite is also
+                                            compiled with them kept; each call runs one variant, agreed
     verify                (option)          the first call also runs the original graph and compares
 
 Options are ``relay_compile.config`` values overridden per call (``relay_compile.options``). Every graph's
@@ -33,7 +36,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,7 +52,7 @@ from relay_compile.passes import (
     kept_at_compile_time,
     rewrite_moe_region,
 )
-from relay_compile.passes.dynamic_keep import SwitchPlan, has_symbolic_inputs, plan_switch, switchable
+from relay_compile.passes.dynamic_keep import SwitchPlan, plan_switch, switchable
 from relay_compile.passes.expert_lowering import choose_expert_fn
 from relay_compile.passes.fx_nodes import is_all_to_all
 from relay_compile.passes.refusals import Refusal
@@ -167,11 +170,19 @@ def _verifying(
     return run
 
 
-def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
-            keep_switched: bool = False) -> tuple[GraphReport, SwitchPlan | None]:
-    """Match (and with ``rewrite``, rewrite) ``gm``'s MoE regions in place: the report of what happened, and the
-    plan of its token switch where regions with a dynamic token count may be kept per call
-    (``passes.dynamic_keep``). With ``keep_switched``, those regions are kept (the graph's kept variant)."""
+class Analyzed(NamedTuple):
+    """What ``analyze`` did to a graph: its report; where regions with a dynamic token count may be kept per call
+    (``passes.dynamic_keep``) the switch's plan, and with ``rewrite`` a copy of the graph from before the rewrite
+    (for the kept variant)."""
+
+    report: GraphReport
+    plan: SwitchPlan | None = None
+    pristine: fx.GraphModule | None = None
+
+
+def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_switched: bool = False) -> Analyzed:
+    """Match (and with ``rewrite``, rewrite) ``gm``'s MoE regions in place (``Analyzed``). With
+    ``keep_switched``, the switch's regions are kept (the graph's kept variant)."""
     report = GraphReport(graph=graph, rank=_rank(), options=opts.as_dict())
     dump = GraphDump(opts.dump_dir, graph, report.rank)
     dump.write("0_dynamo_graph.py", gm.print_readable(False), header="Dynamo graph, before relaymoe")
@@ -187,6 +198,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
     first = len(refused)
     plan = _plan_switch(report, gm, [r for _, r in regions], opts, first)
     switched = set(report.token_switch.get("regions", ()))
+    pristine = copy.deepcopy(gm) if plan is not None and rewrite and not keep_switched else None
     # Step 2: rewrite, one region at a time (records hold nodes of the graph being rewritten).
     start = time.perf_counter()
     for i, (scope, region) in enumerate(regions, start=first):
@@ -204,7 +216,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
         report.regions.append(entry)
     unswitched = [r.index for r in report.regions if r.index in switched and r.status == "refused"]
     if unswitched:  # a refused region runs its all-to-alls in both variants: no switch
-        report.token_switch, plan = {"none": f"regions {unswitched} were refused"}, None
+        report.token_switch, plan, pristine = {"none": f"regions {unswitched} were refused"}, None, None
     if rewrite:  # what runs its all-to-alls checks that every rank does (a rank whose graph differs may not)
         for scope, r in refused:
             if is_all_to_all(r.node):
@@ -226,7 +238,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool,
         payload_fn=report.to_json,
     )
     log.info("%s", report.summary())
-    return report, plan
+    return Analyzed(report, plan, pristine)
 
 
 def _plan_switch(report: GraphReport, gm: fx.GraphModule, regions: list[Region], opts: Options,
@@ -290,17 +302,15 @@ def relaymoe_backend(
     opts = resolve(options)
     graph = f"graph{next(_GRAPH_COUNTER)}"
     original = copy.deepcopy(gm) if opts.verify else None
-    # The graph before the rewrite, for a kept variant (only where one may be wanted: a copy costs compile time).
-    pristine = copy.deepcopy(gm) if _may_switch(gm, opts) else None
-    report, plan = analyze(gm, opts, graph, rewrite=True)
+    report, plan, pristine = analyze(gm, opts, graph, rewrite=True)
     _REPORTS.append(report)
     compiled = _compile_inner(opts, gm, example_inputs)
     if original is not None and any(r.status == "rewritten" for r in report.regions):
         compiled = _verifying(compiled, original, graph, opts.inner_compiler,
                               fp8=any(r.fp8 == "on" for r in report.regions))
-    if plan is None:
+    if plan is None or pristine is None:
         return compiled
-    kept = _kept_variant(pristine, plan, report, opts, graph, example_inputs)
+    kept = _kept_variant(pristine, report, opts, graph, example_inputs)
     return compiled if kept is None else TokenSwitch(plan, kept, compiled, graph, report.token_switch["calls"])
 
 
@@ -308,14 +318,13 @@ def relaymoe_backend(
 KEPT_VARIANT_REASON = "kept: the kept variant of a graph whose token count is dynamic (runtime.token_switch)"
 
 
-def _kept_variant(pristine: fx.GraphModule | None, plan: SwitchPlan, report: GraphReport, opts: Options,
-                  graph: str, example_inputs: list[Any]) -> Callable | None:
-    """The graph before the rewrite with ``plan``'s regions kept, compiled; None (the report says why, and the
+def _kept_variant(pristine: fx.GraphModule, report: GraphReport, opts: Options, graph: str,
+                  example_inputs: list[Any]) -> Callable | None:
+    """The graph before the rewrite with the switch's regions kept, compiled; None (the report says why, and the
     ring variant's ops decide per call) where its analysis does not keep exactly those regions."""
     start = time.perf_counter()
-    kept_report, _ = analyze(pristine, opts, f"{graph}_kept", rewrite=True, keep_switched=True) if pristine else (
-        None, None)
-    kept_at = [r.index for r in kept_report.regions if r.reason == KEPT_VARIANT_REASON] if kept_report else []
+    kept_report = analyze(pristine, opts, f"{graph}_kept", rewrite=True, keep_switched=True).report
+    kept_at = [r.index for r in kept_report.regions if r.reason == KEPT_VARIANT_REASON]
     if kept_at != report.token_switch["regions"]:
         report.token_switch = {"none": f"the kept variant's analysis kept regions {kept_at}, not the plan's "
                                        f"{report.token_switch['regions']}: each region runs as a ring op that "
@@ -325,14 +334,6 @@ def _kept_variant(pristine: fx.GraphModule | None, plan: SwitchPlan, report: Gra
     kept = _compile_inner(opts, pristine, example_inputs)
     log.info("relaymoe %s: kept variant analyzed and compiled in %.1f s", graph, time.perf_counter() - start)
     return kept
-
-
-def _may_switch(gm: fx.GraphModule, opts: Options) -> bool:
-    """Whether ``gm`` may get a kept variant (``passes.dynamic_keep``): an all-to-all (in the graph or a
-    checkpoint's body), a size symbol among its inputs, and options under which the cost model decides."""
-    if not opts.dynamic_keep or opts.ring.ring not in ("auto", "memory") or not has_symbolic_inputs(gm):
-        return False
-    return any(is_all_to_all(n) for scope in find_scopes(gm) for n in scope.module.graph.nodes)
 
 
 # Dynamo enters this around each call of a frame compiled with the backend (tracing included): the settings
@@ -353,7 +354,7 @@ def explain(model: Callable, *inputs: Any, **options: Any) -> list[GraphReport]:
     reports: list[GraphReport] = []
 
     def match_only(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        reports.append(analyze(gm, opts, f"explain{len(reports)}", rewrite=False)[0])
+        reports.append(analyze(gm, opts, f"explain{len(reports)}", rewrite=False).report)
         return gm.forward
 
     match_only.backend_ctx_ctor = dynamo_settings  # type: ignore[attr-defined]
