@@ -61,8 +61,10 @@ def build_eager_a2a(cfg: LayerConfig, group: Any) -> LayerFn:
     return fn
 
 
-def compiled_a2a_builder(backend: str, enabled: bool = True) -> RowBuilder:
-    """A builder of ``torch.compile(a2a_moe, backend=backend, fullgraph=True)`` on the group (passed by name).
+def compiled_a2a_builder(backend: str, enabled: bool = True, dynamic: bool = False) -> RowBuilder:
+    """A builder of ``torch.compile(a2a_moe, backend=backend, fullgraph=True)`` on the group (passed by name);
+    with ``dynamic``, the token count marked dynamic (one graph for every token count of an EP size: the
+    backend's token switch decides per call).
 
     The row is skipped (``RowSkipped``) when ``enabled`` is false or ``backend`` is not registered.
     """
@@ -84,9 +86,13 @@ def compiled_a2a_builder(backend: str, enabled: bool = True) -> RowBuilder:
 
         # Static shapes: each configuration compiles for its own sizes, as a training run with fixed shapes would
         # (a later configuration would otherwise recompile with dynamic sizes). Split sizes stay unbacked.
+        # Dynamic: T (dimension 0 of x, the ids and the scores) is marked dynamic at every call.
         compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
         def run(*args: Tensor) -> Tensor:
+            if dynamic:
+                for t in args[:3]:
+                    torch._dynamo.mark_dynamic(t, 0)
             # The split sizes are .tolist() of device tensors: one graph needs them as unbacked SymInts.
             with torch._dynamo.config.patch(capture_scalar_outputs=True):
                 return compiled(*args)

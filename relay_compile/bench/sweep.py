@@ -7,6 +7,8 @@ of:
 - ``a2a eager``: the reference layer (the baseline of every ratio);
 - ``relaymoe backend``: ``torch.compile(a2a_moe, backend="relaymoe")`` with default options (what a user gets:
   ring or all-to-all as the cost model decides);
+- ``relaymoe backend, dynamic T``: the same with the token count marked dynamic: one graph per EP size, its
+  token switch (``runtime.token_switch``) picks the kept or the ring variant per call;
 - ``ring_moe default``: the functional API with default options (the same decision, no compile);
 - ``ring auto`` / ``ring expert`` / ``ring token``: the ring forced (``ring="always"``), each routing.
 
@@ -38,6 +40,8 @@ def token_sweep_rows(opts: BenchOptions) -> list[RowSpec]:
         RowSpec(name=A2A_EAGER, build=build_eager_a2a, kind="a2a"),
         RowSpec(name="relaymoe backend", build=compiled_a2a_builder("relaymoe", opts.compile), kind="ring",
                 note="torch.compile(a2a_moe, backend='relaymoe'), default options", compiles=True),
+        RowSpec(name="relaymoe backend, dynamic T", build=compiled_a2a_builder("relaymoe", opts.compile, dynamic=True),
+                kind="ring", note="the same with the token count marked dynamic (runtime.token_switch)", compiles=True),
         RowSpec(name="ring_moe default", build=ring_builder(), kind="ring", note="ring='auto': the cost model decides"),
         RowSpec(name="ring auto", build=ring_builder(ring="always"), kind="ring", note="ring='always', routing auto"),
         RowSpec(name="ring expert", build=ring_builder(routing="expert", ring="always"), kind="ring"),
@@ -88,7 +92,8 @@ def table(points: list[dict[str, Any]]) -> str:
     by_config: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     for p in points:
         by_config.setdefault((p["ep"], p["tokens"]), {})[p["row"]] = p
-    names = ("relaymoe backend", "ring_moe default", "ring auto", "ring expert", "ring token")
+    names = ("relaymoe backend", "relaymoe backend, dynamic T", "ring_moe default", "ring auto", "ring expert",
+             "ring token")
     lines = ["| EP | tokens/rank | a2a ms | " + " | ".join(f"{n}: time / a2a peak ÷ peak" for n in names) + " |",
              "|---:|---:|---:|" + "---|" * len(names)]
     for (ep, tokens), rows in sorted(by_config.items()):
