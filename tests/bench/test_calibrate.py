@@ -53,7 +53,7 @@ class Calibration(unittest.TestCase):
         (decision,) = data["decisions"]
         self.assertEqual((decision["ep"], decision["tokens"], decision["execution"]), (64, 4096, "all_to_all"))
         text = table(data["rows"])
-        self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | - | - | 6.67x / 5.0x | - |", text)
+        self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | - | - | - | 6.67x / 5.0x | - |", text)
 
 
 if __name__ == "__main__":
