@@ -304,12 +304,18 @@ def _own(ring: RingGroup, counts_E: Tensor) -> list[list[int] | None]:
     return counts_NE
 
 
-def fail_together(ring: RingGroup, problem: Exception, device: torch.device) -> None:
-    """Join the op call's exchange with ``problem`` in place of arguments, and raise with every rank."""
-    claims = Claims(problem=problem)
+def _agree_without_counts(ring: RingGroup, claims: Claims, device: torch.device) -> list[list[int]]:
+    """The group's exchange for a call that carries no expert counts (a failure, a kept region, a token switch):
+    the table, checked alike on every rank."""
     no_counts = torch.zeros(0, dtype=torch.int64, device=device)
     table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
     _check(ring, claims, table)
+    return table
+
+
+def fail_together(ring: RingGroup, problem: Exception, device: torch.device) -> None:
+    """Join the op call's exchange with ``problem`` in place of arguments, and raise with every rank."""
+    _agree_without_counts(ring, Claims(problem=problem), device)
     raise AssertionError("relay_compile: a problem passed the agreement")  # _check raises on every problem
 
 
@@ -436,10 +442,7 @@ def agree_kept(ring: RingGroup, device: torch.device, refused: bool = False) -> 
     first collective: kept at compile time by the cost model, or (``refused``) not rewritten at all. Every rank
     must have done the same (a rank that runs the ring instead is in the same exchange from its op, and all
     raise ``RingInputError``). Reports a previous ring's failure alike."""
-    claims = Claims(kept=2 if refused else 1)
-    no_counts = torch.zeros(0, dtype=torch.int64, device=device)
-    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
-    _check(ring, claims, table)
+    _agree_without_counts(ring, Claims(kept=2 if refused else 1), device)
 
 
 def agree_tokens(ring: RingGroup, device: torch.device, tokens: int) -> list[int]:
@@ -447,10 +450,7 @@ def agree_tokens(ring: RingGroup, device: torch.device, tokens: int) -> list[int
     rank's token count, from the group's table, so every rank chooses alike. A rank whose graph differs (it runs
     a ring op or a kept region's exchange instead) meets it in the same exchange, and all raise
     ``RingInputError``. Reports a previous ring's failure alike."""
-    claims = Claims(kept=3, tokens=tokens)
-    no_counts = torch.zeros(0, dtype=torch.int64, device=device)
-    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
-    _check(ring, claims, table)
+    table = _agree_without_counts(ring, Claims(kept=3, tokens=tokens), device)
     return [row[_AT["tokens"]] for row in table]
 
 
