@@ -1,0 +1,103 @@
+"""Is a ring step host-bound or GPU-bound? Per (EP, tokens): wall, host and GPU-busy time of one forward+backward
+of a2a eager and of the ring forced (issue 24, deliverable 3). Stand-in group, Qwen3 layer, bf16.
+
+    python docs/bench/h200-hop-host/host_gpu.py [--ep 8 64] [--tokens 16384 65536] [--repeats 5] [--options k=v ...]
+
+- wall: CUDA events around the step (median of ``--repeats`` after two warm-ups, rows interleaved).
+- host: ``perf_counter`` from the call until ``backward`` returns, without a sync: the time the CPU spends
+  issuing the step (it includes the waits of the step's own host syncs).
+- gpu busy: the union of the step's kernel and copy intervals on the device (``torch.profiler``, one step).
+A step is host-bound where host ~ wall and gpu busy < wall.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from relay_compile import ring_moe
+from relay_compile.bench.configs import QWEN3_30B
+from relay_compile.bench.inputs import make_inputs
+from relay_compile.bench.standin_group import standin_group
+from relay_compile.reference import a2a_moe
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
+ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
+ap.add_argument("--repeats", type=int, default=5)
+ap.add_argument("--options", nargs="*", default=[], help="ring_moe options for the ring row, k=v")
+args = ap.parse_args()
+ring_opts = {"ring": "always", "routing": "expert"} | {k: _value(v) for k, v in (o.split("=", 1) for o in args.options)}
+
+
+def busy_ms(prof) -> float:
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    total, cur_s, cur_e = 0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            total += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    total += 0 if cur_e is None else cur_e - cur_s
+    return total / 1e3
+
+
+print(f"{'EP':>3} {'tokens':>7} {'row':<12} {'wall ms':>8} {'host ms':>8} {'gpu ms':>8} {'/a2a':>6}  spread")
+for ep in args.ep:
+    group = standin_group(ep)
+    for tokens in args.tokens:
+        cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=ep, tokens=tokens)
+        inp = make_inputs(cfg)
+        rows = {
+            "a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
+            "ring": lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group, **ring_opts),
+        }
+
+        def step(fn) -> tuple[float, float]:
+            inp.clear_grads()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            fn(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights).backward(inp.grad_y_TH)
+            end.record()
+            host = (time.perf_counter() - t0) * 1e3
+            end.synchronize()
+            return start.elapsed_time(end), host
+
+        walls = {k: [] for k in rows}
+        hosts = {k: [] for k in rows}
+        for _ in range(2):
+            for fn in rows.values():
+                step(fn)
+        for _ in range(args.repeats):
+            for k, fn in rows.items():
+                w, h = step(fn)
+                walls[k].append(w)
+                hosts[k].append(h)
+        gpu = {}
+        for k, fn in rows.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step(fn)
+            gpu[k] = busy_ms(prof)
+        base = statistics.median(walls["a2a eager"])
+        for k in rows:
+            w = statistics.median(walls[k])
+            spread = (max(walls[k]) - min(walls[k])) / w
+            print(f"{ep:>3} {tokens:>7} {k:<12} {w:8.2f} {statistics.median(hosts[k]):8.2f} {gpu[k]:8.2f} "
+                  f"{w / base:6.3f}  {spread:.0%}", flush=True)
+        del inp
+        torch.cuda.empty_cache()
