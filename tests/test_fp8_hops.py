@@ -261,11 +261,13 @@ class Fp8RingWorld4(Fp8Ring):
         return 4
 
     def test_fp8_ring_matches_the_fp8_all_to_all_in_both_routings_and_halves_the_bytes(self) -> None:
-        # Two owners per forward hop (stacks of FP8 weights and their scales), forced at these tiny shapes.
+        # Two owners per forward and per backward hop (stacks of FP8 weights and their scales; the gradient
+        # stacks of their bf16 weights), forced at these tiny shapes.
         self.init_pg()
-        with mock.patch.object(pipeline, "owners_per_hop", return_value=2) as rule:
+        with mock.patch.object(pipeline, "owners_per_hop", return_value=2) as rule, \
+                mock.patch.object(pipeline, "backward_owners_per_hop", return_value=2) as backward_rule:
             self.fp8_cases(dist.get_world_size(), routing="expert")
-        self.assertTrue(rule.called)
+        self.assertTrue(rule.called and backward_rule.called)
 
     @unittest.skip("covered at world 2")
     def test_backend_runs_te_experts_with_fp8_hops_and_biased_experts_keep_bf16_hops(self) -> None:

@@ -283,16 +283,19 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
     def test_backward_chunks_padded_to_equal_groups_match_a2a(self) -> None:
         pass
 
-    def test_grouped_forward_matches_a2a_for_every_routing_case(self) -> None:
-        # Two owners per forward hop (the rule keeps one at these tiny shapes: forced here; the rule itself is
-        # tests/runtime/test_ring_options.py's): stacks of distinct ranks' weights, wrapping around on rank 2.
+    def test_grouped_forward_and_backward_match_a2a_for_every_routing_case(self) -> None:
+        # Two owners per forward and per backward hop (the rules keep one at these tiny shapes: forced here; the
+        # rules themselves are tests/runtime/test_ring_options.py's): stacks of distinct ranks' weights, wrapping
+        # around on rank 2; backward: gradient stacks trailing them and each slot returned to its owner.
         self.init_pg()
-        with mock.patch.object(pipeline, "owners_per_hop", return_value=2) as rule:
+        with mock.patch.object(pipeline, "owners_per_hop", return_value=2) as rule, \
+                mock.patch.object(pipeline, "backward_owners_per_hop", return_value=2) as backward_rule:
             for case in ROUTER_CASES:
                 for overlap in (True, False):
                     self.assert_matches_a2a(case, routing="expert", overlap=overlap)
             self.assert_matches_a2a("random", routing="expert", max_hop_rows=2)
-        self.assertTrue(rule.called)
+            self.assert_matches_a2a("random", routing="expert", remat=False)
+        self.assertTrue(rule.called and backward_rule.called)
 
     @property
     def world_size(self) -> int:

@@ -216,12 +216,13 @@ class Agreement:
 @dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """What the cost model needs besides the agreed token counts (``runtime.cost_model.BlockShape``): the same
-    on every rank once the claims agree. ``owners``: owners per forward hop of expert routing, for token counts."""
+    on every rank once the claims agree. ``owners``: owners per forward and per backward hop of expert routing,
+    for token counts."""
 
     ffn: int
     expert_params: int
     max_hop_rows: MaxHopRows
-    owners: Callable[[list[int]], int]
+    owners: Callable[[list[int]], tuple[int, int]]
 
 
 @dataclass(kw_only=True)
@@ -289,7 +290,8 @@ def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], t
             tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
             experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
             expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
-        choice = choose(shape, routing=asked, ring=ring, cal=H200, owners_per_hop=sizes.owners(tokens_N),
+        forward, backward = sizes.owners(tokens_N)
+        choice = choose(shape, routing=asked, ring=ring, cal=H200, owners_per_hop=forward, backward_owners=backward,
                         max_hop_rows=sizes.max_hop_rows)
         return choice.execution, choice
     if ring == "never":

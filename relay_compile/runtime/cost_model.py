@@ -160,22 +160,26 @@ def _chunks(rows: int, bound: int | None) -> int:
     return max(1, -(-rows // bound)) if bound else 1
 
 
+def _hops(n: int, g: int) -> int:
+    """Hop passes of a ring of ``n`` holding ``g`` owners per hop (``programs.build``: ``g`` alone, then stacks)."""
+    return g + n // g - 1 if g > 1 else n
+
+
 def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
-              max_hop_rows: MaxHopRows = "auto") -> TimeEstimate:
-    """Predicted time of the ring in ``routing`` (``owners_per_hop``: the grouped forward of expert routing)."""
+              backward_owners: int = 1, max_hop_rows: MaxHopRows = "auto") -> TimeEstimate:
+    """Predicted time of the ring in ``routing`` (``owners_per_hop`` / ``backward_owners``: the grouped forward
+    / backward of expert routing; a stack's hop computes ``g`` owners' experts on ``g`` hops' rows)."""
     s, n = shape, shape.group_size
     pairs = s.tokens * s.top_k
-    g = owners_per_hop
-    hops_f = g + n // g - 1 if g > 1 else n
-    hops_b = n
+    g, g_b = owners_per_hop, backward_owners
+    hops_f, hops_b = _hops(n, g), _hops(n, g_b)
     hop_rows = -(-pairs // n)
     chunk_calls = (hops_f * _chunks(hop_rows * g, hop_row_bound(max_hop_rows, s.tokens, forward=True))
-                   + hops_b * _chunks(hop_rows, hop_row_bound(max_hop_rows, s.tokens)))
-    experts_f = g * s.experts_per_rank
+                   + hops_b * _chunks(hop_rows * g_b, hop_row_bound(max_hop_rows, s.tokens)))
     per_hop, per_expert = ((cal.host_hop_us, cal.host_hop_expert_us) if routing == "expert"
                            else (cal.host_token_hop_us, cal.host_token_expert_us))
-    host = (hops_f * (per_hop + experts_f * per_expert) + hops_b * (per_hop + s.experts_per_rank * per_expert)
-            + chunk_calls * cal.host_chunk_us)
+    host = (hops_f * (per_hop + g * s.experts_per_rank * per_expert)
+            + hops_b * (per_hop + g_b * s.experts_per_rank * per_expert) + chunk_calls * cal.host_chunk_us)
     rows_per_expert = pairs / (n * s.experts_per_rank)
     gemm = _gemm_ms(pairs, s.params, 4, rows_per_expert, cal)  # forward, recompute, two backward GEMMs
     rows = _bytes_ms(pairs * s.hidden * s.elem_bytes * cal.ring_row_bytes, cal.hbm_gbps)
@@ -226,7 +230,7 @@ class Choice:
 
 
 def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners_per_hop: int = 1,
-           max_hop_rows: MaxHopRows = "auto") -> Choice:
+           backward_owners: int = 1, max_hop_rows: MaxHopRows = "auto") -> Choice:
     """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
 
     ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also
@@ -235,7 +239,8 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
     """
     routings: tuple[Routing, ...] = ("expert", "token") if routing == "auto" else (routing,)  # type: ignore[assignment]
     times = {r: ring_time(shape, r, cal, owners_per_hop=owners_per_hop if r == "expert" else 1,
-                          max_hop_rows=max_hop_rows) for r in routings}
+                          backward_owners=backward_owners if r == "expert" else 1, max_hop_rows=max_hop_rows)
+             for r in routings}
     times["a2a"] = a2a_time(shape, cal)
     peaks = predicted_peak_bytes(shape, max_hop_rows)
     best: Routing = min(routings, key=lambda r: times[r].total_ms)

@@ -4,12 +4,13 @@ A ``RingStep`` binds one call of the ring (one forward or one backward of one Mo
 programs: the programs say *when* (hop order, transfers), the step says *what* (which pairs, which rows).
 
 - ``ExpertRoutingStep``: tokens stay; at hop ``h`` rank ``r`` holds the weights of owner ``(r - h) mod N`` and
-  computes its own pairs for that owner. A grouped forward (``owners_per_hop = g > 1``, ``programs.build``)
+  computes its own pairs for that owner. A grouped ring (``owners_per_hop = g > 1``, ``programs.build``)
   holds ``g`` owners per hop after its first ``g`` hops: stack ``j`` is owners ``r - g j - g + 1 .. r - g j``,
   one weight tensor per packed weight with ``g E_l`` experts, computed as one segment where their sorted rows
   are contiguous. Backward sums the owner's weight gradients one hop behind the
   weights: hop 0 starts the sum, every later hop's GEMMs add into the sum arriving from the previous rank
-  (``backward_hop_into``; the program pass ``sum_in_place``), so no hop holds a partial beside it.
+  (``backward_hop_into``; the program pass ``sum_in_place``), so no hop holds a partial beside it. A grouped
+  backward sums its owners met alone into slots of a gradient stack, which then trails the weight stacks.
 - ``TokenRoutingStep``: experts stay; at hop ``h`` rank ``r`` holds the tokens of source ``(r - h) mod N`` and
   computes their pairs for its own experts. The output (backward: ``dx``, ``d_scores``) accumulator travels
   one hop behind the tokens; weight gradients accumulate locally.
@@ -106,6 +107,12 @@ def _weight_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, .
     return tuple(_zeros_like(g, ExpertRoutingStep.partial_dtype(step.cfg, hop, g)) for g in step.grads_like)
 
 
+def _stack_partials(step: RingStep, group: int, *args: object) -> tuple[Tensor, ...]:
+    """Zero weight-gradient partials of an owner stack (a grouped backward hop, before ``sum_in_place``)."""
+    assert isinstance(step, ExpertRoutingStep)
+    return tuple(_zeros_like(g) for g in step.stack_grads_like)
+
+
 def _incoming_sums(step: RingStep, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
     """The incoming weight-gradient sums, unchanged (expert routing backward, a hop summing in place)."""
     return transfer.wait()[first:]
@@ -173,10 +180,14 @@ class ExpertRoutingStep:
         self.grad_y_TH = grad_y_TH
         self.backward = grad_y_TH is not None
         self.topk_shape = topk_scores_TK.shape
-        assert owners_per_hop == 1 or (not self.backward and cfg.grouped is not None), (
-            "ring_moe: only the forward of a grouped expert function holds several owners per hop")
+        assert owners_per_hop == 1 or cfg.grouped is not None, (
+            "ring_moe: only a grouped expert function holds several owners per hop")
         self.owners_per_hop = owners_per_hop
-        self.stack: list[Tensor] = []  # the grouped forward's first owner stack (``receive_buffers``)
+        self.stack: list[Tensor] = []  # the grouped ring's first owner stack (``receive_buffers``)
+        self.grad_stack: list[Tensor] = []  # the grouped backward's first gradient stack (``backward_hop_slot``)
+        # What a stack's gradients look like: ``grads_like`` with ``g E_l`` experts (shapes and dtypes only).
+        self.stack_grads_like = [g.new_zeros(()).expand(owners_per_hop * g.shape[0], *g.shape[1:])
+                                 for g in self.grads_like]
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
         _setup(self, ExpertRoutingStep._plan, topk_ids_TK, topk_scores_TK, counts)
 
@@ -242,6 +253,27 @@ class ExpertRoutingStep:
         stack, self.stack = tuple(self.stack), []
         return stack
 
+    def _grad_slots(self, hop: int) -> list[Tensor]:
+        """The slot of owner ``r - hop`` (met alone, ``hop < g``) in the first gradient stack, in the sum dtype."""
+        if not self.grad_stack:
+            self.grad_stack = [torch.zeros_like(g, dtype=self.cfg.sum_dtype(g)) for g in self.stack_grads_like]
+        e_l, slot = self.cfg.experts_per_rank, self.owners_per_hop - 1 - hop
+        return [t[slot * e_l : (slot + 1) * e_l] for t in self.grad_stack]
+
+    def stack_grads(self) -> tuple[Tensor, ...]:
+        """The first gradient stack (owners ``r - g + 1 .. r``), once every owner met alone has summed into it."""
+        self._grad_slots(0)  # allocated already unless every such hop was idle (a failed run)
+        stack, self.grad_stack = tuple(self.grad_stack), []
+        return stack
+
+    def unstack(self, slot: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+        e_l = self.cfg.experts_per_rank
+        return tuple(t[slot * e_l : (slot + 1) * e_l] for t in stacked)
+
+    def _group_rows(self, group: int) -> HopRows:
+        return HopRows(routing=self.routing, chunks=self.group_chunks[group], src=self.cfg.ring.rank,
+                       scores_S=self.scores_S)
+
     def _rows(self, hop: int) -> HopRows:
         owner = (self.cfg.ring.rank - hop) % self.cfg.ring.size
         return HopRows(routing=self.routing, chunks=self.chunks[owner], src=self.cfg.ring.rank,
@@ -255,9 +287,7 @@ class ExpertRoutingStep:
     @_drains(_no_partials)
     def forward_group(self, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
         """The pairs of this rank that meet owner stack ``group`` (``stacked``: the owners' weights, stacked)."""
-        rows = HopRows(routing=self.routing, chunks=self.group_chunks[group], src=self.cfg.ring.rank,
-                       scores_S=self.scores_S)
-        segment_forward(self.cfg, rows, self.x_TH, stacked, self.y)
+        segment_forward(self.cfg, self._group_rows(group), self.x_TH, stacked, self.y)
         return ()
 
     @staticmethod
@@ -289,6 +319,35 @@ class ExpertRoutingStep:
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
         return dw.result()
 
+    @_drains(_no_partials)
+    def backward_hop_slot(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
+        """``backward_hop`` of an owner a grouped backward meets alone: its gradients sum into its slot of the
+        first gradient stack."""
+        dw = WeightGrads(self.grads_like, self.cfg.acc_dtype, into=lambda: self._grad_slots(hop))
+        assert self.grad_y_TH is not None
+        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
+        return ()
+
+    @_drains(_stack_partials)
+    def backward_group(self, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+        """The pairs of this rank that meet owner stack ``group``; the stack's gradient partials."""
+        dw = WeightGrads(self.stack_grads_like, self.cfg.acc_dtype)
+        assert self.grad_y_TH is not None
+        segment_backward(self.cfg, self._group_rows(group), self.x_TH, stacked, self.grad_y_TH, self.dx, self.ds_S,
+                         dw)
+        return dw.result()
+
+    @_drains(_incoming_sums)
+    def backward_group_into(self, group: int, transfer: RingTransfer, first: int, *stacked: Tensor
+                            ) -> tuple[Tensor, ...]:
+        """``backward_group`` adding into the stack's gradient sums arriving with ``transfer`` (as
+        ``backward_hop_into``)."""
+        dw = WeightGrads(self.stack_grads_like, self.cfg.acc_dtype, into=lambda: transfer.wait()[first:])
+        assert self.grad_y_TH is not None
+        segment_backward(self.cfg, self._group_rows(group), self.x_TH, stacked, self.grad_y_TH, self.dx, self.ds_S,
+                         dw)
+        return dw.result()
+
     @_drains(_no_activations)
     def recompute_hop(self, hop: int, *weights: Tensor) -> HopActivations:
         rows = self._rows(hop)
@@ -312,6 +371,9 @@ class ExpertRoutingStep:
         if self.equal is not None:
             self.equal.scores_grad_into(self.ds_S1)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
+        if self.owners_per_hop > 1:  # the g sums returned to this owner, one per residue class of ranks
+            n = len(self.grads_like)
+            trailing = tuple(functools.reduce(torch.add, trailing[i::n]) for i in range(n))
         return (self.dx.finish(dtype), ds_P.to(self.scores_S.dtype).view(self.topk_shape),
                 *unpack_grads(self.cfg.grouped, trailing, self.grads_like, self.given_weights))
 

@@ -40,7 +40,7 @@ from relay_compile.runtime.hop_compute import (
     clamped_ids,
 )
 from relay_compile.runtime.programs.build import run_program
-from relay_compile.runtime.programs.pipeline import forward_owners, program_for
+from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
 from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
@@ -151,8 +151,8 @@ def _run(
         a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
                            counts_E=local.counts_E, packed=local.packed)
         return a2a.forward() if direction == "forward" else a2a.backward()
-    owners = forward_owners(direction, agreed.routing, cfg.grouped is not None,
-                            _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
+    owners = hop_owners(direction, agreed.routing, cfg.grouped is not None,
+                        _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
     program_dumps.record(key, direction, agreed.routing, reason, tokens_N=agreed.counts.tokens_N, program=program,
                          owners=owners)
@@ -175,7 +175,7 @@ def _hop_shape(size: int, tokens_N: list[int], topk_ids: Tensor, x: Tensor, pack
 def _block_sizes(max_hop_rows: MaxHopRows, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor,
                  packed: Sequence[Tensor] | None) -> BlockSizes | None:
     """The cost model's sizes from the circulating weights' ``(E_l, out, in)`` matrices (None: none to read).
-    Forward and backward calls predict the same forward + backward (the forward's owners per hop), so they
+    Forward and backward calls predict the same forward + backward (both directions' owners per hop), so they
     decide alike."""
     matrices = [w.shape for w in packed or () if w.dim() == 3]
     if not matrices:
@@ -184,8 +184,9 @@ def _block_sizes(max_hop_rows: MaxHopRows, cfg: RingStepConfig, x: Tensor, topk_
     return BlockSizes(
         ffn=min(min(m[1], m[2]) for m in matrices), expert_params=sum(m[1] * m[2] for m in matrices),
         max_hop_rows=max_hop_rows,
-        owners=lambda tokens_N: forward_owners("forward", "expert", cfg.grouped is not None,
-                                               _hop_shape(size, tokens_N, topk_ids, x, packed or ())),
+        owners=lambda tokens_N: tuple(  # type: ignore[return-value]
+            hop_owners(direction, "expert", cfg.grouped is not None, _hop_shape(size, tokens_N, topk_ids, x, packed or ()))
+            for direction in ("forward", "backward")),
     )
 
 

@@ -113,6 +113,38 @@ def owners_per_hop(shape: HopShape) -> int:
     return g
 
 
+def backward_owners_per_hop(shape: HopShape) -> int:
+    """How many owners' weights one backward hop of expert routing holds (``programs.build``: the grouped backward).
+
+    Time: as ``owners_per_hop``, ``g + N / g - 1`` backward hops instead of ``N`` where hops are small. A backward
+    row holds about ``AUTO_FORWARD_ROWS_FACTOR`` times a forward row (the output and input gradients and the
+    projections' gradients beside the recomputed activations), so a grouped backward hop holds at most
+    ``AUTO_MIN_HOP_ROWS / AUTO_FORWARD_ROWS_FACTOR`` rows: hops that size or larger stay one owner, and so does
+    their peak (Qwen3 layer: EP=64 from 65536 tokens per rank, EP=8 from 8192).
+
+    Memory: each owner more holds ``R`` more backward rows and six more partitions' bytes: its weights in the
+    stack computed and in the one arriving, and their weight-gradient sums (fp32: twice the bf16 bytes) in the
+    stack summed and the one arriving. All of it together stays within one top-k-expanded ``[T*K, H]`` buffer
+    of ``min_tokens`` (the all-to-all holds about six of them; the ring none).
+
+    ``g``: the largest power of two meeting both that divides ``N`` and is at most ``N / 2`` (1: the plain ring).
+    Qwen3 layer, bf16, EP=64: 16384 tokens -> 4, 32768 -> 2, 65536 -> 1; EP=8: 1 from 4096 tokens on.
+    """
+    n = shape.ranks
+    hop_rows = max(1, shape.max_tokens * shape.top_k // n)
+    per_owner = hop_rows * shape.row_bytes * AUTO_FORWARD_ROWS_FACTOR + 6 * shape.partition_bytes
+    budget = shape.min_tokens * shape.top_k * shape.token_bytes
+
+    def fits(g: int) -> bool:
+        return (g <= n // 2 and n % g == 0 and g * hop_rows <= AUTO_MIN_HOP_ROWS // AUTO_FORWARD_ROWS_FACTOR
+                and (g - 1) * per_owner <= budget)
+
+    g = 1
+    while fits(2 * g):
+        g *= 2
+    return g
+
+
 class InvalidRingOption(ValueError):
     """An option value out of its domain; ``problem`` names the option and what is valid, ``argument`` the
     option (the name ``runtime.agreement`` reports to the other ranks)."""

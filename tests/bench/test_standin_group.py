@@ -177,6 +177,25 @@ class MoEUnderTheStandinGroup(StandinTestCase):
                 self.assert_all_close(ring, dense, f"grouped forward, {case}, N={world}")
                 self.assertEqual((calls["forward_hop"], calls["forward_group"]), (g, world // g - 1), case)
 
+    def test_grouped_backward_sums_every_owners_gradients_for_random_and_lopsided_routing(self) -> None:
+        # g owners per backward hop (the rule, ring_options.backward_owners_per_hop, is tested on its own), alone
+        # or beside a grouped forward: g owners met alone, then N/g - 1 stacks, and every owner's g returned sums
+        # add up to the dense gradients. Routing as the grouped forward's test.
+        for world, e_l, g, g_f in ((4, 2, 2, 1), (6, 1, 2, 2), (8, 1, 4, 2), (16, 1, 8, 4), (8, 2, 2, 4)):
+            group = standin_group(world)
+            x, ids, scores, weights = _inputs(world, e_l, seed=world + g)
+            for case, case_ids in (("random", ids), ("one stack", torch.full_like(ids, world // 2 * e_l)),
+                                   ("own experts", ids % e_l)):
+                dense = _forward_backward(_dense_tied(world), x, case_ids, scores, weights)
+                calls = collections.Counter()
+                spies = {name: _counting(calls, name) for name in ("backward_hop_slot", "backward_group_into")}
+                with unittest.mock.patch.multiple(ExpertRoutingStep, **spies), \
+                        unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=g_f), \
+                        unittest.mock.patch.object(pipeline, "backward_owners_per_hop", return_value=g):
+                    ring = _forward_backward(ring_moe, x, case_ids, scores, weights, group=group, routing="expert")
+                self.assert_all_close(ring, dense, f"grouped backward, {case}, N={world}, g={g}")
+                self.assertEqual((calls["backward_hop_slot"], calls["backward_group_into"]), (g, world // g - 1), case)
+
     def test_token_routing_ring_computes_n_times_the_pairs_on_this_ranks_experts(self) -> None:
         # Every hop brings this rank's own tokens back to its own experts (module docstring of standin_group).
         world, e_l = 4, 2

@@ -200,10 +200,66 @@ hop_forward_group forward hop=4
 finish forward hop=5""")
         check_overlap(gm)
 
+    def test_grouped_backward_trails_gradient_stacks_then_returns_each_slot_to_its_owner(self) -> None:
+        # N=6, two owners per hop: owners r, r-1 alone (summed into the first gradient stack's slots), then two
+        # stacks whose gradient sums trail one stack behind, two ranks per hop; the last stack's slots go back
+        # to owners r+1 (one rank on) and r+2 (two ranks on).
+        gm = build_program(schedule_for("backward", "expert", 6, 2, owners_per_hop=2))
+        self.assertExpectedInline(schedule_text(gm), """\
+hop_backward_slot grad hop=0
+ring_start grad hop=0 xfer=0 sends=2 stride=1 slot=0
+ring_wait grad hop=0
+stack_owners grad hop=1
+hop_backward_slot grad hop=1
+stack_grads grad hop=1
+ring_start grad hop=1 xfer=1 sends=2 stride=2
+ring_wait grad hop=1
+hop_backward_group grad hop=2
+ring_start grad hop=2 xfer=2 sends=4 stride=2
+ring_wait grad hop=2
+accumulate grad hop=2
+hop_backward_group grad hop=3
+ring_start grad hop=3 xfer=3 sends=2 stride=2
+ring_wait grad hop=3
+accumulate grad hop=3
+unstack grad hop=4
+ring_start grad hop=4 xfer=4 sends=2 stride=1
+ring_wait grad hop=4
+unstack grad hop=4
+ring_start grad hop=4 xfer=5 sends=2 stride=2
+ring_wait grad hop=4
+finish grad hop=4""")
+
+    def test_shaped_grouped_backward_sums_into_arrivals_and_posts_every_transfer_before_its_hop(self) -> None:
+        gm = ring_program(schedule_for("backward", "expert", 6, 2, owners_per_hop=2), True, True)
+        self.assertExpectedInline(schedule_text(gm), """\
+ring_start grad hop=0 xfer=0 sends=2 stride=1 slot=0
+hop_backward_slot grad hop=0
+ring_wait grad hop=0
+stack_owners grad hop=1
+ring_start grad hop=1 xfer=1 sends=2 stride=2
+hop_backward_slot grad hop=1
+stack_grads grad hop=1
+ring_wait grad hop=1
+ring_start grad hop=2 xfer=2 sends=4 stride=2
+hop_backward_group_into grad hop=2
+ring_start grad hop=3 xfer=3 sends=2 stride=2
+ring_wait grad hop=2
+hop_backward_group_into grad hop=3
+ring_wait grad hop=3
+unstack grad hop=4
+ring_start grad hop=4 xfer=4 sends=2 stride=1
+unstack grad hop=4
+ring_start grad hop=4 xfer=5 sends=2 stride=2
+ring_wait grad hop=4
+ring_wait grad hop=4
+finish grad hop=4""")
+        check_overlap(gm)
+
     def test_owners_per_hop_is_refused_where_the_ring_cannot_group_them(self) -> None:
-        for direction, routing, n, g in (("backward", "expert", 8, 2), ("forward", "token", 8, 2),
-                                         ("forward", "expert", 6, 4), ("forward", "expert", 4, 4)):
-            with self.assertRaisesRegex(ValueError, "owners per hop needs expert routing's forward"):
+        for direction, routing, n, g in (("backward", "token", 8, 2), ("forward", "token", 8, 2),
+                                         ("forward", "expert", 6, 4), ("backward", "expert", 4, 4)):
+            with self.assertRaisesRegex(ValueError, "owners per hop needs expert routing on a ring of a multiple"):
                 schedule_for(direction, routing, n, 2, owners_per_hop=g)
 
     def test_check_overlap_rejects_a_transfer_posted_after_its_hop(self) -> None:

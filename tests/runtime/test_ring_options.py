@@ -10,10 +10,12 @@ from relay_compile import config
 from relay_compile.experts import ffn_expert_fn
 from relay_compile.options import resolve
 from relay_compile.runtime.ring_options import (
+    AUTO_FORWARD_ROWS_FACTOR,
     AUTO_MIN_HOP_ROWS,
     HopShape,
     InvalidRingOption,
     RingOptions,
+    backward_owners_per_hop,
     hop_row_bound,
     owners_per_hop,
 )
@@ -95,6 +97,29 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
                          [1, 1, 2, 2, 4, 1])
         hop_rows = 65536 * 8 // 64
         self.assertLessEqual(self.owners(64, 65536) * hop_rows, AUTO_MIN_HOP_ROWS)
+
+    def test_backward_owners_group_hops_under_half_the_auto_rows_within_one_expanded_buffer(self) -> None:
+        def backward(ranks: int, tokens: int, top_k: int = 8, hidden: int = 2048, ffn: int = 768,
+                     experts: int = 128, other_tokens: int | None = None) -> int:
+            # SwiGLU as the ring circulates it, packed: w13 (E_l, 2F, H), w2 (E_l, H, F); bf16.
+            e_l = experts // ranks
+            weights = [((e_l, 2 * ffn, hidden), e_l * 2 * ffn * hidden * 2), ((e_l, hidden, ffn), e_l * ffn * hidden * 2)]
+            tokens_N = [tokens] * (ranks - 1) + [tokens if other_tokens is None else other_tokens]
+            return backward_owners_per_hop(HopShape.of(ranks, tokens_N, top_k, weights, hidden, 2))
+
+        # Qwen3 layer, bf16: EP=64 hops of 2048 rows (16384 tokens) go in fours, 4096 in pairs, 8192 alone (their
+        # peak stays the plain ring's); EP=8's hops are large or their partitions too (16 experts, 151 MB each).
+        self.assertEqual([backward(64, t) for t in (16384, 32768, 65536, 131072)], [4, 2, 1, 1])
+        self.assertEqual([backward(8, t) for t in (4096, 16384, 65536)], [1, 1, 1])
+        hop_rows = 16384 * 8 // 64
+        self.assertLessEqual(backward(64, 16384) * hop_rows, AUTO_MIN_HOP_ROWS // AUTO_FORWARD_ROWS_FACTOR)
+        # Memory: the smallest rank's expanded buffer bounds it (1024 tokens: 16 MiB, less than one owner more).
+        self.assertEqual(backward(64, 16384, other_tokens=1024), 1)
+        # Powers of two dividing the ring, at most half of it, where memory allows: an owner more holds its rows
+        # (about 6 (H + F) bytes each, twice for a backward row) against the expanded buffer's K * H * 2 per token,
+        # so g - 1 stays within ~N / 6 with narrow experts.
+        self.assertEqual([backward(n, 1024, hidden=256, ffn=16, experts=n) for n in (2, 3, 4, 6, 12, 24, 7, 64)],
+                         [1, 1, 1, 2, 2, 4, 1, 8])
 
     def test_the_key_spells_every_field(self) -> None:
         key = RingOptions(routing="token", overlap=False, remat=True, max_hop_rows=64, fp32_accumulation=False,

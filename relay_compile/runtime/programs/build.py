@@ -29,6 +29,22 @@ holds ``g`` owners' weights per hop, stacked in one tensor per weight, and moves
 experts each; every owner is still met exactly once (the stack of rank ``r - g`` at group ``j - 1`` is this
 rank's at group ``j``).
 
+Its backward (``ring_options.backward_owners_per_hop``) moves the weights the same way, and the stacks' weight
+gradients trail them one group behind, also ``g`` ranks per hop. It is built in ``remat``'s form (each hop
+recomputes its own activations):
+
+    hops 0..g-1:    hop_backward_slot(step, k, *circ_k)           owner r-k alone, summed into its slot of the
+                                                                  first gradient stack; weights as forward
+                    grads_0 = stack_grads(step)                   [after hop g-1]
+    group j >= 1:   part_j = hop_backward_group(step, j, *stack_j)
+                    ring_start(..., *stack_j [j < N/g-1], *grads_{j-1}, stride=g)
+                    grads_j = accumulate(*incoming_j, *part_j)    (``sum_in_place``: one hop_backward_group_into)
+    returns:        slot s of grads_{N/g-1} (owner r+1+s) to its owner, s+1 ranks on: g transfers
+    output:         finish(step, *returned)                       the owner sums the g sums it received
+
+A gradient stack travels along the ranks ``r, r+g, r+2g, ...``: each of an owner's ``g`` returned sums holds the
+contributions of one residue class of ranks mod ``g``, so the ``g`` together hold every rank's.
+
 The naive backward is what activation checkpointing of the whole block would do: a *replay* ring first
 recomputes every hop's activations (``hop_recompute``, all kept alive), then the gradient ring consumes them
 (``hop_vjp``). ``remat`` turns it into one ring whose hops recompute, consume and release.
@@ -55,7 +71,11 @@ from relay_compile.runtime.programs.instructions import (
     hop_vjp,
     ring_start,
     ring_wait,
+    hop_backward_group,
+    hop_backward_slot,
+    stack_grads,
     stack_owners,
+    unstack,
 )
 from relay_compile.runtime.programs.schedule import RingName, RingNode, RingSchedule
 
@@ -133,6 +153,39 @@ class _Builder:
             self.call(hop_forward_group, (self.step, group, *stack), RingNode(ring="forward", hop=hop, role="compute"))
 
 
+    def grouped_backward(self, circ0: list[fx.Node]) -> list[fx.Node]:
+        """Expert routing's backward, ``owners_per_hop`` owners per hop (module docstring); returns the ``g``
+        returned gradient sums of this rank's partition, one after the other."""
+        g, n, n_trail = self.sched.owners_per_hop, self.sched.num_hops, self.sched.num_trailing
+        circ, slots = circ0, list[fx.Node]()
+        for k in range(g - 1):
+            self.call(hop_backward_slot, (self.step, k, *circ), RingNode(ring="grad", hop=k, role="compute"))
+            circ = self.transfer("grad", k, k, circ, [], stride=1, slot=g - 2 - k)
+            slots += circ
+        stack = self.call_items(stack_owners, (self.step, *slots), RingNode(ring="grad", hop=g - 1, role="stack"),
+                                len(circ0))
+        self.call(hop_backward_slot, (self.step, g - 1, *circ), RingNode(ring="grad", hop=g - 1, role="compute"))
+        grads = self.call_items(stack_grads, (self.step,), RingNode(ring="grad", hop=g - 1, role="stack"), n_trail)
+        last = n // g - 1
+        for group in range(last + 1):
+            hop = g - 1 + group
+            if group:
+                partial = self.call_items(hop_backward_group, (self.step, group, *stack),
+                                          RingNode(ring="grad", hop=hop, role="compute"), n_trail)
+            send = stack if group < last else []
+            received = self.transfer("grad", hop, hop, send, grads if group else [], stride=g)
+            stack, incoming = received[: len(send)], received[len(send):]
+            if group:
+                grads = self.call_items(accumulate, (n_trail, *incoming, *partial),
+                                        RingNode(ring="grad", hop=hop, role="accumulate"), n_trail)
+        returned = list[fx.Node]()
+        for slot in range(g):  # slot s holds owner r+1+s's sums
+            sums = self.call_items(unstack, (self.step, slot, *grads),
+                                   RingNode(ring="grad", hop=g + last, role="stack"), n_trail)
+            returned += self.transfer("grad", g + last, g + last + slot, [], sums, stride=slot + 1)
+        return returned
+
+
 def build_program(sched: RingSchedule) -> fx.GraphModule:
     """The naive program of a schedule (see the module docstring)."""
     graph = fx.Graph()
@@ -140,7 +193,9 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
     circ0 = [graph.placeholder(f"circ{i}") for i in range(sched.num_circulating)]
     b = _Builder(graph, step, sched)
     n_trail = sched.num_trailing
-    if sched.owners_per_hop > 1:
+    if sched.owners_per_hop > 1 and sched.direction == "backward":
+        trail = b.grouped_backward(circ0)
+    elif sched.owners_per_hop > 1:
         b.grouped_forward(circ0)
         trail = []
     elif sched.direction == "forward":

@@ -38,10 +38,23 @@ def hop_forward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor,
 
 
 def stack_owners(step: RingStep, *slots: Tensor) -> tuple[Tensor, ...]:
-    """The grouped forward's first owner stack, complete once ``slots`` (what its first transfers received into
+    """The grouped ring's first owner stack, complete once ``slots`` (what its first transfers received into
     it) have arrived: this rank's own weights are copied into its last slot."""
-    assert isinstance(step, ExpertRoutingStep), "stack_owners: only expert routing's forward groups owners"
+    assert isinstance(step, ExpertRoutingStep), "stack_owners: only expert routing groups owners"
     return step.stack_owners()
+
+
+def stack_grads(step: RingStep) -> tuple[Tensor, ...]:
+    """The grouped backward's first weight-gradient stack: what its owners met alone (``hop_backward_slot``)
+    summed into their slots. Read after those hops (program order: it takes no node of theirs)."""
+    assert isinstance(step, ExpertRoutingStep), "stack_grads: only expert routing groups owners"
+    return step.stack_grads()
+
+
+def unstack(step: RingStep, slot: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+    """Slot ``slot`` of owner stacks (one owner's experts of each stacked tensor), views."""
+    assert isinstance(step, ExpertRoutingStep), "unstack: only expert routing groups owners"
+    return step.unstack(slot, *stacked)
 
 
 def hop_forward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
@@ -53,6 +66,26 @@ def hop_forward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Ten
 def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
     """Backward hop with hop-scoped recomputation (chunk by chunk); returns trailing partials."""
     return step.backward_hop(hop, *circulating)
+
+
+def hop_backward_slot(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
+    """Grouped backward, an owner met alone (hops ``0..g-1``): its weight gradients sum into its slot of the
+    step's first gradient stack (``stack_grads``); returns ``()``."""
+    assert isinstance(step, ExpertRoutingStep), "hop_backward_slot: only expert routing groups owners"
+    return step.backward_hop_slot(hop, *circulating)
+
+
+def hop_backward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+    """Grouped backward hop: the pairs that meet owner stack ``group``; returns the stack's gradient partials."""
+    assert isinstance(step, ExpertRoutingStep), "hop_backward_group: only expert routing groups owners"
+    return step.backward_group(group, *stacked)
+
+
+def hop_backward_group_into(step: RingStep, group: int, transfer: RingTransfer, first: int, *stacked: Tensor
+                            ) -> tuple[Tensor, ...]:
+    """``hop_backward_group`` adding into the stack's gradient sums arriving with ``transfer``; returns them."""
+    assert isinstance(step, ExpertRoutingStep), "hop_backward_group_into: only expert routing groups owners"
+    return step.backward_group_into(group, transfer, first, *stacked)
 
 
 def hop_backward_into(step: RingStep, hop: int, transfer: RingTransfer, first: int, *circulating: Tensor
@@ -87,11 +120,13 @@ def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
 
 
 INSTRUCTIONS = (
-    ring_start, ring_wait, stack_owners, hop_forward, hop_forward_group, hop_backward, hop_backward_into,
-    hop_recompute, hop_vjp, accumulate, finish,
+    ring_start, ring_wait, stack_owners, stack_grads, unstack, hop_forward, hop_forward_group, hop_backward,
+    hop_backward_into, hop_backward_slot, hop_backward_group, hop_backward_group_into, hop_recompute, hop_vjp,
+    accumulate, finish,
 )
 # The hop instructions that compute (``overlap`` schedules transfers around them).
-COMPUTE = (hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_vjp)
+COMPUTE = (hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_backward_slot, hop_backward_group,
+           hop_backward_group_into, hop_vjp)
 
 for _fn in INSTRUCTIONS:
     fx.node.has_side_effect(_fn)

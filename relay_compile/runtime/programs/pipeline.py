@@ -22,7 +22,7 @@ from relay_compile.runtime.programs.overlap import overlap_pass
 from relay_compile.runtime.programs.remat import remat_pass
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule, schedule_for
 from relay_compile.runtime.programs.sum_in_place import sum_in_place_pass
-from relay_compile.runtime.ring_options import HopShape, owners_per_hop
+from relay_compile.runtime.ring_options import HopShape, backward_owners_per_hop, owners_per_hop
 from relay_compile.runtime.specs import RingSpec
 
 
@@ -43,20 +43,20 @@ def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphM
     return gm
 
 
-def forward_owners(direction: Direction, routing: Routing, grouped_experts: bool, shape: HopShape) -> int:
-    """Owners per hop of the program (``ring_options.owners_per_hop``): more than one only in expert routing's
-    forward, of an expert function with grouped entry points (a stack of owners' weights is one operand of its
-    grouped GEMMs; any other F takes one partition per call)."""
-    if direction != "forward" or routing != "expert" or not grouped_experts:
+def hop_owners(direction: Direction, routing: Routing, grouped_experts: bool, shape: HopShape) -> int:
+    """Owners per hop of the program (``ring_options.owners_per_hop``, ``backward_owners_per_hop``): more than one
+    only in expert routing, of an expert function with grouped entry points (a stack of owners' weights is one
+    operand of its grouped GEMMs; any other F takes one partition per call)."""
+    if routing != "expert" or not grouped_experts:
         return 1
-    return owners_per_hop(shape)
+    return owners_per_hop(shape) if direction == "forward" else backward_owners_per_hop(shape)
 
 
 def program_for(
     spec: RingSpec, direction: Direction, routing: Routing, group_size: int, num_weights: int, owners: int = 1
 ) -> fx.GraphModule:
     """The program ``spec`` runs in ``direction`` with ``routing`` on ``group_size`` ranks, ``owners`` per hop
-    (``forward_owners``).
+    (``hop_owners``).
 
     ``num_weights``: the weight tensors the op receives (the expert function may pack them into fewer).
     """

@@ -30,8 +30,9 @@ class RingSchedule:
 
     ``num_circulating``: tensors that move each hop. ``num_trailing``: accumulators one hop behind.
     ``num_replayed``: backward only, the circulating tensors the replay ring needs (a prefix).
-    ``owners_per_hop``: expert routing's forward only, ``g`` owners' weights per hop (``build``: the grouped
-    forward; ``ring_options.owners_per_hop`` decides it); ``num_hops`` stays the ring's size ``N``.
+    ``owners_per_hop``: expert routing only, ``g`` owners' weights per hop (``build``: the grouped forward and
+    backward; ``ring_options.owners_per_hop`` and ``backward_owners_per_hop`` decide it); ``num_hops`` stays the
+    ring's size ``N``.
     """
 
     direction: Direction
@@ -44,11 +45,9 @@ class RingSchedule:
 
     def __post_init__(self) -> None:
         g = self.owners_per_hop
-        if g > 1 and not (self.direction == "forward" and self.routing == "expert" and self.num_hops % g == 0
-                          and 2 * g <= self.num_hops):
-            raise ValueError(f"RingSchedule: {g} owners per hop needs expert routing's forward on a ring of a "
-                             f"multiple of {g} ranks, at least {2 * g} (got {self.direction} {self.routing} on "
-                             f"{self.num_hops})")
+        if g > 1 and not (self.routing == "expert" and self.num_hops % g == 0 and 2 * g <= self.num_hops):
+            raise ValueError(f"RingSchedule: {g} owners per hop needs expert routing on a ring of a multiple of "
+                             f"{g} ranks, at least {2 * g} (got {self.direction} {self.routing} on {self.num_hops})")
 
 
 def schedule_for(
@@ -58,8 +57,8 @@ def schedule_for(
     """The schedule of one (direction, routing) pair; ``num_weights``: circulating weight tensors (packed);
     ``num_grads``: their gradients (default as many; fewer where FP8 weights circulate with their scales).
 
-    Expert routing circulates the weights (backward: their gradients trail); its forward may hold
-    ``owners_per_hop`` owners' weights per hop. Token routing circulates ``(x, ids, scores)`` (backward:
+    Expert routing circulates the weights (backward: their gradients trail); it may hold ``owners_per_hop``
+    owners' weights per hop. Token routing circulates ``(x, ids, scores)`` (backward:
     ``+ dy``); ``y`` (backward: ``dx, d_scores``) trails.
     """
     if routing == "expert":

@@ -8,7 +8,8 @@ Contract:
     partition's gradients beside the one it sends). Rewrites each such hop into one
     ``hop_backward_into`` that reads the hop's transfer, waits for it right before its first
     weight-gradient GEMM and lets the GEMMs add into the arrived sums; they become the hop's trailing
-    result. Hop 0, whose partial starts the sums, is unchanged; so are forward programs and token routing.
+    result. Hop 0, whose partial starts the sums, is unchanged; so are forward programs and token routing. A
+    grouped backward's ``hop_backward_group`` becomes ``hop_backward_group_into`` the same way.
     Moves no transfer: the ``ring_wait`` stays (waiting again is free), ``overlap`` places it after the hop.
     Raises ``ValueError`` if an ``accumulate`` does not add its own hop's partial to what its hop's transfer
     brought.
@@ -40,6 +41,8 @@ import torch.fx as fx
 from relay_compile.runtime.programs.instructions import (
     accumulate,
     hop_backward,
+    hop_backward_group,
+    hop_backward_group_into,
     hop_backward_into,
     ring_start,
     ring_wait,
@@ -48,16 +51,22 @@ from relay_compile.runtime.programs.schedule import RingNode
 
 log = logging.getLogger(__name__)
 
+# A hop computing a partial -> the same hop summing into the arrivals.
+_INTO: dict[Callable[..., object], Callable[..., object]] = {
+    hop_backward: hop_backward_into, hop_backward_group: hop_backward_group_into}
 
-def _source(items: tuple[fx.Node, ...], target: Callable[..., object], what: str, acc: fx.Node) -> fx.Node:
-    """The one node whose ``getitem``s ``items`` are; it must call ``target``."""
+
+def _source(items: tuple[fx.Node, ...], targets: tuple[Callable[..., object], ...], what: str, acc: fx.Node
+            ) -> fx.Node:
+    """The one node whose ``getitem``s ``items`` are; it must call one of ``targets``."""
     sources = {i.args[0] for i in items if i.target is operator.getitem}
     if len(sources) != 1 or len(items) != sum(1 for i in items if i.target is operator.getitem):
         raise ValueError(f"sum_in_place: the {what} of {acc.name} are not the results of one node")
     (src,) = sources
     assert isinstance(src, fx.Node)
-    if src.target is not target:
-        raise ValueError(f"sum_in_place: the {what} of {acc.name} come from {src.name}, not a {target.__name__}")
+    if src.target not in targets:
+        names = " or ".join(t.__name__ for t in targets)
+        raise ValueError(f"sum_in_place: the {what} of {acc.name} come from {src.name}, not a {names}")
     return src
 
 
@@ -66,8 +75,8 @@ def _sum_in_place(graph: fx.Graph, acc: fx.Node) -> None:
     assert isinstance(num, int) and all(isinstance(a, fx.Node) for a in rest)
     incoming, partial = cast(tuple[fx.Node, ...], tuple(rest[:num])), cast(tuple[fx.Node, ...], tuple(rest[num:]))
     # Step 1: the hop's compute and the transfer its incoming sums came with.
-    hop_node = _source(partial, hop_backward, "partials", acc)
-    wait = _source(incoming, ring_wait, "incoming sums", acc)
+    hop_node = _source(partial, tuple(_INTO), "partials", acc)
+    wait = _source(incoming, (ring_wait,), "incoming sums", acc)
     start = wait.args[0]
     assert isinstance(start, fx.Node) and start.target is ring_start
     info: RingNode = acc.meta["ring"]
@@ -77,7 +86,7 @@ def _sum_in_place(graph: fx.Graph, acc: fx.Node) -> None:
     # Step 2: one hop that sums into the arrivals.
     step, hop, *circ = hop_node.args
     with graph.inserting_before(acc):
-        fused = graph.call_function(hop_backward_into, (step, hop, start, first, *circ))
+        fused = graph.call_function(_INTO[hop_node.target], (step, hop, start, first, *circ))
         fused.meta["ring"] = hop_node.meta["ring"]
         sums = [graph.call_function(operator.getitem, (fused, i)) for i in range(num)]
     for item in sums:
