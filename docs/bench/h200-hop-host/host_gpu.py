@@ -7,11 +7,14 @@ of a2a eager and of the ring forced (issue 24, deliverable 3). Stand-in group, Q
 - host: ``perf_counter`` from the call until ``backward`` returns, without a sync: the time the CPU spends
   issuing the step (it includes the waits of the step's own host syncs).
 - gpu busy: the union of the step's kernel and copy intervals on the device (``torch.profiler``, one step).
+- peak: above what was allocated before the step (one more step).
+Rows: a2a eager, the ring, and the ring with one owner per backward hop (``backward_owners_per_hop`` patched).
 A step is host-bound where host ~ wall and gpu busy < wall.
 """
 import argparse
 import statistics
 import time
+import unittest.mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -21,6 +24,8 @@ from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.reference import a2a_moe
+from relay_compile.runtime.programs import pipeline
+
 
 
 def _value(text: str):
@@ -55,18 +60,26 @@ def busy_ms(prof) -> float:
     return total / 1e3
 
 
-print(f"{'EP':>3} {'tokens':>7} {'row':<12} {'wall ms':>8} {'host ms':>8} {'gpu ms':>8} {'/a2a':>6}  spread")
+print(f"{'EP':>3} {'tokens':>7} {'row':<16} {'wall ms':>8} {'host ms':>8} {'gpu ms':>8} {'/a2a':>6}  spread  peak")
 for ep in args.ep:
     group = standin_group(ep)
     for tokens in args.tokens:
         cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=ep, tokens=tokens)
         inp = make_inputs(cfg)
+        ring = lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group, **ring_opts)  # noqa: E731
         rows = {
             "a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
-            "ring": lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group, **ring_opts),
+            "ring": ring,
+            "ring 1-owner bwd": ring,  # the ring before the grouped backward (``step`` patches the rule)
         }
 
-        def step(fn) -> tuple[float, float]:
+        def step(name) -> tuple[float, float]:
+            if name.endswith("1-owner bwd"):
+                with unittest.mock.patch.object(pipeline, "backward_owners_per_hop", return_value=1):
+                    return _step(rows[name])
+            return _step(rows[name])
+
+        def _step(fn) -> tuple[float, float]:
             inp.clear_grads()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -81,23 +94,28 @@ for ep in args.ep:
         walls = {k: [] for k in rows}
         hosts = {k: [] for k in rows}
         for _ in range(2):
-            for fn in rows.values():
-                step(fn)
+            for k in rows:
+                step(k)
         for _ in range(args.repeats):
-            for k, fn in rows.items():
-                w, h = step(fn)
+            for k in rows:
+                w, h = step(k)
                 walls[k].append(w)
                 hosts[k].append(h)
-        gpu = {}
-        for k, fn in rows.items():
+        gpu, peak = {}, {}
+        for k in rows:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                step(fn)
+                step(k)
             gpu[k] = busy_ms(prof)
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step(k)
+            peak[k] = (torch.cuda.max_memory_allocated() - resident) / 2**20
         base = statistics.median(walls["a2a eager"])
         for k in rows:
             w = statistics.median(walls[k])
             spread = (max(walls[k]) - min(walls[k])) / w
-            print(f"{ep:>3} {tokens:>7} {k:<12} {w:8.2f} {statistics.median(hosts[k]):8.2f} {gpu[k]:8.2f} "
-                  f"{w / base:6.3f}  {spread:.0%}", flush=True)
+            print(f"{ep:>3} {tokens:>7} {k:<16} {w:8.2f} {statistics.median(hosts[k]):8.2f} {gpu[k]:8.2f} "
+                  f"{w / base:6.3f}  {spread:4.0%} {peak[k]:9.0f} MiB", flush=True)
         del inp
         torch.cuda.empty_cache()
