@@ -136,17 +136,24 @@ class _Builder:
             trail = self.transfer(name, n, first_index + n, [], trail)  # the return to the owners
         return trail
 
+    def owners_alone(self, ring: RingName, compute: Callable[..., object], circ0: list[fx.Node]) -> list[fx.Node]:
+        """A grouped ring's first ``g`` hops: owners ``r .. r-g+1`` alone (``compute``), each transfer bringing the
+        next owner into its slot of the first stack; returns that stack (``stack_owners``)."""
+        g = self.sched.owners_per_hop
+        circ, slots = circ0, list[fx.Node]()
+        for k in range(g - 1):
+            self.call(compute, (self.step, k, *circ), RingNode(ring=ring, hop=k, role="compute"))
+            circ = self.transfer(ring, k, k, circ, [], stride=1, slot=g - 2 - k)
+            slots += circ
+        stack = self.call_items(stack_owners, (self.step, *slots), RingNode(ring=ring, hop=g - 1, role="stack"),
+                                len(circ0))
+        self.call(compute, (self.step, g - 1, *circ), RingNode(ring=ring, hop=g - 1, role="compute"))
+        return stack
+
     def grouped_forward(self, circ0: list[fx.Node]) -> None:
         """Expert routing's forward, ``owners_per_hop`` owners per hop (module docstring)."""
         g, n = self.sched.owners_per_hop, self.sched.num_hops
-        circ, slots = circ0, list[fx.Node]()
-        for k in range(g - 1):
-            self.call(hop_forward, (self.step, k, *circ), RingNode(ring="forward", hop=k, role="compute"))
-            circ = self.transfer("forward", k, k, circ, [], stride=1, slot=g - 2 - k)
-            slots += circ
-        stack = self.call_items(stack_owners, (self.step, *slots), RingNode(ring="forward", hop=g - 1, role="stack"),
-                                len(circ0))
-        self.call(hop_forward, (self.step, g - 1, *circ), RingNode(ring="forward", hop=g - 1, role="compute"))
+        stack = self.owners_alone("forward", hop_forward, circ0)
         for group in range(1, n // g):
             hop = g - 1 + group
             stack = self.transfer("forward", hop - 1, hop - 1, stack, [], stride=g)
@@ -157,14 +164,7 @@ class _Builder:
         """Expert routing's backward, ``owners_per_hop`` owners per hop (module docstring); returns the ``g``
         returned gradient sums of this rank's partition, one after the other."""
         g, n, n_trail = self.sched.owners_per_hop, self.sched.num_hops, self.sched.num_trailing
-        circ, slots = circ0, list[fx.Node]()
-        for k in range(g - 1):
-            self.call(hop_backward_slot, (self.step, k, *circ), RingNode(ring="grad", hop=k, role="compute"))
-            circ = self.transfer("grad", k, k, circ, [], stride=1, slot=g - 2 - k)
-            slots += circ
-        stack = self.call_items(stack_owners, (self.step, *slots), RingNode(ring="grad", hop=g - 1, role="stack"),
-                                len(circ0))
-        self.call(hop_backward_slot, (self.step, g - 1, *circ), RingNode(ring="grad", hop=g - 1, role="compute"))
+        stack = self.owners_alone("grad", hop_backward_slot, circ0)
         grads = self.call_items(stack_grads, (self.step,), RingNode(ring="grad", hop=g - 1, role="stack"), n_trail)
         last = n // g - 1
         for group in range(last + 1):
