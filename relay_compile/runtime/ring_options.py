@@ -91,17 +91,17 @@ def owners_per_hop(shape: HopShape) -> int:
     ``AUTO_MIN_HOP_ROWS`` rows.
 
     Memory: each owner more in a hop holds ``R`` more rows and two more partitions (the stack computed, the one
-    arriving) through the forward, which must stay within what the backward holds beside its own hop and the
-    forward does not: the output gradient, ``min_tokens`` rows of ``token_bytes``. So the forward's peak stays
-    below the backward's. (Where ``K / N`` is large, as at 4 ranks with top-8 routing, that never holds.)
+    arriving). All of it together stays within one top-k-expanded ``[T*K, H]`` buffer of ``min_tokens`` (the
+    all-to-all holds about six of them; the ring none), the budget the grouped backward has too
+    (``backward_owners_per_hop``).
 
     ``g``: the largest power of two meeting both that divides ``N`` and is at most ``N / 2`` (1: the plain ring).
-    Qwen3 layer, 65536 tokens, bf16: EP=64 -> 2 (8192-row hops), EP=8 -> 1.
+    Qwen3 layer, bf16, EP=64: 16384 tokens -> 8, 32768 -> 4, 65536 -> 2 (8192-row hops); EP=8 -> 1.
     """
     n = shape.ranks
     hop_rows = max(1, shape.max_tokens * shape.top_k // n)
     per_owner = hop_rows * shape.row_bytes + 2 * shape.partition_bytes
-    budget = shape.min_tokens * shape.token_bytes
+    budget = shape.min_tokens * shape.top_k * shape.token_bytes
 
     def fits(g: int) -> bool:
         return (g <= n // 2 and n % g == 0 and g * hop_rows <= AUTO_MIN_HOP_ROWS

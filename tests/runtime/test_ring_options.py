@@ -87,10 +87,13 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
         # Qwen3 layer, 65536 tokens, K=8, bf16: hops of 8192 rows at EP=64 go in pairs, 4096 at EP=128 in fours,
         # EP=8's 65536-row and EP=32's 16384-row hops alone.
         self.assertEqual([self.owners(n, 65536) for n in (8, 32, 64, 128)], [1, 1, 2, 4])
-        # Memory: the pair's extra 8192 rows and two partitions (~176 MB) must fit in the output gradient
-        # (T*H*2 bytes): not with 16384 tokens on one rank (64 MiB), nor at 4 ranks with top-8 routing (the CPU
-        # three_styles shapes: hops of 2T rows).
-        self.assertEqual(self.owners(64, 65536, other_tokens=16384), 1)
+        # Memory: the pair's extra 8192 rows and two partitions (~176 MB) must fit in one expanded buffer of the
+        # smallest rank (T*K*H*2 bytes): with 16384 tokens on one rank (512 MiB), not with 2048 (64 MiB), nor at 4
+        # ranks with top-8 routing (the CPU three_styles shapes: hops of 2T rows).
+        self.assertEqual(self.owners(64, 65536, other_tokens=16384), 2)
+        self.assertEqual(self.owners(64, 65536, other_tokens=2048), 1)
+        # Smaller hops go in larger groups: 16384 tokens at EP=64 (2048-row hops) in eights, 32768 in fours.
+        self.assertEqual([self.owners(64, t) for t in (16384, 32768)], [8, 4])
         self.assertEqual(self.owners(4, 4096, hidden=256, ffn=128, experts=16, elem_bytes=4), 1)
         # Powers of two dividing the ring, at most half of it (narrow experts, top-1: memory allows any of them).
         self.assertEqual([self.owners(n, 8192, top_k=1, hidden=256, ffn=16, experts=n) for n in (2, 3, 4, 6, 12, 7)],

@@ -8,7 +8,8 @@ of a2a eager and of the ring forced (issue 24, deliverable 3). Stand-in group, Q
   issuing the step (it includes the waits of the step's own host syncs).
 - gpu busy: the union of the step's kernel and copy intervals on the device (``torch.profiler``, one step).
 - peak: above what was allocated before the step (one more step).
-Rows: a2a eager, the ring, and the ring with one owner per backward hop (``backward_owners_per_hop`` patched).
+Rows: a2a eager, the ring, the ring with one owner per backward hop (``backward_owners_per_hop`` patched), and
+one ring per ``--owners FWD/BWD`` with both rules patched.
 A step is host-bound where host ~ wall and gpu busy < wall.
 """
 import argparse
@@ -42,6 +43,7 @@ ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
 ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
 ap.add_argument("--repeats", type=int, default=5)
 ap.add_argument("--options", nargs="*", default=[], help="ring_moe options for the ring row, k=v")
+ap.add_argument("--owners", nargs="*", default=[], help="more ring rows with owners per hop forced, FWD/BWD (e.g. 2/1)")
 args = ap.parse_args()
 ring_opts = {"ring": "always", "routing": "expert"} | {k: _value(v) for k, v in (o.split("=", 1) for o in args.options)}
 
@@ -71,11 +73,16 @@ for ep in args.ep:
             "a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
             "ring": ring,
             "ring 1-owner bwd": ring,  # the ring before the grouped backward (``step`` patches the rule)
-        }
+        } | {f"ring g={pair}": ring for pair in args.owners}
 
         def step(name) -> tuple[float, float]:
             if name.endswith("1-owner bwd"):
                 with unittest.mock.patch.object(pipeline, "backward_owners_per_hop", return_value=1):
+                    return _step(rows[name])
+            if name.startswith("ring g="):
+                fwd, bwd = map(int, name.removeprefix("ring g=").split("/"))
+                with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=fwd), \
+                        unittest.mock.patch.object(pipeline, "backward_owners_per_hop", return_value=bwd):
                     return _step(rows[name])
             return _step(rows[name])
 
