@@ -257,8 +257,7 @@ class ExpertRoutingStep:
         """The slot of owner ``r - hop`` (met alone, ``hop < g``) in the first gradient stack, in the sum dtype."""
         if not self.grad_stack:
             self.grad_stack = [torch.zeros_like(g, dtype=self.cfg.sum_dtype(g)) for g in self.stack_grads_like]
-        e_l, slot = self.cfg.experts_per_rank, self.owners_per_hop - 1 - hop
-        return [t[slot * e_l : (slot + 1) * e_l] for t in self.grad_stack]
+        return list(self.unstack(self.owners_per_hop - 1 - hop, *self.grad_stack))
 
     def stack_grads(self) -> tuple[Tensor, ...]:
         """The first gradient stack (owners ``r - g + 1 .. r``), once every owner met alone has summed into it."""
@@ -267,6 +266,7 @@ class ExpertRoutingStep:
         return stack
 
     def unstack(self, slot: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+        """Slot ``slot`` of owner stacks: one owner's experts of each stacked tensor (views)."""
         e_l = self.cfg.experts_per_rank
         return tuple(t[slot * e_l : (slot + 1) * e_l] for t in stacked)
 
