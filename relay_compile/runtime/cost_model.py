@@ -161,8 +161,8 @@ def _chunks(rows: int, bound: int | None) -> int:
 
 
 def _hops(n: int, g: int) -> int:
-    """Hop passes of a ring of ``n`` holding ``g`` owners per hop (``programs.build``: ``g`` alone, then stacks)."""
-    return g + n // g - 1 if g > 1 else n
+    """Hop passes of a ring of ``n`` holding ``g`` owners per hop (``programs.build``: ``n / g`` stacks)."""
+    return n // g
 
 
 def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
@@ -187,16 +187,19 @@ def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_p
                             experts_per_rank=s.experts_per_rank, expert_bytes=s.expert_bytes, elem_bytes=s.elem_bytes,
                             expert_grad_bytes=s.expert_bytes // s.elem_bytes * 4, sum_elem_bytes=4)
     moved = hops_f * volumes["forward"] + hops_b * volumes["backward"]
+    # A grouped ring gathers its first stack before any compute: ``g - 1`` partitions, not hidden.
+    gathered = ((g - 1) + (g_b - 1)) * s.experts_per_rank * s.expert_bytes if routing == "expert" else 0
     gpu = gemm + rows + (hops_f + hops_b) * cal.gpu_hop_us / 1e3
     if routing == "token":  # every hop sorts and masks the visiting partition's pairs
         gpu += (hops_f + hops_b) * pairs * cal.token_hop_pair_ns / 1e6
     if cal.link_gbps is None:  # stand-in: the transfers are copies on the device
-        gpu += _bytes_ms(moved, cal.copy_gbps)
+        gpu += _bytes_ms(moved + gathered, cal.copy_gbps)
         link = 0.0
     else:  # a hop's transfer hides behind the hop's compute; what exceeds it is exposed
         per_hop_gpu = gpu / (hops_f + hops_b)
         link = (hops_f * max(0.0, _bytes_ms(volumes["forward"], cal.link_gbps) - per_hop_gpu)
-                + hops_b * max(0.0, _bytes_ms(volumes["backward"], cal.link_gbps) - per_hop_gpu))
+                + hops_b * max(0.0, _bytes_ms(volumes["backward"], cal.link_gbps) - per_hop_gpu)
+                + _bytes_ms(gathered, cal.link_gbps))
     host_ms = host / 1e3
     return TimeEstimate(host_ms=host_ms, gpu_ms=gpu, link_ms=link, total_ms=max(host_ms, gpu) + link,
                         hops=hops_f + hops_b)

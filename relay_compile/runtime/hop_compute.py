@@ -108,9 +108,10 @@ def _weight_partials(step: RingStep, hop: int, *args: object) -> tuple[Tensor, .
 
 
 def _stack_partials(step: RingStep, group: int, *args: object) -> tuple[Tensor, ...]:
-    """Zero weight-gradient partials of an owner stack (a grouped backward hop, before ``sum_in_place``)."""
+    """Zero weight-gradient partials of an owner stack (a grouped backward hop), in the dtype a computed one of
+    ``group`` has (group 0's start the travelling sums)."""
     assert isinstance(step, ExpertRoutingStep)
-    return tuple(_zeros_like(g) for g in step.stack_grads_like)
+    return tuple(_zeros_like(g, ExpertRoutingStep.partial_dtype(step.cfg, group, g)) for g in step.stack_grads_like)
 
 
 def _incoming_sums(step: RingStep, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
@@ -184,7 +185,6 @@ class ExpertRoutingStep:
             "ring_moe: only a grouped expert function holds several owners per hop")
         self.owners_per_hop = owners_per_hop
         self.stack: list[Tensor] = []  # the grouped ring's first owner stack (``receive_buffers``)
-        self.grad_stack: list[Tensor] = []  # the grouped backward's first gradient stack (``backward_hop_slot``)
         # What a stack's gradients look like: ``grads_like`` with ``g E_l`` experts (shapes and dtypes only).
         self.stack_grads_like = [g.new_zeros(()).expand(owners_per_hop * g.shape[0], *g.shape[1:])
                                  for g in self.grads_like]
@@ -201,23 +201,21 @@ class ExpertRoutingStep:
         own = counts.counts_NE[cfg.ring.rank]
         assert own is not None, "ring_moe: the agreement gave no counts of this rank"
         self.routing = routing = PairRouting.build(topk_ids_TK, own, e_l)
-        # Owners met alone: all of them, or a grouped forward's first g (hops 0..g-1).
-        alone = {(cfg.ring.rank - h) % cfg.ring.size for h in range(g if g > 1 else cfg.ring.size)}
+        # One owner per hop, or g: owner stacks (``programs.build``: the grouped rings).
         bounds = [
             split_experts(routing.rows_per_expert(owner), routing.starts_host[owner * e_l], cfg.max_hop_rows)
-            if owner in alone else []
             for owner in range(cfg.ring.size)
-        ]
-        # Stack j >= 1 of a grouped forward (stack 0's owners are met alone).
-        groups = [split_owners(routing, self._group_owners(j), cfg.max_hop_rows) if j else []
+        ] if g == 1 else []
+        groups = [split_owners(routing, self._group_owners(j), cfg.max_hop_rows)
                   for j in range(cfg.ring.size // g)] if g > 1 else []
         chunks = plan_chunks(bounds + groups, [e_l] * len(bounds) + [g * e_l] * len(groups), x_TH.device)
         self.chunks, self.group_chunks = chunks[: len(bounds)], chunks[len(bounds):]
         self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
-        graphs = cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
+        # Padded and equal-group chunks are planned for one owner per hop (stacks run their chunks as they are).
+        graphs = g == 1 and cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
         self.equal = (EqualGroups.plan(self.chunks, routing.tokens_P, self.scores_S)
-                      if self.backward and self.padded is None and cfg.pads_equal_groups else None)
+                      if g == 1 and self.backward and self.padded is None and cfg.pads_equal_groups else None)
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
@@ -251,18 +249,6 @@ class ExpertRoutingStep:
         for t, w in zip(self.stack, self.weights, strict=True):
             t[(g - 1) * e_l :].copy_(w)
         stack, self.stack = tuple(self.stack), []
-        return stack
-
-    def _grad_slots(self, hop: int) -> list[Tensor]:
-        """The slot of owner ``r - hop`` (met alone, ``hop < g``) in the first gradient stack, in the sum dtype."""
-        if not self.grad_stack:
-            self.grad_stack = [torch.zeros_like(g, dtype=self.cfg.sum_dtype(g)) for g in self.stack_grads_like]
-        return list(self.unstack(self.owners_per_hop - 1 - hop, *self.grad_stack))
-
-    def stack_grads(self) -> tuple[Tensor, ...]:
-        """The first gradient stack (owners ``r - g + 1 .. r``), once every owner met alone has summed into it."""
-        self._grad_slots(0)  # allocated already unless every such hop was idle (a failed run)
-        stack, self.grad_stack = tuple(self.grad_stack), []
         return stack
 
     def unstack(self, slot: int, *stacked: Tensor) -> tuple[Tensor, ...]:
@@ -319,23 +305,15 @@ class ExpertRoutingStep:
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
         return dw.result()
 
-    @_drains(_no_partials)
-    def backward_hop_slot(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
-        """``backward_hop`` of an owner a grouped backward meets alone: its gradients sum into its slot of the
-        first gradient stack."""
-        dw = WeightGrads(self.grads_like, self.cfg.acc_dtype, into=lambda: self._grad_slots(hop))
-        assert self.grad_y_TH is not None
-        segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
-        return ()
-
     @_drains(_stack_partials)
     def backward_group(self, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
-        """The pairs of this rank that meet owner stack ``group``; the stack's gradient partials."""
+        """The pairs of this rank that meet owner stack ``group``; the stack's gradient partials (group 0's
+        start the travelling sums: in their dtype, ``partial_dtype``)."""
         dw = WeightGrads(self.stack_grads_like, self.cfg.acc_dtype)
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._group_rows(group), self.x_TH, stacked, self.grad_y_TH, self.dx, self.ds_S,
                          dw)
-        return dw.result()
+        return dw.result([self.partial_dtype(self.cfg, group, g) for g in self.stack_grads_like])
 
     @_drains(_incoming_sums)
     def backward_group_into(self, group: int, transfer: RingTransfer, first: int, *stacked: Tensor

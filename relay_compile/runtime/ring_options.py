@@ -87,8 +87,8 @@ def owners_per_hop(shape: HopShape) -> int:
 
     Time: a hop's fixed host cost (transfer, planning, kernel launches: ~0.5 ms on the H200) outweighs its
     compute below ``AUTO_MIN_HOP_ROWS`` rows. A hop expects ``R = max_tokens * top_k / N`` rows under balanced
-    routing; ``g`` owners per hop run ``g + N / g - 1`` forward hops instead of ``N``, with ``g R`` at most
-    ``AUTO_MIN_HOP_ROWS`` rows.
+    routing; ``g`` owners per hop run ``N / g`` forward hops instead of ``N`` (and gather the first stack at
+    hop 0), with ``g R`` at most ``AUTO_MIN_HOP_ROWS`` rows.
 
     Memory: each owner more in a hop holds ``R`` more rows and two more partitions (the stack computed, the one
     arriving). All of it together stays within one top-k-expanded ``[T*K, H]`` buffer of ``min_tokens`` (the
@@ -116,7 +116,7 @@ def owners_per_hop(shape: HopShape) -> int:
 def backward_owners_per_hop(shape: HopShape) -> int:
     """How many owners' weights one backward hop of expert routing holds (``programs.build``: the grouped backward).
 
-    Time: as ``owners_per_hop``, ``g + N / g - 1`` backward hops instead of ``N`` where hops are small. A backward
+    Time: as ``owners_per_hop``, ``N / g`` backward hops instead of ``N`` where hops are small. A backward
     row holds about ``AUTO_FORWARD_ROWS_FACTOR`` times a forward row (the output and input gradients and the
     projections' gradients beside the recomputed activations), so a grouped backward hop holds at most
     ``AUTO_MIN_HOP_ROWS / AUTO_FORWARD_ROWS_FACTOR`` rows: hops that size or larger stay one owner, and so does

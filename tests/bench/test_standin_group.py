@@ -159,9 +159,9 @@ class MoEUnderTheStandinGroup(StandinTestCase):
 
     def test_grouped_forward_meets_every_owner_once_for_random_and_lopsided_routing(self) -> None:
         # g owners per forward hop (the rule, ring_options.owners_per_hop, is tested on its own: at these tiny
-        # shapes it keeps one), g + N/g - 1 forward computes. Routing: random; every pair on one expert of owner
-        # N/2 (one stack holds them all, the other hops are empty); only this rank's own experts (met alone at
-        # hop 0: every stack empty). (Stacks that wrap around the ring are other ranks': tests/test_ring_moe.py's
+        # shapes it keeps one), N/g forward computes, the first stack gathered. Routing: random; every pair on one
+        # expert of owner N/2 (one stack holds them all, the other hops are empty); only this rank's own experts
+        # (the last slot of the first stack). (Stacks that wrap around the ring are other ranks': tests/test_ring_moe.py's
         # world of 4, and test_routing.py's SplitOwners.)
         for world, e_l, g in ((4, 2, 2), (6, 1, 2), (8, 1, 4), (16, 1, 8)):
             group = standin_group(world)
@@ -175,12 +175,12 @@ class MoEUnderTheStandinGroup(StandinTestCase):
                         unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=g):
                     ring = _forward_backward(ring_moe, x, case_ids, scores, weights, group=group, routing="expert")
                 self.assert_all_close(ring, dense, f"grouped forward, {case}, N={world}")
-                self.assertEqual((calls["forward_hop"], calls["forward_group"]), (g, world // g - 1), case)
+                self.assertEqual((calls["forward_hop"], calls["forward_group"]), (0, world // g), case)
 
     def test_grouped_backward_sums_every_owners_gradients_for_random_and_lopsided_routing(self) -> None:
         # g owners per backward hop (the rule, ring_options.backward_owners_per_hop, is tested on its own), alone
-        # or beside a grouped forward: g owners met alone, then N/g - 1 stacks, and every owner's g returned sums
-        # add up to the dense gradients. Routing as the grouped forward's test.
+        # or beside a grouped forward: N/g stacks, the first gathered, and every owner's g returned sums add up to
+        # the dense gradients. Routing as the grouped forward's test.
         for world, e_l, g, g_f in ((4, 2, 2, 1), (6, 1, 2, 2), (8, 1, 4, 2), (16, 1, 8, 4), (8, 2, 2, 4)):
             group = standin_group(world)
             x, ids, scores, weights = _inputs(world, e_l, seed=world + g)
@@ -188,13 +188,15 @@ class MoEUnderTheStandinGroup(StandinTestCase):
                                    ("own experts", ids % e_l)):
                 dense = _forward_backward(_dense_tied(world), x, case_ids, scores, weights)
                 calls = collections.Counter()
-                spies = {name: _counting(calls, name) for name in ("backward_hop_slot", "backward_group_into")}
+                spies = {name: _counting(calls, name)
+                         for name in ("backward_hop", "backward_group", "backward_group_into")}
                 with unittest.mock.patch.multiple(ExpertRoutingStep, **spies), \
                         unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=g_f), \
                         unittest.mock.patch.object(pipeline, "backward_owners_per_hop", return_value=g):
                     ring = _forward_backward(ring_moe, x, case_ids, scores, weights, group=group, routing="expert")
                 self.assert_all_close(ring, dense, f"grouped backward, {case}, N={world}, g={g}")
-                self.assertEqual((calls["backward_hop_slot"], calls["backward_group_into"]), (g, world // g - 1), case)
+                self.assertEqual((calls["backward_hop"], calls["backward_group"], calls["backward_group_into"]),
+                                 (0, 1, world // g - 1), case)
 
     def test_token_routing_ring_computes_n_times_the_pairs_on_this_ranks_experts(self) -> None:
         # Every hop brings this rank's own tokens back to its own experts (module docstring of standin_group).

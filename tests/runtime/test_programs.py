@@ -161,99 +161,92 @@ class OverlapPass(TestCase):
             shaped = overlap_pass(naive)
             self.assertEqual(order, [n.args[1] for n in shaped.graph.nodes if n.target is ring_start])
 
-    def test_grouped_forward_meets_owners_alone_then_moves_stacks_g_ranks_per_hop(self) -> None:
-        # N=6, two owners per hop: owners r, r-1 alone (the first transfer brings r-1 into slot 0 of the stack),
-        # then stacks of two move two ranks per hop: 3 transfers and 4 computes instead of 5 and 6.
+    def test_grouped_forward_gathers_the_first_stack_then_moves_stacks_g_ranks_per_hop(self) -> None:
+        # N=6, two owners per hop: the first transfer brings r-1 into slot 0 of the first stack (r's own weights
+        # go into slot 1), then stacks of two move two ranks per hop: 3 transfers and 3 computes instead of 5
+        # and 6.
         gm = build_program(schedule_for("forward", "expert", 6, 2, owners_per_hop=2))
         self.assertExpectedInline(schedule_text(gm), """\
-hop_forward forward hop=0
 ring_start forward hop=0 xfer=0 sends=2 stride=1 slot=0
 ring_wait forward hop=0
-stack_owners forward hop=1
-hop_forward forward hop=1
-ring_start forward hop=1 xfer=1 sends=2 stride=2
+stack_owners forward hop=0
+hop_forward_group forward hop=0
+ring_start forward hop=0 xfer=1 sends=2 stride=2
+ring_wait forward hop=0
+hop_forward_group forward hop=1
+ring_start forward hop=1 xfer=2 sends=2 stride=2
 ring_wait forward hop=1
 hop_forward_group forward hop=2
-ring_start forward hop=2 xfer=2 sends=2 stride=2
-ring_wait forward hop=2
-hop_forward_group forward hop=3
-finish forward hop=4""")
+finish forward hop=3""")
 
     def test_overlapped_grouped_forward_posts_every_transfer_before_a_compute(self) -> None:
-        # The stack's first transfer goes out before the last owner met alone is computed.
+        # The gather's three transfers go out together, and the next stack's before the first stack's compute.
         gm = ring_program(schedule_for("forward", "expert", 8, 2, owners_per_hop=4), True, True)
         self.assertExpectedInline(schedule_text(gm), """\
+ring_start forward hop=0 xfer=2 sends=2 stride=3 slot=0
+ring_start forward hop=0 xfer=1 sends=2 stride=2 slot=1
 ring_start forward hop=0 xfer=0 sends=2 stride=1 slot=2
-hop_forward forward hop=0
 ring_wait forward hop=0
-ring_start forward hop=1 xfer=1 sends=2 stride=1 slot=1
-hop_forward forward hop=1
-ring_wait forward hop=1
-ring_start forward hop=2 xfer=2 sends=2 stride=1 slot=0
-hop_forward forward hop=2
-ring_wait forward hop=2
-stack_owners forward hop=3
-ring_start forward hop=3 xfer=3 sends=2 stride=4
-hop_forward forward hop=3
-ring_wait forward hop=3
-hop_forward_group forward hop=4
-finish forward hop=5""")
+ring_wait forward hop=0
+ring_wait forward hop=0
+stack_owners forward hop=0
+ring_start forward hop=0 xfer=3 sends=2 stride=4
+hop_forward_group forward hop=0
+ring_wait forward hop=0
+hop_forward_group forward hop=1
+finish forward hop=2""")
         check_overlap(gm)
 
     def test_grouped_backward_trails_gradient_stacks_then_returns_each_slot_to_its_owner(self) -> None:
-        # N=6, two owners per hop: owners r, r-1 alone (summed into the first gradient stack's slots), then two
-        # stacks whose gradient sums trail one stack behind, two ranks per hop; the last stack's slots go back
-        # to owners r+1 (one rank on) and r+2 (two ranks on).
+        # N=6, two owners per hop: the first stack gathered as forward, then three stacks whose gradient sums
+        # trail one stack behind, two ranks per hop (the first stack's start them); the last stack's slots go
+        # back to owners r+1 (one rank on) and r+2 (two ranks on).
         gm = build_program(schedule_for("backward", "expert", 6, 2, owners_per_hop=2))
         self.assertExpectedInline(schedule_text(gm), """\
-hop_backward_slot grad hop=0
 ring_start grad hop=0 xfer=0 sends=2 stride=1 slot=0
 ring_wait grad hop=0
-stack_owners grad hop=1
-hop_backward_slot grad hop=1
-stack_grads grad hop=1
-ring_start grad hop=1 xfer=1 sends=2 stride=2
+stack_owners grad hop=0
+hop_backward_group grad hop=0
+ring_start grad hop=0 xfer=1 sends=2 stride=2
+ring_wait grad hop=0
+hop_backward_group grad hop=1
+ring_start grad hop=1 xfer=2 sends=4 stride=2
 ring_wait grad hop=1
+accumulate grad hop=1
 hop_backward_group grad hop=2
-ring_start grad hop=2 xfer=2 sends=4 stride=2
+ring_start grad hop=2 xfer=3 sends=2 stride=2
 ring_wait grad hop=2
 accumulate grad hop=2
-hop_backward_group grad hop=3
-ring_start grad hop=3 xfer=3 sends=2 stride=2
+unstack grad hop=3
+ring_start grad hop=3 xfer=4 sends=2 stride=1
 ring_wait grad hop=3
-accumulate grad hop=3
-unstack grad hop=4
-ring_start grad hop=4 xfer=4 sends=2 stride=1
-ring_wait grad hop=4
-unstack grad hop=4
-ring_start grad hop=4 xfer=5 sends=2 stride=2
-ring_wait grad hop=4
-finish grad hop=4""")
+unstack grad hop=3
+ring_start grad hop=3 xfer=5 sends=2 stride=2
+ring_wait grad hop=3
+finish grad hop=3""")
 
     def test_shaped_grouped_backward_sums_into_arrivals_and_posts_every_transfer_before_its_hop(self) -> None:
         gm = ring_program(schedule_for("backward", "expert", 6, 2, owners_per_hop=2), True, True)
         self.assertExpectedInline(schedule_text(gm), """\
 ring_start grad hop=0 xfer=0 sends=2 stride=1 slot=0
-hop_backward_slot grad hop=0
 ring_wait grad hop=0
-stack_owners grad hop=1
-ring_start grad hop=1 xfer=1 sends=2 stride=2
-hop_backward_slot grad hop=1
-stack_grads grad hop=1
+stack_owners grad hop=0
+ring_start grad hop=0 xfer=1 sends=2 stride=2
+hop_backward_group grad hop=0
+ring_wait grad hop=0
+ring_start grad hop=1 xfer=2 sends=4 stride=2
+hop_backward_group_into grad hop=1
+ring_start grad hop=2 xfer=3 sends=2 stride=2
 ring_wait grad hop=1
-ring_start grad hop=2 xfer=2 sends=4 stride=2
 hop_backward_group_into grad hop=2
-ring_start grad hop=3 xfer=3 sends=2 stride=2
 ring_wait grad hop=2
-hop_backward_group_into grad hop=3
+unstack grad hop=3
+ring_start grad hop=3 xfer=4 sends=2 stride=1
+unstack grad hop=3
+ring_start grad hop=3 xfer=5 sends=2 stride=2
 ring_wait grad hop=3
-unstack grad hop=4
-ring_start grad hop=4 xfer=4 sends=2 stride=1
-unstack grad hop=4
-ring_start grad hop=4 xfer=5 sends=2 stride=2
-ring_wait grad hop=4
-ring_wait grad hop=4
-finish grad hop=4""")
+ring_wait grad hop=3
+finish grad hop=3""")
         check_overlap(gm)
 
     def test_owners_per_hop_is_refused_where_the_ring_cannot_group_them(self) -> None:

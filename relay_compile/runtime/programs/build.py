@@ -19,26 +19,27 @@ it one hop behind (expert backward: weight gradients; token routing: the outputs
 Expert routing's forward with ``g = sched.owners_per_hop > 1`` (small hops: ``ring_options.owners_per_hop``)
 holds ``g`` owners' weights per hop, stacked in one tensor per weight, and moves them ``g`` ranks per hop:
 
-    hops 0..g-1:    hop_forward(step, k, *circ_k)                 owner r-k alone
-                    ring_start(..., stride=1, slot=g-2-k)         circ_k on; owner r-k-1 into the stack [k < g-1]
-                    stack_g0 = stack_owners(step, *slots)         + own weights: owners r-g+1 .. r  [before hop g-1]
-    hop g-1+j:      ring_start(..., *stack_{j-1}, stride=g)       stack j-1 on, stack j in   [j >= 1]
+    hop 0:          ring_start(..., *circ_0, stride=s, slot=g-1-s)  s = 1..g-1: own weights to rank r+s, owner
+                                                                  r-s into its slot of the first stack
+                    stack_0 = stack_owners(step, *slots)          + own weights: owners r-g+1 .. r
+    hop j:          ring_start(..., *stack_{j-1}, stride=g)       stack j-1 on, stack j in   [j >= 1]
                     hop_forward_group(step, j, *stack_j)          owners r-gj-g+1 .. r-gj
 
-``g + N/g - 1`` hops compute instead of ``N`` (EP=64, g=2: 33), one grouped GEMM call over ``g`` owners'
-experts each; every owner is still met exactly once (the stack of rank ``r - g`` at group ``j - 1`` is this
-rank's at group ``j``).
+``N/g`` hops compute instead of ``N`` (EP=64, g=8: 8), one grouped GEMM call over ``g`` owners' experts each;
+every owner is still met exactly once (the stack of rank ``r - g`` at group ``j - 1`` is this rank's at group
+``j``). The first stack is gathered in one exchange before any compute, its ``g - 1`` transfers in flight
+together: that exchange is not hidden behind compute, but it costs one hop's host work where meeting the first
+owners one by one cost ``g - 1`` hops (each hop's fixed host cost is what small hops are bound by).
 
-Its backward (``ring_options.backward_owners_per_hop``) moves the weights the same way, and the stacks' weight
-gradients trail them one group behind, also ``g`` ranks per hop. It is built in ``remat``'s form (each hop
-recomputes its own activations):
+Its backward (``ring_options.backward_owners_per_hop``) gathers and moves the weights the same way, and the
+stacks' weight gradients trail them one group behind, also ``g`` ranks per hop. It is built in ``remat``'s form
+(each hop recomputes its own activations):
 
-    hops 0..g-1:    hop_backward_slot(step, k, *circ_k)           owner r-k alone, summed into its slot of the
-                                                                  first gradient stack; weights as forward
-                    grads_0 = stack_grads(step)                   [after hop g-1]
-    group j >= 1:   part_j = hop_backward_group(step, j, *stack_j)
-                    ring_start(..., *stack_j [j < N/g-1], *grads_{j-1}, stride=g)
-                    grads_j = accumulate(*incoming_j, *part_j)    (``sum_in_place``: one hop_backward_group_into)
+    hop 0:          stack_0 gathered as forward
+    group j:        part_j = hop_backward_group(step, j, *stack_j)   (group 0: in the sums' dtype)
+                    ring_start(..., *stack_j [j < N/g-1], *grads_{j-1} [j >= 1], stride=g)
+                    grads_j = accumulate(*incoming_j, *part_j)    [grads_0 = part_0; ``sum_in_place``: one
+                                                                  hop_backward_group_into]
     returns:        slot s of grads_{N/g-1} (owner r+1+s) to its owner, s+1 ranks on: g transfers
     output:         finish(step, *returned)                       the owner sums the g sums it received
 
@@ -72,8 +73,6 @@ from relay_compile.runtime.programs.instructions import (
     ring_start,
     ring_wait,
     hop_backward_group,
-    hop_backward_slot,
-    stack_grads,
     stack_owners,
     unstack,
 )
@@ -136,53 +135,46 @@ class _Builder:
             trail = self.transfer(name, n, first_index + n, [], trail)  # the return to the owners
         return trail
 
-    def owners_alone(self, ring: RingName, compute: Callable[..., object], circ0: list[fx.Node]) -> list[fx.Node]:
-        """A grouped ring's first ``g`` hops: owners ``r .. r-g+1`` alone (``compute``), each transfer bringing the
-        next owner into its slot of the first stack; returns that stack (``stack_owners``)."""
+    def gather_stack(self, ring: RingName, circ0: list[fx.Node]) -> list[fx.Node]:
+        """A grouped ring's first owner stack (owners ``r-g+1 .. r``), gathered at hop 0: ``g - 1`` transfers,
+        stride ``s`` bringing owner ``r-s`` into slot ``g-1-s`` (posted together, then waited for), and this
+        rank's own weights in the last slot (``stack_owners``)."""
         g = self.sched.owners_per_hop
-        circ, slots = circ0, list[fx.Node]()
-        for k in range(g - 1):
-            self.call(compute, (self.step, k, *circ), RingNode(ring=ring, hop=k, role="compute"))
-            circ = self.transfer(ring, k, k, circ, [], stride=1, slot=g - 2 - k)
-            slots += circ
-        stack = self.call_items(stack_owners, (self.step, *slots), RingNode(ring=ring, hop=g - 1, role="stack"),
-                                len(circ0))
-        self.call(compute, (self.step, g - 1, *circ), RingNode(ring=ring, hop=g - 1, role="compute"))
-        return stack
+        slots = [t for s in range(1, g) for t in self.transfer(ring, 0, s - 1, circ0, [], stride=s, slot=g - 1 - s)]
+        return self.call_items(stack_owners, (self.step, *slots), RingNode(ring=ring, hop=0, role="stack"),
+                               len(circ0))
 
     def grouped_forward(self, circ0: list[fx.Node]) -> None:
         """Expert routing's forward, ``owners_per_hop`` owners per hop (module docstring)."""
         g, n = self.sched.owners_per_hop, self.sched.num_hops
-        stack = self.owners_alone("forward", hop_forward, circ0)
-        for group in range(1, n // g):
-            hop = g - 1 + group
-            stack = self.transfer("forward", hop - 1, hop - 1, stack, [], stride=g)
-            self.call(hop_forward_group, (self.step, group, *stack), RingNode(ring="forward", hop=hop, role="compute"))
-
+        stack = self.gather_stack("forward", circ0)
+        for group in range(n // g):
+            if group:  # stack ``group`` arrives from ``g`` ranks back, sent at the previous hop
+                stack = self.transfer("forward", group - 1, g - 2 + group, stack, [], stride=g)
+            self.call(hop_forward_group, (self.step, group, *stack),
+                      RingNode(ring="forward", hop=group, role="compute"))
 
     def grouped_backward(self, circ0: list[fx.Node]) -> list[fx.Node]:
         """Expert routing's backward, ``owners_per_hop`` owners per hop (module docstring); returns the ``g``
         returned gradient sums of this rank's partition, one after the other."""
         g, n, n_trail = self.sched.owners_per_hop, self.sched.num_hops, self.sched.num_trailing
-        stack = self.owners_alone("grad", hop_backward_slot, circ0)
-        grads = self.call_items(stack_grads, (self.step,), RingNode(ring="grad", hop=g - 1, role="stack"), n_trail)
+        stack = self.gather_stack("grad", circ0)
         last = n // g - 1
+        grads = list[fx.Node]()
         for group in range(last + 1):
-            hop = g - 1 + group
-            if group:
-                partial = self.call_items(hop_backward_group, (self.step, group, *stack),
-                                          RingNode(ring="grad", hop=hop, role="compute"), n_trail)
+            partial = self.call_items(hop_backward_group, (self.step, group, *stack),
+                                      RingNode(ring="grad", hop=group, role="compute"), n_trail)
             send = stack if group < last else []
-            received = self.transfer("grad", hop, hop, send, grads if group else [], stride=g)
+            received = self.transfer("grad", group, g - 1 + group, send, grads, stride=g)
             stack, incoming = received[: len(send)], received[len(send):]
-            if group:
-                grads = self.call_items(accumulate, (n_trail, *incoming, *partial),
-                                        RingNode(ring="grad", hop=hop, role="accumulate"), n_trail)
+            grads = (self.call_items(accumulate, (n_trail, *incoming, *partial),
+                                     RingNode(ring="grad", hop=group, role="accumulate"), n_trail)
+                     if group else partial)
         returned = list[fx.Node]()
         for slot in range(g):  # slot s holds owner r+1+s's sums
             sums = self.call_items(unstack, (self.step, slot, *grads),
-                                   RingNode(ring="grad", hop=g + last, role="stack"), n_trail)
-            returned += self.transfer("grad", g + last, g + last + slot, [], sums, stride=slot + 1)
+                                   RingNode(ring="grad", hop=last + 1, role="stack"), n_trail)
+            returned += self.transfer("grad", last + 1, g + last + slot, [], sums, stride=slot + 1)
         return returned
 
 
@@ -219,7 +211,7 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
         trail = b.ring("grad", circ0, 0, grad)
     out = graph.call_function(finish, (step, *trail))
     g = sched.owners_per_hop
-    last = sched.num_hops if g == 1 else g + sched.num_hops // g - 1
+    last = sched.num_hops if g == 1 else sched.num_hops // g
     out.meta["ring"] = RingNode(ring="grad" if sched.direction == "backward" else "forward", hop=last, role="finish")
     graph.output(out)
     graph.lint()

@@ -22,7 +22,8 @@ def ring_start(
 ) -> RingTransfer:
     """Post transfer ``index`` (tags), sent at ``hop`` of its ring: ``payload[:num_circulating]`` moves on,
     the rest are trailing accumulators. ``stride``: sent ``stride`` ranks on (received from as many back);
-    ``slot``: received into that slot of the step's owner stack (the grouped forward's first hops)."""
+    ``slot``: received into that slot of the step's first owner stack (a grouped ring's gather).
+    """
     receive = step.receive_buffers(hop, num_circulating, payload, slot=slot)
     return start_transfer(step.cfg.ring, index, list(payload), receive, stride=stride)
 
@@ -38,17 +39,10 @@ def hop_forward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor,
 
 
 def stack_owners(step: RingStep, *slots: Tensor) -> tuple[Tensor, ...]:
-    """The grouped ring's first owner stack, complete once ``slots`` (what its first transfers received into
+    """A grouped ring's first owner stack, complete once ``slots`` (what the gather's transfers received into
     it) have arrived: this rank's own weights are copied into its last slot."""
     assert isinstance(step, ExpertRoutingStep), "stack_owners: only expert routing groups owners"
     return step.stack_owners()
-
-
-def stack_grads(step: RingStep) -> tuple[Tensor, ...]:
-    """The grouped backward's first weight-gradient stack: what its owners met alone (``hop_backward_slot``)
-    summed into their slots. Read after those hops (program order: it takes no node of theirs)."""
-    assert isinstance(step, ExpertRoutingStep), "stack_grads: only expert routing groups owners"
-    return step.stack_grads()
 
 
 def unstack(step: RingStep, slot: int, *stacked: Tensor) -> tuple[Tensor, ...]:
@@ -66,13 +60,6 @@ def hop_forward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Ten
 def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
     """Backward hop with hop-scoped recomputation (chunk by chunk); returns trailing partials."""
     return step.backward_hop(hop, *circulating)
-
-
-def hop_backward_slot(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
-    """Grouped backward, an owner met alone (hops ``0..g-1``): its weight gradients sum into its slot of the
-    step's first gradient stack (``stack_grads``); returns ``()``."""
-    assert isinstance(step, ExpertRoutingStep), "hop_backward_slot: only expert routing groups owners"
-    return step.backward_hop_slot(hop, *circulating)
 
 
 def hop_backward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
@@ -120,12 +107,12 @@ def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
 
 
 INSTRUCTIONS = (
-    ring_start, ring_wait, stack_owners, stack_grads, unstack, hop_forward, hop_forward_group, hop_backward,
-    hop_backward_into, hop_backward_slot, hop_backward_group, hop_backward_group_into, hop_recompute, hop_vjp,
+    ring_start, ring_wait, stack_owners, unstack, hop_forward, hop_forward_group, hop_backward,
+    hop_backward_into, hop_backward_group, hop_backward_group_into, hop_recompute, hop_vjp,
     accumulate, finish,
 )
 # The hop instructions that compute (``overlap`` schedules transfers around them).
-COMPUTE = (hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_backward_slot, hop_backward_group,
+COMPUTE = (hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_backward_group,
            hop_backward_group_into, hop_vjp)
 
 for _fn in INSTRUCTIONS:
