@@ -5,12 +5,12 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
 
 - ``ExpertRoutingStep``: tokens stay; at hop ``h`` rank ``r`` holds the weights of owner ``(r - h) mod N`` and
   computes its own pairs for that owner. A grouped ring (``owners_per_hop = g > 1``, ``programs.build``)
-  holds ``g`` owners per hop after its first ``g`` hops: stack ``j`` is owners ``r - g j - g + 1 .. r - g j``,
+  holds ``g`` owners per hop, the first stack gathered at hop 0: stack ``j`` is owners ``r - g j - g + 1 .. r - g j``,
   one weight tensor per packed weight with ``g E_l`` experts, computed as one segment where their sorted rows
   are contiguous. Backward sums the owner's weight gradients one hop behind the
   weights: hop 0 starts the sum, every later hop's GEMMs add into the sum arriving from the previous rank
   (``backward_hop_into``; the program pass ``sum_in_place``), so no hop holds a partial beside it. A grouped
-  backward sums its owners met alone into slots of a gradient stack, which then trails the weight stacks.
+  backward's first stack starts a gradient stack (in the sums' dtype), which then trails the weight stacks.
 - ``TokenRoutingStep``: experts stay; at hop ``h`` rank ``r`` holds the tokens of source ``(r - h) mod N`` and
   computes their pairs for its own experts. The output (backward: ``dx``, ``d_scores``) accumulator travels
   one hop behind the tokens; weight gradients accumulate locally.
