@@ -232,7 +232,8 @@ class ExpertRoutingStep:
     def receive_buffers(
         self, hop: int, num_circulating: int, payload: Sequence[Tensor], slot: int | None = None
     ) -> list[Tensor]:
-        """Where a transfer sent at ``hop`` arrives; ``slot``: that slot of the first owner stack (grouped forward).
+        """Where a transfer sent at ``hop`` arrives; ``slot``: that slot of the first owner stack (a grouped ring's
+        gather).
         Every partition (and its gradient, and a stack) has the shapes of the local one's: agreed at every call."""
         if slot is not None:
             e_l = self.cfg.experts_per_rank

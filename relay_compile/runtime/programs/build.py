@@ -137,7 +137,7 @@ class _Builder:
 
     def gather_stack(self, ring: RingName, circ0: list[fx.Node]) -> list[fx.Node]:
         """A grouped ring's first owner stack (owners ``r-g+1 .. r``), gathered at hop 0: ``g - 1`` transfers,
-        stride ``s`` bringing owner ``r-s`` into slot ``g-1-s`` (posted together, then waited for), and this
+        stride ``s`` bringing owner ``r-s`` into slot ``g-1-s`` (``overlap`` posts them together), and this
         rank's own weights in the last slot (``stack_owners``)."""
         g = self.sched.owners_per_hop
         slots = [t for s in range(1, g) for t in self.transfer(ring, 0, s - 1, circ0, [], stride=s, slot=g - 1 - s)]
