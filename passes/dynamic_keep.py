@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from relay_compile.passes.expert_lowering import recognized_ffn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
@@ -58,11 +59,12 @@ def switchable(region: Region, options: RingOptions) -> bool:
             and x.device.type in cost_model.CALIBRATED_DEVICES)
 
 
-def ring_from_tokens(shape: BlockShape, options: RingOptions) -> int | None:
+def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = True) -> int | None:
     """The smallest T, equal on every rank, from which the cost model runs ``shape`` as a ring (None: not up to
-    ``_MAX_TOKENS``), by bisection: the ring's advantage grows with T."""
+    ``_MAX_TOKENS``), by bisection: the ring's advantage grows with T. ``grouped``: F lowers onto grouped experts
+    (the ring holds ``cost_model.grouped_owners`` per hop; else one)."""
     def ring(tokens: int) -> bool:
-        return _choice(shape, options, tokens) != "all_to_all"
+        return _choice(shape, options, tokens, grouped) != "all_to_all"
 
     if not ring(_MAX_TOKENS):
         return None
@@ -73,10 +75,10 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions) -> int | None:
     return hi
 
 
-def _choice(shape: BlockShape, options: RingOptions, tokens: int) -> str:
+def _choice(shape: BlockShape, options: RingOptions, tokens: int, grouped: bool) -> str:
     """What ``cost_model.choose`` runs ``shape`` as at ``tokens`` per rank (the compile-time keep's rule)."""
     return choose(dataclasses.replace(shape, tokens=tokens), routing=options.routing, ring=options.ring, cal=H200,
-                  max_hop_rows=options.max_hop_rows).execution
+                  owners=None if grouped else (1, 1), max_hop_rows=options.max_hop_rows).execution
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +90,7 @@ class SwitchPlan:
 
     regions: tuple[int, ...]
     shapes: tuple[BlockShape, ...]
+    grouped: tuple[bool, ...]  # per region: F lowers onto grouped experts (``expert_lowering.recognized_ffn``)
     tokens: sympy.Expr
     where: tuple[tuple[sympy.Symbol, int, int | None], ...]
     group_name: str
@@ -102,7 +105,7 @@ class SwitchPlan:
 
     def keeps(self, tokens: int) -> bool:
         """Whether every covered region keeps its all-to-all at an agreed largest T of ``tokens``."""
-        return _keeps(self.shapes, self.options, tokens)
+        return _keeps(self.shapes, self.grouped, self.options, tokens)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -116,9 +119,9 @@ def _evaluate(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...], values: tuple
 
 
 @functools.lru_cache(maxsize=1024)
-def _keeps(shapes: tuple[BlockShape, ...], options: RingOptions, tokens: int) -> bool:
+def _keeps(shapes: tuple[BlockShape, ...], grouped: tuple[bool, ...], options: RingOptions, tokens: int) -> bool:
     """``SwitchPlan.keeps``, cached per agreed T."""
-    return all(_choice(s, options, tokens) == "all_to_all" for s in shapes)
+    return all(_choice(s, options, tokens, g) == "all_to_all" for s, g in zip(shapes, grouped, strict=True))
 
 
 def _symbol_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[int, int | None]]:
@@ -153,13 +156,15 @@ def plan_switch(gm: fx.GraphModule, regions: Sequence[Region], options: RingOpti
         return (f"the token count {expr} has symbols no graph input holds ({', '.join(map(str, missing))}): each "
                 "region runs as a ring op that decides per call")
     shapes = tuple(r.block_shape() for _, r in chosen)
-    ring_from = min((t for t in (ring_from_tokens(s, options) for s in shapes) if t is not None), default=None)
+    grouped = tuple(recognized_ffn(r) for _, r in chosen)
+    starts = (ring_from_tokens(s, options, g) for s, g in zip(shapes, grouped, strict=True))
+    ring_from = min((t for t in starts if t is not None), default=None)
     if ring_from is None or ring_from <= 1:
         always = "keeps its all-to-all at every" if ring_from is None else "runs a ring at every"
         return (f"the cost model {always} token count up to {_MAX_TOKENS}: one variant would never run, so each "
                 "region runs as a ring op that decides per call")
     return SwitchPlan(
-        regions=tuple(i for i, _ in chosen), shapes=shapes, tokens=expr,
+        regions=tuple(i for i, _ in chosen), shapes=shapes, grouped=grouped, tokens=expr,
         where=tuple((s, *where[s]) for s in sorted(expr.free_symbols, key=str)), group_name=groups.pop(),
         device=node_value(chosen[0][1].x).device, options=options, ring_from=ring_from,
     )

@@ -148,6 +148,17 @@ def capacity_probe_error(
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
+def recognized_ffn(region: Region) -> bool:
+    """Whether ``region``'s F is recognized as an FFN, which ``choose_expert_fn`` lowers onto grouped experts
+    unless its probe disagrees: the decisions made before the rewrite (``rewrite.kept_at_compile_time``, the
+    token switch, the report) predict the ring with grouped owners per hop only then. No probe, no compile."""
+    try:
+        recognize_expert_ffn(region.expert_fn, region.binding, region.experts_per_rank)
+    except NotAnFFN:
+        return False
+    return True
+
+
 def choose_expert_fn(
     region: Region, inner_compiler: str = "eager"
 ) -> tuple[RegionExpertFn | LoweredFFN | CompiledExpertFn, ExpertsPath]:

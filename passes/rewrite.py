@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.passes.expert_lowering import LoweredFFN, choose_expert_fn
+from relay_compile.passes.expert_lowering import LoweredFFN, choose_expert_fn, recognized_ffn
 from relay_compile.passes.fx_nodes import all_to_all_args, arg, is_all_to_all, node_value, upstream_collectives
 from relay_compile.passes.liveness import erase_unused_pure
 from relay_compile.passes.match import find_moe_regions
@@ -221,8 +221,9 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     Kept: under ``ring="never"``; under ``"auto"`` / ``"memory"`` where the token count is static, the tokens are
     on CUDA (where the model is calibrated) and ``cost_model.choose`` picks the all-to-all. Kept, the region runs
     as the original graph computes it, at its time and memory exactly (the ring op's own all-to-all path
-    recomputes its experts in backward). One owner per forward hop is assumed (the grouped forward's rule reads
-    the packed weights), which errs towards keeping the all-to-all.
+    recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
+    (``cost_model.grouped_owners`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
+    otherwise), so a region is kept only where the op would keep it too.
     """
     x = node_value(region.x)
     if options.ring == "never":
@@ -231,7 +232,7 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     if options.ring == "always" or not static or x.device.type not in cost_model.CALIBRATED_DEVICES:
         return None
     choice = choose(region.block_shape(), routing=options.routing, ring=options.ring, cal=H200,
-                    max_hop_rows=options.max_hop_rows)
+                    owners=None if recognized_ffn(region) else (1, 1), max_hop_rows=options.max_hop_rows)
     return choice if choice.execution == "all_to_all" else None
 
 

@@ -53,7 +53,7 @@ from relay_compile.passes import (
     rewrite_moe_region,
 )
 from relay_compile.passes.dynamic_keep import SwitchPlan, plan_switch, switchable
-from relay_compile.passes.expert_lowering import choose_expert_fn
+from relay_compile.passes.expert_lowering import choose_expert_fn, recognized_ffn
 from relay_compile.passes.fx_nodes import is_all_to_all
 from relay_compile.passes.refusals import Refusal
 from relay_compile.passes.region import Region
@@ -205,6 +205,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
         entry = RegionReport.matched(
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
+            grouped=recognized_ffn(region),
         )
         entry.idiom = region.idiom()
         try:

@@ -186,9 +186,9 @@ def _recompute(
     """What both fused backwards start from: the rows ``dy``, ``x`` (gathered by ``tok_S`` unless given), ``g =
     dy @ w2[e]`` and the recomputed first projection ``h`` (with its bias). Returned, not kept: the caller
     releases each after its last use."""
-    dy_SH = dy_TH if tok_S is None else dy_TH[tok_S]
+    dy_SH = dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)
     g_SF = grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
-    x_SH = x_TH if tok_S is None else x_TH[tok_S]
+    x_SH = x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)
     return dy_SH, g_SF, x_SH, add_bias(grouped_linear(x_SH, w_first, offsets_L, counts_host), b.first, b.expert_S)
 
 

@@ -48,6 +48,7 @@ class RegionReport:
     execution_predicted: str = ""
     decision: str = ""
     predicted_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    owners_per_hop: list[int] = field(default_factory=list)  # the expert ring's, per forward and backward hop
     # How the experts run at each hop: "grouped: <what F was recognized as>", "compiled (<inner compiler>): <what
     # was compiled, and why F is not grouped>" or "eager: <why neither>".
     experts: str = ""
@@ -59,7 +60,7 @@ class RegionReport:
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
                 max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto",
-                fp8: bool = False) -> RegionReport:
+                fp8: bool = False, grouped: bool = True) -> RegionReport:
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``; FP8 hops move one byte
         # per weight, the per-expert scales aside.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
@@ -76,17 +77,19 @@ class RegionReport:
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
             predicted_peak_bytes=predicted_peak_bytes(shape, max_hop_rows),
             shape=dataclasses.asdict(shape),
-            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows),
+            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped),
         )
 
 
-def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows) -> dict[str, Any]:
-    """The report's view of ``cost_model.choose`` (one owner per forward hop: the rule needs the packed weights)."""
+def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool) -> dict[str, Any]:
+    """The report's view of ``cost_model.choose``, with the owners per hop the op will hold (``grouped``: F lowers
+    onto grouped experts, ``cost_model.grouped_owners``; else one)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)"}
-    choice = choose(shape, routing=routing, ring=ring, cal=H200, max_hop_rows=max_hop_rows)
+    choice = choose(shape, routing=routing, ring=ring, cal=H200, owners=None if grouped else (1, 1),
+                    max_hop_rows=max_hop_rows)
     return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({H200.name} model: on CUDA)",
-            "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}}
+            "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}, "owners_per_hop": list(choice.owners)}
 
 
 @dataclass(kw_only=True)

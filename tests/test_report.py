@@ -118,7 +118,9 @@ class Summary(unittest.TestCase):
             # 256 / 66 = 3.88
             "  region 1 at all_to_all_single_2: rewritten, EP=4, routing auto -> expert, predicted peak a2a "
             "256.0 MiB, ring 66.0 MiB (3.9x)",
-            "    runs as expert: expert ring: predicted 5.40 ms against the all-to-all's 6.04 ms (h200 model: on CUDA)",
+            # The owners per hop the op will hold (grouped experts, cost_model.grouped_owners), not one.
+            "    runs as expert: expert ring (2/1 owners per forward/backward hop): predicted 4.37 ms against the "
+            "all-to-all's 6.04 ms (h200 model: on CUDA)",
             # 256 / 24 = 10.67
             "  region 2 at all_to_all_single_5: matched, EP=4, routing token -> token, predicted peak a2a "
             "256.0 MiB, ring 24.0 MiB (10.7x)",

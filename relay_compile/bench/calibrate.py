@@ -18,8 +18,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, a2a_time, ring_time
-from relay_compile.runtime.ring_options import HopShape, backward_owners_per_hop, owners_per_hop
+from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, a2a_time, grouped_owners, ring_time
 
 # The constants fitted (the link stays out: the stand-in has none), and how far one move scales them.
 FITTED = ("host_hop_us", "host_hop_expert_us", "host_a2a_us", "host_a2a_peer_us", "gemm_tflops", "gemm_half_rows",
@@ -34,15 +33,6 @@ def shape_of(layer: dict[str, int], ep: int, tokens: int) -> BlockShape:
                       group_size=ep, elem_bytes=elem, expert_bytes=3 * h * f * elem, expert_params=3 * h * f)
 
 
-def hop_owners(shape: BlockShape) -> tuple[int, int]:
-    """Owners per forward and per backward hop of expert routing, by the ring's own rules (swiglu: w1, w3
-    ``(E_l, F, H)``, w2 packed)."""
-    e_l, f, h, elem = shape.experts_per_rank, shape.ffn, shape.hidden, shape.elem_bytes
-    weights = [((e_l, 2 * f, h), e_l * 2 * f * h * elem), ((e_l, h, f), e_l * h * f * elem)]
-    hop = HopShape.of(shape.group_size, [shape.tokens], shape.top_k, weights, h, elem)
-    return owners_per_hop(hop), backward_owners_per_hop(hop)
-
-
 def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -> float | None:
     """Predicted ms of one measured point (None: a row the model does not describe)."""
     shape = shape_of(layer, int(point["ep"]), int(point["tokens"]))  # type: ignore[arg-type]
@@ -51,7 +41,7 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
         return a2a_time(shape, cal).total_ms
     if row in ("ring expert", "ring token"):
         routing = "expert" if row == "ring expert" else "token"
-        forward, backward = hop_owners(shape) if routing == "expert" else (1, 1)
+        forward, backward = grouped_owners(shape) if routing == "expert" else (1, 1)
         return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward).total_ms
     return None
 

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from relay_compile.bench.calibrate import hop_owners, predict, shape_of
+from relay_compile.bench.calibrate import predict, shape_of
 from relay_compile.bench.configs import BenchOptions, LayerConfig
 from relay_compile.bench.measure import LayerResult
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a, compiled_a2a_builder, ring_builder
@@ -64,9 +64,7 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
         cfg = LayerConfig(**result.config)
         layer = layer_of(cfg)
         shape = shape_of(layer, cfg.ep, cfg.tokens)
-        forward, backward = hop_owners(shape)
-        choice = choose(shape, routing="auto", ring="auto", cal=H200, owners_per_hop=forward,
-                        backward_owners=backward)
+        choice = choose(shape, routing="auto", ring="auto", cal=H200)
         decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict()})
         for row in result.rows:
             if row.skipped or row.total_ms is None:

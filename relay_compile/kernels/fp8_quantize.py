@@ -54,7 +54,7 @@ def quantize_rows(x_TD: Tensor, tok_S: Tensor | None = None, *, gated: bool = Fa
 
 def reference(x_TD: Tensor, tok_S: Tensor | None = None, *, gated: bool = False) -> tuple[Tensor, Tensor]:
     """Eager ``quantize_rows`` (the definition the kernel is tested against)."""
-    rows = (x_TD if tok_S is None else x_TD[tok_S]).float()
+    rows = (x_TD if tok_S is None else torch.index_select(x_TD, 0, tok_S)).float()
     if gated:
         half = rows.shape[1] // 2
         rows = nnf.silu(rows[:, :half]) * rows[:, half:]

@@ -290,8 +290,7 @@ def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], t
             tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
             experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
             expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
-        forward, backward = sizes.owners(tokens_N)
-        choice = choose(shape, routing=asked, ring=ring, cal=H200, owners_per_hop=forward, backward_owners=backward,
+        choice = choose(shape, routing=asked, ring=ring, cal=H200, owners=sizes.owners(tokens_N),
                         max_hop_rows=sizes.max_hop_rows)
         return choice.execution, choice
     if ring == "never":

@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from relay_compile.routing import Routing, per_hop_bytes
-from relay_compile.runtime.ring_options import MaxHopRows, hop_row_bound
+from relay_compile.runtime.ring_options import (
+    HopShape,
+    MaxHopRows,
+    backward_owners_per_hop,
+    hop_row_bound,
+    owners_per_hop,
+)
 
 Execution = Literal["expert", "token", "all_to_all"]
 
@@ -71,6 +77,26 @@ class BlockShape:
     @property
     def params(self) -> int:
         return self.expert_params or self.expert_bytes // max(1, self.elem_bytes)
+
+
+def grouped_owners(shape: BlockShape, min_tokens: int | None = None) -> tuple[int, int]:
+    """Owners per forward and per backward hop of expert routing (``ring_options.owners_per_hop``,
+    ``backward_owners_per_hop``) that a ring of grouped experts runs at ``shape``, from the block's sizes alone.
+
+    The runtime reads the packed weights (``runtime.ops``); this reads what a compile-time decision has (the
+    region's shapes, before the expert function is packed), so the decisions made before the op runs (the
+    compile-time keep, the token switch's threshold, the report) predict the ring the op will run. It takes the
+    packed layout of a grouped FFN: two matrices per expert, ``(out, H)`` in and ``(H, in)`` out, whose
+    ``out + in`` rows sum to ``2 H + params / H`` (SwiGLU packed ``[w1; w3]``: ``2H + 3F``).
+    ``min_tokens``: the group's smallest token count (its memory budget; default ``shape.tokens``).
+    """
+    s = shape
+    hop = HopShape(
+        ranks=s.group_size, max_tokens=s.tokens, min_tokens=s.tokens if min_tokens is None else min_tokens,
+        top_k=s.top_k, row_bytes=(2 * s.hidden + s.params // max(1, s.hidden)) * s.elem_bytes,
+        partition_bytes=s.experts_per_rank * s.expert_bytes, token_bytes=s.hidden * s.elem_bytes,
+    )
+    return owners_per_hop(hop), backward_owners_per_hop(hop)
 
 
 def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None) -> dict[str, int]:
@@ -226,31 +252,39 @@ class Choice:
     reason: str
     times: dict[str, TimeEstimate]  # "expert", "token" (the ring's routings considered), "a2a"
     peaks: dict[str, int]  # predicted_peak_bytes
+    owners: tuple[int, int] = (1, 1)  # the expert ring's owners per forward and per backward hop, predicted with
 
     def as_dict(self) -> dict[str, object]:
-        return {"execution": self.execution, "reason": self.reason,
+        return {"execution": self.execution, "reason": self.reason, "owners_per_hop": list(self.owners),
                 "predicted_ms": {k: t.as_dict() for k, t in self.times.items()}, "predicted_peak_bytes": self.peaks}
 
 
-def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners_per_hop: int = 1,
-           backward_owners: int = 1, max_hop_rows: MaxHopRows = "auto") -> Choice:
+def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners: tuple[int, int] | None = None,
+           max_hop_rows: MaxHopRows = "auto") -> Choice:
     """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
+
+    ``owners``: owners per forward and per backward hop of the expert ring (``(1, 1)``: an expert function
+    without grouped entry points); None: those of grouped experts (``grouped_owners``).
 
     ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also
     where it is slower but the all-to-all's predicted peak is higher (the ring buys memory with time);
     ``"always"``; ``"never"``.
     """
     routings: tuple[Routing, ...] = ("expert", "token") if routing == "auto" else (routing,)  # type: ignore[assignment]
-    times = {r: ring_time(shape, r, cal, owners_per_hop=owners_per_hop if r == "expert" else 1,
-                          backward_owners=backward_owners if r == "expert" else 1, max_hop_rows=max_hop_rows)
+    forward, backward = grouped_owners(shape) if owners is None else owners
+    times = {r: ring_time(shape, r, cal, owners_per_hop=forward if r == "expert" else 1,
+                          backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
              for r in routings}
     times["a2a"] = a2a_time(shape, cal)
     peaks = predicted_peak_bytes(shape, max_hop_rows)
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
     ring_ms, a2a_ms = times[best].total_ms, times["a2a"].total_ms
     mib = {k: v / 2**20 for k, v in peaks.items()}
+    grouped = best == "expert" and forward * backward > 1
+    held = f" ({forward}/{backward} owners per forward/backward hop)" if grouped else ""
     if ring == "never":
-        return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks)
+        return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks,
+                      owners=(forward, backward))
     faster = ring_ms <= a2a_ms
     if faster:
         why = f"predicted {ring_ms:.2f} ms against the all-to-all's {a2a_ms:.2f} ms"
@@ -260,7 +294,8 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
     elif ring == "always":
         why = f"option ring='always' (predicted {ring_ms:.2f} ms against the all-to-all's {a2a_ms:.2f} ms)"
     else:
-        return Choice(execution="all_to_all", times=times, peaks=peaks, reason=(
-            f"the {best} ring is predicted slower ({ring_ms:.2f} ms against {a2a_ms:.2f} ms; peak {mib['ring']:.0f} "
-            f"MiB against {mib['a2a']:.0f} MiB); ring='memory' or 'always' runs it"))
-    return Choice(execution=best, reason=f"{best} ring: {why}", times=times, peaks=peaks)
+        return Choice(execution="all_to_all", times=times, peaks=peaks, owners=(forward, backward), reason=(
+            f"the {best} ring{held} is predicted slower ({ring_ms:.2f} ms against {a2a_ms:.2f} ms; peak "
+            f"{mib['ring']:.0f} MiB against {mib['a2a']:.0f} MiB); ring='memory' or 'always' runs it"))
+    return Choice(execution=best, reason=f"{best} ring{held}: {why}", times=times, peaks=peaks,
+                  owners=(forward, backward))

@@ -128,9 +128,9 @@ class Fp8Experts:
         q13, s13, q2, s2 = weights
         dtype = _compute_dtype(self.inner, x_TH)
         counts = list(rows_G) or None
-        dy_SH = (dy_TH if tok_S is None else dy_TH[tok_S]).to(dtype)
+        dy_SH = (dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)).to(dtype)
         g_SF = scaled_grouped_linear(*quantize_rows(dy_SH), transposed(q2), s2, offsets_G, dtype)  # dy @ w2[e]
-        x_SH = (x_TH if tok_S is None else x_TH[tok_S]).to(dtype)
+        x_SH = (x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)).to(dtype)
         h13_SU = scaled_grouped_linear(*quantize_rows(x_SH), q13, s13, offsets_G, dtype)
         d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out)  # g <- score * act, h13 <- dh13
         into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum

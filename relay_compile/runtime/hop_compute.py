@@ -210,7 +210,7 @@ class ExpertRoutingStep:
                   for j in range(cfg.ring.size // g)] if g > 1 else []
         chunks = plan_chunks(bounds + groups, [e_l] * len(bounds) + [g * e_l] * len(groups), x_TH.device)
         self.chunks, self.group_chunks = chunks[: len(bounds)], chunks[len(bounds):]
-        self.scores_S = topk_scores_TK.reshape(-1)[routing.order_P]
+        self.scores_S = torch.index_select(topk_scores_TK.reshape(-1), 0, routing.order_P)
         # Padded and equal-group chunks are planned for one owner per hop (stacks run their chunks as they are).
         graphs = g == 1 and cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
@@ -414,7 +414,7 @@ class TokenRoutingStep:
         src = self._source(hop)
         routing = PairRouting.build(ids_TK, self.counts_host_NE[src], self.cfg.experts_per_rank)
         return HopRows(routing=routing, chunks=self.chunks[hop], src=src,
-                       scores_S=scores_TK.reshape(-1)[routing.order_P])
+                       scores_S=torch.index_select(scores_TK.reshape(-1), 0, routing.order_P))
 
     def _own_range(self, rows: HopRows) -> tuple[int, int]:
         return rows.routing.owner_range(self.cfg.ring.rank)

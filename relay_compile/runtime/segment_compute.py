@@ -167,7 +167,7 @@ def _scaled_rows(x_SH: Tensor, score_S1: Tensor) -> Tensor:
 def _gathered_scaled_rows(x_TH: Tensor, tok_S: Tensor, score_S1: Tensor) -> Tensor:
     """``_scaled_rows(x[tok], s)`` without a second ``(S, H)`` buffer: the gather is scaled in place (the product
     is computed in fp32 and rounded once into the rows' dtype, as ``_scaled_rows`` rounds it)."""
-    return x_TH[tok_S].mul_(score_S1.to(ACC_DTYPE))
+    return torch.index_select(x_TH, 0, tok_S).mul_(score_S1.to(ACC_DTYPE))
 
 
 def _row_dot(a_SH: Tensor, b_SH: Tensor) -> Tensor:
@@ -188,7 +188,7 @@ def segment_forward(
             continue
         tok_S = rows.routing.tokens_P[chunk.start : chunk.end]
         score_S1 = rows.scores_S[chunk.start : chunk.end, None]
-        x_SH = _gathered_scaled_rows(x_TH, tok_S, score_S1) if cfg.scores_before else x_TH[tok_S]
+        x_SH = _gathered_scaled_rows(x_TH, tok_S, score_S1) if cfg.scores_before else torch.index_select(x_TH, 0, tok_S)
         out_SH = _expert_forward(cfg, chunk, rows.src, x_SH, _chunk_weights(cfg, weights, chunk))
         if cfg.scores_before:
             y.add_(tok_S, out_SH)
@@ -228,7 +228,7 @@ def recompute_chunk(
     if cfg.scores_before:
         x_SH = _gathered_scaled_rows(x_TH, tok_S, rows.scores_S[chunk.start : chunk.end, None]).requires_grad_()
     else:
-        x_SH = x_TH[tok_S].detach().requires_grad_()
+        x_SH = torch.index_select(x_TH, 0, tok_S).detach().requires_grad_()
     w_leaves = [w.detach().requires_grad_() for w in _chunk_weights(cfg, weights, chunk)]
     with _autograd_enabled():
         out_SH = _expert_forward(cfg, chunk, rows.src, x_SH, w_leaves)
@@ -243,7 +243,7 @@ def chunk_vjp(
     contributions. It is popped, so its rows and output are released here as soon as they are used."""
     chunk, x_SH, w_leaves, out_SH = pending.pop(0)
     tok_S = rows.routing.tokens_P[chunk.start : chunk.end]
-    dy_SH = dy_TH[tok_S]
+    dy_SH = torch.index_select(dy_TH, 0, tok_S)
     if cfg.scores_before:  # x_SH is u = s x: with g = vjp_F(u)[dy], dx = s g and d_score = <g, x>
         with _autograd_enabled():
             g_SH, *dws = torch.autograd.grad(out_SH, [x_SH, *w_leaves], dy_SH, allow_unused=True)
@@ -251,7 +251,7 @@ def chunk_vjp(
         if g_SH is None:  # F ignores its rows
             ds_S[chunk.start : chunk.end] = 0
         else:
-            ds_S[chunk.start : chunk.end] = _row_dot(g_SH, x_TH[tok_S])
+            ds_S[chunk.start : chunk.end] = _row_dot(g_SH, torch.index_select(x_TH, 0, tok_S))
             # autograd's fresh gradient rows (or our own dy gather): scaled in place, rounded once as autograd's
             dx.add_(tok_S, g_SH.mul_(rows.scores_S[chunk.start : chunk.end, None].to(ACC_DTYPE)))
         dw.add(dws, chunk if cfg.grouped is not None else None)
@@ -311,8 +311,8 @@ def segment_backward(
             )
         else:
             dx_SH, ds_out, dws = fused(
-                x_TH[tok_S], _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src), weights,
-                dy_TH[tok_S], chunk_score_S,
+                torch.index_select(x_TH, 0, tok_S), _counts_NL(cfg, chunk, rows.src), _splits_N(cfg, chunk, rows.src),
+                weights, torch.index_select(dy_TH, 0, tok_S), chunk_score_S,
             )
         if ds_out is not chunk_ds_S:
             chunk_ds_S.copy_(ds_out)
@@ -364,16 +364,16 @@ def _scores_before_fused_vjp(
         # tok_S=None: the rows are given (gathered and scaled here); the entry point drops them after use.
         g_SH, _, dws = grouped.vjp_rows(
             _gathered_scaled_rows(x_TH, tok_S, score_S1), None, chunk.offsets_G, chunk.rows, chunk_weights,
-            dy_TH[tok_S], unit_S, grad_dtype=cfg.sum_dtype(dw.weights[0]),
+            torch.index_select(dy_TH, 0, tok_S), unit_S, grad_dtype=cfg.sum_dtype(dw.weights[0]),
             grad_into=functools.partial(dw.sink, chunk),
         )
     else:
         assert vjp is not None, "hop_compute: no fused backward for scores before the experts"
         g_SH, _, dws = vjp(
             _gathered_scaled_rows(x_TH, tok_S, score_S1), _counts_NL(cfg, chunk, rows.src),
-            _splits_N(cfg, chunk, rows.src), weights, dy_TH[tok_S], unit_S,
+            _splits_N(cfg, chunk, rows.src), weights, torch.index_select(dy_TH, 0, tok_S), unit_S,
         )
-    ds_S[c0:c1] = _row_dot(g_SH, x_TH[tok_S])
+    ds_S[c0:c1] = _row_dot(g_SH, torch.index_select(x_TH, 0, tok_S))
     if grouped is not None:  # our own entry point's fresh rows: scale them in place (rounded once, as autograd's)
         dx.add_(tok_S, g_SH.mul_(score_S1.to(ACC_DTYPE)))
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import tempfile
 import unittest
 from pathlib import Path
@@ -28,7 +29,9 @@ from relay_compile.comm_events import count_comm_events
 from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime import agreement, all_to_all, segment_compute
-from relay_compile.runtime.cost_model import H200, BlockShape, Choice, a2a_time, choose, ring_time
+from relay_compile.experts import GroupedFFN
+from relay_compile.runtime.cost_model import H200, BlockShape, Choice, a2a_time, choose, grouped_owners, ring_time
+from relay_compile.runtime.ring_options import HopShape, backward_owners_per_hop, owners_per_hop
 from relay_compile.runtime.transport import RingPeerError
 from tests import distributed
 from tests.distributed import DistributedTestCase
@@ -63,17 +66,44 @@ class Decision(unittest.TestCase):
         from relay_compile.passes.dynamic_keep import _keeps, ring_from_tokens
         from relay_compile.runtime.ring_options import RingOptions
 
-        for ep, ring in ((8, "auto"), (64, "auto"), (8, "memory"), (64, "memory")):
+        # Grouped experts hold grouped_owners per hop, which change with T; an F without grouped entry points one.
+        for ep, ring, grouped in itertools.product((8, 64), ("auto", "memory"), (True, False)):
             options = RingOptions(ring=ring)
-            start = ring_from_tokens(qwen3(1, ep), options)
+            start = ring_from_tokens(qwen3(1, ep), options, grouped)
             self.assertIsNotNone(start, (ep, ring))
             for tokens in (*(2**k for k in range(8, 19)), start - 1, start):
-                want = choose(qwen3(tokens, ep), routing="auto", ring=ring, cal=H200).execution == "all_to_all"
-                self.assertEqual(want, tokens < start, (ep, ring, tokens, start))
-                self.assertEqual(_keeps((qwen3(1, ep),), options, tokens), want, (ep, ring, tokens))
+                want = choose(qwen3(tokens, ep), routing="auto", ring=ring, cal=H200,
+                              owners=None if grouped else (1, 1)).execution == "all_to_all"
+                self.assertEqual(want, tokens < start, (ep, ring, grouped, tokens, start))
+                self.assertEqual(_keeps((qwen3(1, ep),), (grouped,), options, tokens), want, (ep, ring, tokens))
         # ring="memory" runs the ring from fewer tokens than "auto": it also buys memory with time.
         self.assertLess(ring_from_tokens(qwen3(1, 8), RingOptions(ring="memory")), 8192)
         self.assertGreater(ring_from_tokens(qwen3(1, 8), RingOptions(ring="auto")), 8192)
+
+    def test_decisions_before_the_op_predict_the_owners_per_hop_the_op_holds(self) -> None:
+        # The compile-time keep, the token switch and the report predict from the block's sizes
+        # (grouped_owners); the op from its packed weights (runtime.ops, ring_options rules): they must agree, or
+        # a region is kept at compile time that the op would run as a ring. Qwen3 (SwiGLU, packed [w13, w2]) and
+        # a non-gated FFN ([w1, w2]), bf16 and fp32, EP 8-128, 1024-131072 tokens.
+        for activation, elem, ep, tokens in itertools.product(
+                ("swiglu", "gelu"), (2, 4), (8, 16, 64, 128), (1024, 4096, 16384, 32768, 65536, 131072)):
+            e_l, h, f = 128 // ep, 2048, 768
+            dtype = {2: torch.bfloat16, 4: torch.float32}[elem]
+            unpacked = [torch.empty(e_l, f, h, dtype=dtype, device="meta"), torch.empty(e_l, h, f, dtype=dtype,
+                        device="meta")] + ([torch.empty(e_l, f, h, dtype=dtype, device="meta")] if activation ==
+                                           "swiglu" else [])
+            packed = GroupedFFN(activation).pack(unpacked)
+            hop = HopShape.of(ep, [tokens] * ep, 8, [(w.shape, w.numel() * elem) for w in packed], h, elem)
+            shape = BlockShape(tokens=tokens, hidden=h, ffn=f, top_k=8, experts_per_rank=e_l, group_size=ep,
+                               elem_bytes=elem, expert_bytes=sum(w.numel() for w in unpacked) // e_l * elem)
+            self.assertEqual(grouped_owners(shape), (owners_per_hop(hop), backward_owners_per_hop(hop)),
+                             (activation, elem, ep, tokens))
+        # Qwen3 at EP=64: the grouped ring at 65536 tokens (2 / 1 owners) is predicted faster than the all-to-all,
+        # one owner per hop is not: the compile-time keep used to assume one and kept what the op runs as a ring.
+        shape = qwen3(65536, 64)
+        self.assertEqual(grouped_owners(shape), (2, 1))
+        self.assertEqual(choose(shape, routing="auto", ring="auto", cal=H200).execution, "expert")
+        self.assertEqual(choose(shape, routing="auto", ring="auto", cal=H200, owners=(1, 1)).execution, "all_to_all")
 
     def test_auto_keeps_the_all_to_all_where_the_ring_is_slower_and_runs_the_ring_where_it_is_faster(self) -> None:
         small, large = choose(qwen3(4096, 64), routing="auto", ring="auto", cal=H200), choose(
