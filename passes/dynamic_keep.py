@@ -38,6 +38,7 @@ from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
 from relay_compile.runtime.cost_model import H200, BlockShape, choose
 from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.transport import group_link_gbps
 
 # The largest T searched for a region's threshold (the report's ``ring_from``).
 _MAX_TOKENS = 1 << 24
@@ -59,12 +60,14 @@ def switchable(region: Region, options: RingOptions) -> bool:
             and x.device.type in cost_model.CALIBRATED_DEVICES)
 
 
-def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = True) -> int | None:
+def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = True,
+                     link: float | None = None) -> int | None:
     """The smallest T, equal on every rank, from which the cost model runs ``shape`` as a ring (None: not up to
     ``_MAX_TOKENS``), by bisection: the ring's advantage grows with T. ``grouped``: F lowers onto grouped experts
-    (the ring holds ``cost_model.grouped_owners`` per hop; else one)."""
+    (the ring holds ``cost_model.grouped_owners`` per hop; else one); ``link``: GB/s of the link a hop crosses
+    (``transport.link_gbps``; None: device copies)."""
     def ring(tokens: int) -> bool:
-        return _choice(shape, options, tokens, grouped) != "all_to_all"
+        return _choice(shape, options, tokens, grouped, link) != "all_to_all"
 
     if not ring(_MAX_TOKENS):
         return None
@@ -75,10 +78,11 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = Tr
     return hi
 
 
-def _choice(shape: BlockShape, options: RingOptions, tokens: int, grouped: bool) -> str:
+def _choice(shape: BlockShape, options: RingOptions, tokens: int, grouped: bool, link: float | None) -> str:
     """What ``cost_model.choose`` runs ``shape`` as at ``tokens`` per rank (the compile-time keep's rule)."""
-    return choose(dataclasses.replace(shape, tokens=tokens), routing=options.routing, ring=options.ring, cal=H200,
-                  owners=None if grouped else (1, 1), max_hop_rows=options.max_hop_rows).execution
+    return choose(dataclasses.replace(shape, tokens=tokens), routing=options.routing, ring=options.ring,
+                  cal=H200.with_link(link), owners=None if grouped else (1, 1),
+                  max_hop_rows=options.max_hop_rows).execution
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +95,7 @@ class SwitchPlan:
     regions: tuple[int, ...]
     shapes: tuple[BlockShape, ...]
     grouped: tuple[bool, ...]  # per region: F lowers onto grouped experts (``expert_lowering.recognized_ffn``)
+    link: float | None  # GB/s of the link a hop crosses (``transport.link_gbps``; None: device copies)
     tokens: sympy.Expr
     where: tuple[tuple[sympy.Symbol, int, int | None], ...]
     group_name: str
@@ -105,7 +110,7 @@ class SwitchPlan:
 
     def keeps(self, tokens: int) -> bool:
         """Whether every covered region keeps its all-to-all at an agreed largest T of ``tokens``."""
-        return _keeps(self.shapes, self.grouped, self.options, tokens)
+        return _keeps(self.shapes, self.grouped, self.options, tokens, self.link)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -119,9 +124,10 @@ def _evaluate(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...], values: tuple
 
 
 @functools.lru_cache(maxsize=1024)
-def _keeps(shapes: tuple[BlockShape, ...], grouped: tuple[bool, ...], options: RingOptions, tokens: int) -> bool:
+def _keeps(shapes: tuple[BlockShape, ...], grouped: tuple[bool, ...], options: RingOptions, tokens: int,
+           link: float | None = None) -> bool:
     """``SwitchPlan.keeps``, cached per agreed T."""
-    return all(_choice(s, options, tokens, g) == "all_to_all" for s, g in zip(shapes, grouped, strict=True))
+    return all(_choice(s, options, tokens, g, link) == "all_to_all" for s, g in zip(shapes, grouped, strict=True))
 
 
 def _symbol_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[int, int | None]]:
@@ -157,15 +163,17 @@ def plan_switch(gm: fx.GraphModule, regions: Sequence[Region], options: RingOpti
                 "region runs as a ring op that decides per call")
     shapes = tuple(r.block_shape() for _, r in chosen)
     grouped = tuple(recognized_ffn(r) for _, r in chosen)
-    starts = (ring_from_tokens(s, options, g) for s, g in zip(shapes, grouped, strict=True))
+    group_name = groups.pop()
+    link = group_link_gbps(group_name, options.link_gbps)
+    starts = (ring_from_tokens(s, options, g, link) for s, g in zip(shapes, grouped, strict=True))
     ring_from = min((t for t in starts if t is not None), default=None)
     if ring_from is None or ring_from <= 1:
         always = "keeps its all-to-all at every" if ring_from is None else "runs a ring at every"
         return (f"the cost model {always} token count up to {_MAX_TOKENS}: one variant would never run, so each "
                 "region runs as a ring op that decides per call")
     return SwitchPlan(
-        regions=tuple(i for i, _ in chosen), shapes=shapes, grouped=grouped, tokens=expr,
-        where=tuple((s, *where[s]) for s in sorted(expr.free_symbols, key=str)), group_name=groups.pop(),
+        regions=tuple(i for i, _ in chosen), shapes=shapes, grouped=grouped, link=link, tokens=expr,
+        where=tuple((s, *where[s]) for s in sorted(expr.free_symbols, key=str)), group_name=group_name,
         device=node_value(chosen[0][1].x).device, options=options, ring_from=ring_from,
     )
 

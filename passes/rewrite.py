@@ -52,6 +52,7 @@ from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
 from relay_compile.runtime.region_fn import RegionExpertFn
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.specs import RingSpec, register_spec
+from relay_compile.runtime.transport import group_link_gbps
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,8 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     as the original graph computes it, at its time and memory exactly (the ring op's own all-to-all path
     recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
     (``cost_model.grouped_owners`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
-    otherwise), so a region is kept only where the op would keep it too.
+    otherwise) and the link it will take a hop to cross (``transport.group_link_gbps``), so a region is kept
+    only where the op would keep it too.
     """
     x = node_value(region.x)
     if options.ring == "never":
@@ -231,7 +233,8 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     static = isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape)
     if options.ring == "always" or not static or x.device.type not in cost_model.CALIBRATED_DEVICES:
         return None
-    choice = choose(region.block_shape(), routing=options.routing, ring=options.ring, cal=H200,
+    cal = H200.with_link(group_link_gbps(region.group_name, options.link_gbps))
+    choice = choose(region.block_shape(), routing=options.routing, ring=options.ring, cal=cal,
                     owners=None if recognized_ffn(region) else (1, 1), max_hop_rows=options.max_hop_rows)
     return choice if choice.execution == "all_to_all" else None
 

@@ -62,6 +62,7 @@ from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime import program_dumps
 from relay_compile.runtime.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.runtime.token_switch import TokenSwitch
+from relay_compile.runtime.transport import group_link_gbps
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
         entry = RegionReport.matched(
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
-            grouped=recognized_ffn(region),
+            grouped=recognized_ffn(region), link=group_link_gbps(region.group_name, opts.ring.link_gbps),
         )
         entry.idiom = region.idiom()
         try:

@@ -1,6 +1,7 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
-The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs, ring, fp8) become a
+The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs, ring, fp8,
+link_gbps) become a
 ``RingOptions``, which validates them; this module adds the backend's (inner compiler, dumps, verify, activation
 memory budget) and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop
 rows").
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_compile import config
-from relay_compile.runtime.ring_options import ChunkGraphs, InvalidRingOption, MaxHopRows, RingOptions
+from relay_compile.runtime.ring_options import ChunkGraphs, InvalidRingOption, LinkGbps, MaxHopRows, RingOptions
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
@@ -104,6 +105,18 @@ def _graphs(value: Any, parse: bool) -> ChunkGraphs:
     return _bool("chunk_graphs", value, parse)
 
 
+def _link(value: Any, parse: bool) -> LinkGbps:
+    """``link_gbps``: ``"auto"`` or GB/s (from the environment, ``auto`` or a decimal number); ``RingOptions``
+    checks the range."""
+    if parse and isinstance(value, str) and value.strip() != "auto":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"relaymoe: option link_gbps={value!r} (RELAYMOE_LINK_GBPS) must be 'auto' or a number "
+                             "of GB/s") from None
+    return value.strip() if isinstance(value, str) else value
+
+
 def _dump_dir(value: Any, parse: bool) -> str:
     """A directory (``""`` or None: no dumps); from the environment, never a switch such as 0 or False."""
     path = os.fspath(value) if isinstance(value, os.PathLike) else value
@@ -171,7 +184,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
             remat=_bool("remat", *pick("remat")), max_hop_rows=_hop_bound(*pick("max_hop_rows")),
             fp32_accumulation=_bool("fp32_accumulation", *pick("fp32_accumulation")),
             chunk_graphs=_graphs(*pick("chunk_graphs")), ring=_str("ring", *pick("ring")),
-            fp8=_bool("fp8", *pick("fp8")),
+            fp8=_bool("fp8", *pick("fp8")), link_gbps=_link(*pick("link_gbps")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None

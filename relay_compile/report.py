@@ -60,7 +60,7 @@ class RegionReport:
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
                 max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto",
-                fp8: bool = False, grouped: bool = True) -> RegionReport:
+                fp8: bool = False, grouped: bool = True, link: float | None = None) -> RegionReport:
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``; FP8 hops move one byte
         # per weight, the per-expert scales aside.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
@@ -77,18 +77,21 @@ class RegionReport:
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
             predicted_peak_bytes=predicted_peak_bytes(shape, max_hop_rows),
             shape=dataclasses.asdict(shape),
-            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped),
+            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, link),
         )
 
 
-def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool) -> dict[str, Any]:
+def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool,
+              link: float | None) -> dict[str, Any]:
     """The report's view of ``cost_model.choose``, with the owners per hop the op will hold (``grouped``: F lowers
-    onto grouped experts, ``cost_model.grouped_owners``; else one)."""
+    onto grouped experts, ``cost_model.grouped_owners``; else one) and the link its hops cross (``link`` GB/s,
+    ``transport.link_gbps``; None: device copies)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)"}
-    choice = choose(shape, routing=routing, ring=ring, cal=H200, owners=None if grouped else (1, 1),
+    cal = H200.with_link(link)
+    choice = choose(shape, routing=routing, ring=ring, cal=cal, owners=None if grouped else (1, 1),
                     max_hop_rows=max_hop_rows)
-    return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({H200.name} model: on CUDA)",
+    return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({cal.describe()}: on CUDA)",
             "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}, "owners_per_hop": list(choice.owners)}
 
 

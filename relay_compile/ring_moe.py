@@ -24,7 +24,7 @@ from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_
 from relay_compile.runtime.agreement import BadArgument, fail_together
 from relay_compile.runtime.fn_identity import identify
 from relay_compile.runtime.ops import check_routing_args, ring_moe_op
-from relay_compile.runtime.ring_options import ChunkGraphs, MaxHopRows, RingOptions
+from relay_compile.runtime.ring_options import ChunkGraphs, LinkGbps, MaxHopRows, RingOptions
 from relay_compile.runtime.specs import SCORES_APPLIED, RingSpec, ScoresApplied, register_spec
 from relay_compile.runtime.transport import RingGroup
 
@@ -125,6 +125,7 @@ def ring_moe_experts(
     chunk_graphs: ChunkGraphs = False,
     ring: str = "auto",
     fp8: bool = False,
+    link_gbps: LinkGbps = "auto",
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -149,8 +150,8 @@ def ring_moe_experts(
         # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
         key = _register(expert_fn, experts_per_rank, group_name, dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8), name, scores_applied,
-            torch.compiler.is_compiling())
+            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8, link_gbps=link_gbps),
+            name, scores_applied, torch.compiler.is_compiling())
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
@@ -189,6 +190,7 @@ def ring_moe(
     chunk_graphs: ChunkGraphs = False,
     ring: str = "auto",
     fp8: bool = False,
+    link_gbps: LinkGbps = "auto",
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
 ) -> Tensor:
@@ -225,6 +227,10 @@ def ring_moe(
             (``torch._scaled_grouped_mm`` on CUDA; an exact fp32 emulation elsewhere); weight gradients and
             sums across hops stay as wide as without it. SwiGLU without biases only (``ValueError``
             otherwise). Off by default; every rank passes the same.
+        link_gbps: the link the cost model takes one hop's transfer to cross (the ``ring`` decision): GB/s of
+            one direction of the slowest link a hop crosses (an inter-node network's per-GPU bandwidth, ~50, for
+            a ring that spans nodes); ``"auto"``: from the group's backend (NCCL: NVLink-class, 450; a group
+            without device links, such as the one-GPU stand-in: device copies). Every rank passes the same.
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
         scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
@@ -259,6 +265,7 @@ def ring_moe(
         x, topk_ids, topk_scores, weights, expert_fn=fn, experts_per_rank=w1.shape[0], group=group_name or None,
         routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
         fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8,
+        link_gbps=link_gbps,
         name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
         scores_applied=scores_applied,
     )

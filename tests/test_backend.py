@@ -82,6 +82,9 @@ class BackendOptions(unittest.TestCase):
             ({"dump_dir": True}, r"option dump_dir=True must be a directory"),
             ({"activation_memory_budget": 1.5}, r"option activation_memory_budget=1\.5 must be a number in \[0, 1\]"),
             ({"activation_memory_budget": "0.5"}, r"option activation_memory_budget='0\.5' must be a number"),
+            ({"link_gbps": "50"}, r"option link_gbps must be 'auto' or a positive bandwidth in GB/s, got '50'"),
+            ({"link_gbps": 0}, r"option link_gbps must be 'auto' or a positive bandwidth in GB/s, got 0"),
+            ({"link_gbps": True}, r"option link_gbps must be 'auto' or a positive bandwidth in GB/s, got True"),
             (["routing"], r"options must be a dict \{option: value\}, got list \['routing'\]; valid options are"),
         ]
         for options, message in cases:
@@ -124,12 +127,20 @@ class BackendOptions(unittest.TestCase):
         with unittest.mock.patch.dict("os.environ", {"RELAYMOE_MAX_HOP_ROWS": "0"}):
             self.assertIsNone(resolve().ring.max_hop_rows)
         self.assertEqual(resolve().ring.max_hop_rows, "auto")
+        with relay_compile.config.patch(link_gbps=" 50.5 "):
+            self.assertEqual(resolve().ring.link_gbps, 50.5)
+        for value, message in (("fast", r"link_gbps='fast' \(RELAYMOE_LINK_GBPS\) must be 'auto' or a number"),
+                               ("-3", r"link_gbps must be 'auto' or a positive bandwidth in GB/s, got -3\.0")):
+            with self.subTest(RELAYMOE_LINK_GBPS=value), relay_compile.config.patch(link_gbps=value), \
+                    self.assertRaisesRegex(ValueError, f"^relaymoe: option {message}"):
+                resolve()
+        self.assertEqual(resolve().ring.link_gbps, "auto")
 
     def test_the_environment_reaches_the_options_through_the_config_module(self) -> None:
         # The config module reads RELAYMOE_* once, at import: a fresh interpreter.
         env = {**os.environ, "RELAYMOE_DUMP_DIR": "0", "RELAYMOE_OVERLAP": "FALSE", "RELAYMOE_VERIFY": "1",
                "RELAYMOE_ROUTING": "token", "RELAYMOE_CHUNK_GRAPHS": "auto", "RELAYMOE_RING": "memory",
-               "RELAYMOE_DYNAMIC_KEEP": "false", "OMP_NUM_THREADS": "1"}
+               "RELAYMOE_DYNAMIC_KEEP": "false", "RELAYMOE_LINK_GBPS": "50", "OMP_NUM_THREADS": "1"}
         script = (
             "from relay_compile.options import resolve\n"
             "try:\n    resolve()\nexcept ValueError as e:\n    print(e)\n"
@@ -139,7 +150,7 @@ class BackendOptions(unittest.TestCase):
                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.splitlines()
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
         self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows='auto', "
-                      "fp32_accumulation=True, chunk_graphs='auto', ring='memory', fp8=False)", out[1])
+                      "fp32_accumulation=True, chunk_graphs='auto', ring='memory', fp8=False, link_gbps=50.0)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
         self.assertIn("dynamic_keep=False", out[1])
 

@@ -104,7 +104,7 @@ class Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-def KEEP_BELOW_24(shape: Any, options: Any, tokens: int, grouped: bool) -> str:  # noqa: N802 -- a stand-in rule
+def KEEP_BELOW_24(shape: Any, options: Any, tokens: int, *model: Any) -> str:  # noqa: N802 -- a stand-in rule
     """``dynamic_keep._choice`` as a threshold: the all-to-all below 24 tokens per rank, an expert ring from 24."""
     return "all_to_all" if tokens < 24 else "expert"
 

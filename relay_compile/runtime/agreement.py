@@ -8,7 +8,8 @@ Contract:
     before the exchange: code, argument and the first bytes of the message), the direction, token count,
     hidden size, top-k, the dtypes of everything that travels (x, topk_ids, topk_scores, grad_y), experts
     per rank, weight count, shapes and dtypes, the options that change the transfer schedule (routing asked,
-    overlap, remat, fp32_accumulation; never ``max_hop_rows``, a per-rank memory knob), the expert function's
+    overlap, remat, fp32_accumulation, fp8; never ``max_hop_rows``, a per-rank memory knob), those the cost model
+    decides by (ring, and the link ``link_gbps`` resolves to on the group: ``transport.link_gbps``), the expert function's
     identity (``fn_identity``) and where the scores apply (before or after it), then what the step needs: a
     bad-expert-id flag and the pair counts per expert, and
     the failure status this rank's previous ring on the group left unread (``transport.RingRun.outcome``).
@@ -52,7 +53,7 @@ Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 ARGUMENTS = (
     "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
     "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "fp32_accumulation",
-    "scores_applied", "ring", "fp8",
+    "scores_applied", "ring", "fp8", "link_gbps",
     "the call",
 )
 # Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.
@@ -65,8 +66,8 @@ MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
 _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
-    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "fp8", "cuda", "kept", "expert_fn",
-    "scores_before", "num_weights", "weights_digest",
+    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "fp8", "link", "cuda", "kept",
+    "expert_fn", "scores_before", "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
 )
@@ -87,6 +88,8 @@ _AGREED = (
     ("fp32_accumulation", "option fp32_accumulation", lambda v: str(bool(v))),
     ("ring", "option ring", lambda v: repr(RINGS[v])),
     ("fp8", "option fp8", lambda v: str(bool(v))),
+    ("link", "the link the cost model takes a hop to cross (option link_gbps; 'auto': from the group's backend)",
+     lambda v: f"{v / 1000:g} GB/s" if v else "device copies"),
     ("cuda", "the tokens' device type (x.device)", lambda v: "cuda" if v else "not cuda"),
     ("hidden", "the hidden size (x.shape[1])", str),
     ("top_k", "top-k (topk_ids.shape[1])", str),
@@ -134,6 +137,7 @@ class Claims:
     scores_before: bool = False
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
     cuda: bool = False
+    link_gbps: float | None = None  # ``transport.link_gbps`` of the option and the group (None: device copies)
     # 1: the region kept its all-to-all at compile time, 2: it was refused (``agree_kept``); 3: a graph compiled
     # twice chooses its kept or its ring variant (``agree_tokens``)
     kept: int = 0
@@ -153,7 +157,8 @@ class Claims:
             experts_per_rank=self.experts_per_rank, routing=ROUTINGS.index(self.options.routing),
             overlap=int(self.options.overlap), remat=int(self.options.remat),
             fp32_accumulation=int(self.options.fp32_accumulation), ring=RINGS.index(self.options.ring),
-            fp8=int(self.options.fp8), cuda=int(self.cuda), kept=int(self.kept), expert_fn=self.expert_fn,
+            fp8=int(self.options.fp8), link=round(self.link_gbps * 1000) if self.link_gbps else 0,
+            cuda=int(self.cuda), kept=int(self.kept), expert_fn=self.expert_fn,
             scores_before=int(self.scores_before),
             num_weights=len(self.weights), counts_len=counts_len,
         )
@@ -268,8 +273,9 @@ def agree(
         expert_grad_bytes=grad_bytes // max(1, head[_AT["experts_per_rank"]]), sum_elem_bytes=sum_elem_bytes,
     )
     tokens_N = [row[_AT["tokens"]] for row in table]
+    link = head[_AT["link"]] / 1000 or None
     execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
-                                   volume_args, tokens_N, ring.size, sizes)
+                                   volume_args, tokens_N, ring.size, sizes, link)
     if counts_NE[ring.rank] is None:
         # NOTE: the group's first call with this many experts: counts did not fit the row.
         counts_NE = all_gather_rows(ring, counts_E).tolist() if execution == "token" else _own(ring, counts_E)
@@ -282,15 +288,16 @@ def agree(
 
 
 def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], tokens_N: list[int], size: int,
-               sizes: BlockSizes | None) -> tuple[Execution, Choice | None]:
+               sizes: BlockSizes | None, link: float | None = None) -> tuple[Execution, Choice | None]:
     """The options ``routing`` and ``ring`` resolved from agreed values only (the same on every rank): by the
-    cost model where it is calibrated (CUDA: ``cost_model.H200``), else routing by bytes and the ring."""
+    cost model where it is calibrated (CUDA: ``cost_model.H200``, transfers over a ``link`` of that many GB/s or
+    as device copies), else routing by bytes and the ring."""
     if cuda and sizes is not None and (asked == "auto" or ring != "always"):
         shape = BlockShape(
             tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
             experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
             expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
-        choice = choose(shape, routing=asked, ring=ring, cal=H200, owners=sizes.owners(tokens_N),
+        choice = choose(shape, routing=asked, ring=ring, cal=H200.with_link(link), owners=sizes.owners(tokens_N),
                         max_hop_rows=sizes.max_hop_rows)
         return choice.execution, choice
     if ring == "never":

@@ -143,6 +143,10 @@ class Calibration:
     def with_link(self, gbps: float | None) -> Calibration:
         return dataclasses.replace(self, link_gbps=gbps)
 
+    def describe(self) -> str:
+        """The model in words, for reports: its name, and the link where transfers cross one."""
+        return f"{self.name} model" + ("" if self.link_gbps is None else f", {self.link_gbps:g} GB/s link")
+
 
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-02; rms log error 0.058, every point within 0.82-1.19x): docs/bench/h200-time-model/. Redo with

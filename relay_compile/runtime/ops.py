@@ -44,7 +44,7 @@ from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
 from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
-from relay_compile.runtime.transport import RingGroup, RingRun
+from relay_compile.runtime.transport import RingGroup, RingRun, link_gbps
 from relay_compile.runtime.weight_grads import pack_weights
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ def _prepare(
         experts_per_rank=spec.experts_per_rank, options=spec.options, expert_fn=state.identity_code,
         scores_before=spec.scores_applied == "before",
         weights=tuple((w.dtype, tuple(w.shape)) for w in weights), cuda=x.device.type == "cuda",
+        link_gbps=link_gbps(cfg.ring.group, spec.options.link_gbps),
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 

@@ -3,8 +3,8 @@
 The functional API (``ring_moe``), the backend's options (``relay_compile.options``) and the rewrite pass all
 build a ``RingOptions``; nothing else validates ``routing`` or ``max_hop_rows``. ``key()`` is part of the
 ring's spec key (``runtime.specs``), a key of this process's registry. ``routing``, ``overlap``, ``remat``,
-``fp32_accumulation`` and ``fp8`` change what travels and when, so every rank must pass the same ones:
-``runtime.agreement`` checks them at every call. ``max_hop_rows`` changes only how a rank cuts its own hops: it may differ across ranks and calls.
+``fp32_accumulation`` and ``fp8`` change what travels and when, and ``ring`` and ``link_gbps`` what the cost
+model decides, so every rank must pass the same ones: ``runtime.agreement`` checks them at every call. ``max_hop_rows`` changes only how a rank cuts its own hops: it may differ across ranks and calls.
 
 "No bound" on hop rows is ``None`` here; the process-wide config spells it ``0`` (config entries cannot be
 None) and ``relay_compile.options`` converts it. The default, ``"auto"``, is a bound derived from each call's
@@ -28,6 +28,8 @@ MaxHopRows = int | None | Literal["auto"]
 # all-to-all, ``runtime.all_to_all``: for comparisons and tests).
 RINGS: tuple[str, ...] = ("auto", "memory", "always", "never")
 ChunkGraphs = bool | Literal["auto"]
+# The ``link_gbps`` option: GB/s of the slowest link a hop's transfer crosses, or "auto" (``transport.link_gbps``).
+LinkGbps = float | Literal["auto"]
 # ``max_hop_rows="auto"``: a chunk holds at most 1/AUTO_HOP_ROWS_FRACTION of the rank's tokens (its gathered
 # rows, their gradients and the expert activations then stay below the token-sized sums the step holds
 # anyway), and never fewer than AUTO_MIN_HOP_ROWS rows: each chunk costs a fixed host time, which below that
@@ -180,6 +182,11 @@ class RingOptions:
       outputs and input gradients) is summed and sent in fp32, as an fp32-accumulating GEMM of the
       all-to-all layer would sum it; False sums in the dtype of the summands (bf16: half the bytes of those
       transfers, one bf16 rounding per hop).
+    - ``link_gbps``: what the cost model takes a transfer to cross (``runtime.cost_model``, the ``ring``
+      decision): GB/s of one direction of the slowest link one hop's transfer crosses (an inter-node
+      network's per-GPU bandwidth, ~50, to plan a ring that spans nodes); ``"auto"``: from the group's
+      backend (``transport.link_gbps``: NCCL an NVLink-class link, 450; a group without device links, such
+      as the one-GPU stand-in, device copies). Decides, so every rank must resolve it alike (agreed).
     """
 
     routing: str = "auto"
@@ -190,6 +197,7 @@ class RingOptions:
     chunk_graphs: ChunkGraphs = False
     ring: str = "auto"
     fp8: bool = False
+    link_gbps: LinkGbps = "auto"
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -203,6 +211,10 @@ class RingOptions:
         if self.chunk_graphs != "auto" and not isinstance(self.chunk_graphs, bool):
             raise InvalidRingOption(f"chunk_graphs must be True, False or 'auto', got {self.chunk_graphs!r}",
                                     "chunk_graphs")
+        link = self.link_gbps
+        if link != "auto" and (isinstance(link, bool) or not isinstance(link, (int, float)) or not 0 < link < 1e6):
+            raise InvalidRingOption(f"link_gbps must be 'auto' or a positive bandwidth in GB/s, got {link!r}",
+                                    "link_gbps")
         for name in ("overlap", "remat", "fp32_accumulation", "fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRingOption(f"{name} must be a bool, got {getattr(self, name)!r}", name)
@@ -211,12 +223,13 @@ class RingOptions:
     def checked(
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
         max_hop_rows: MaxHopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
-        ring: str = "auto", fp8: bool = False,
+        ring: str = "auto", fp8: bool = False, link_gbps: LinkGbps = "auto",
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""
         try:
             return cls(routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-                       fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8)
+                       fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8,
+                       link_gbps=link_gbps)
         except InvalidRingOption as e:
             raise InvalidRingOption(f"{caller}: {e.problem}", e.argument) from None
 
@@ -227,6 +240,7 @@ class RingOptions:
             f"|max_hop_rows={self.max_hop_rows}|fp32_accumulation={int(self.fp32_accumulation)}"
             f"|chunk_graphs={self.chunk_graphs if self.chunk_graphs == 'auto' else int(self.chunk_graphs)}"
             f"|ring={self.ring}" + ("|fp8=1" if self.fp8 else "")
+            + ("" if self.link_gbps == "auto" else f"|link_gbps={float(self.link_gbps):g}")
         )
 
     def graphs_on(self, device: torch.device) -> bool:

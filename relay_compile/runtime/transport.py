@@ -52,6 +52,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._prims_common import make_contiguous_strides_for
 
+from relay_compile.runtime.cost_model import NVLINK_GBPS
+
 # Tags of one transfer are ``index * TAGS_PER_TRANSFER + position``: room for every tensor of a payload.
 TAGS_PER_TRANSFER = 64
 # The status element of transfer ``index`` travels under ``STATUS_TAG + index``: above every payload tag.
@@ -426,6 +428,34 @@ def _spans(tensors: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
         spans.append((1, tensors[i]))
         i += 1
     return spans
+
+
+def link_gbps(group: dist.ProcessGroup | None, option: float | str = "auto") -> float | None:
+    """The bandwidth (GB/s, one direction) the cost model takes one hop's transfer on ``group`` to see; None:
+    transfers are device copies (no link).
+
+    ``option`` (``RingOptions.link_gbps``) wins where it is a number. ``"auto"``: NCCL moves data over device
+    links, an NVLink-class one within a node (``NVLINK_GBPS``); a ring spanning nodes crosses a slower
+    network, which only the user knows of (pass its per-GPU bandwidth). Any other group has no device link
+    to model: the one-GPU stand-in (``bench.standin_group``) copies on the device, which is how the
+    calibration measured it; gloo runs on the CPU, where the model does not decide. Every rank of a group
+    resolves it alike: same backend, same option (checked in ``runtime.agreement``).
+    """
+    if option != "auto":
+        return float(option)
+    if group is None:
+        return None
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # a group torch.distributed does not know by a backend name
+        return None
+    return NVLINK_GBPS if "nccl" in backend.lower() else None
+
+
+def group_link_gbps(group_name: str, option: float | str = "auto") -> float | None:
+    """``link_gbps`` of the group named ``group_name`` (``""``: a ring of one): what a compile-time decision of
+    a region on that group predicts with, as its ring op will at every call."""
+    return link_gbps(RingGroup.resolve(group_name).group, option)
 
 
 def all_gather_rows(ring: RingGroup, row_R: Tensor) -> Tensor:

@@ -28,11 +28,20 @@ from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
 from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
-from relay_compile.runtime import agreement, all_to_all, segment_compute
+from relay_compile.runtime import agreement, all_to_all, cost_model, segment_compute
 from relay_compile.experts import GroupedFFN
-from relay_compile.runtime.cost_model import H200, BlockShape, Choice, a2a_time, choose, grouped_owners, ring_time
+from relay_compile.runtime.cost_model import (
+    H200,
+    NVLINK_GBPS,
+    BlockShape,
+    Choice,
+    a2a_time,
+    choose,
+    grouped_owners,
+    ring_time,
+)
 from relay_compile.runtime.ring_options import HopShape, backward_owners_per_hop, owners_per_hop
-from relay_compile.runtime.transport import RingPeerError
+from relay_compile.runtime.transport import RingPeerError, link_gbps
 from tests import distributed
 from tests.distributed import DistributedTestCase
 from tests.test_backend import E_L, F, H, block, inputs, step_outputs
@@ -104,6 +113,28 @@ class Decision(unittest.TestCase):
         self.assertEqual(grouped_owners(shape), (2, 1))
         self.assertEqual(choose(shape, routing="auto", ring="auto", cal=H200).execution, "expert")
         self.assertEqual(choose(shape, routing="auto", ring="auto", cal=H200, owners=(1, 1)).execution, "all_to_all")
+
+    def test_the_link_a_hop_crosses_comes_from_the_group_or_the_option_and_moves_the_decision(self) -> None:
+        from relay_compile.bench.standin_group import standin_group
+
+        # "auto": NCCL an NVLink-class link; the one-GPU stand-in (what H200 was fitted on) device copies.
+        self.assertIsNone(link_gbps(standin_group(8)))
+        self.assertIsNone(link_gbps(None))
+        self.assertEqual(link_gbps(standin_group(8), 50), 50.0)
+        with mock.patch.object(dist, "get_backend", return_value="nccl"):
+            self.assertEqual(link_gbps(standin_group(8)), NVLINK_GBPS)
+        # Qwen3, EP=8, 16384 tokens: the all-to-all's four exchanges over NVLink are exposed, the ring's weights
+        # hide behind its hops; with device copies (the stand-in) the all-to-all is the faster.
+        copies = choose(qwen3(16384, 8), routing="auto", ring="auto", cal=H200)
+        nvlink = choose(qwen3(16384, 8), routing="auto", ring="auto", cal=H200.with_link(NVLINK_GBPS))
+        self.assertEqual((copies.execution, nvlink.execution), ("all_to_all", "expert"), (copies.reason, nvlink.reason))
+        self.assertGreater(nvlink.times["a2a"].total_ms, copies.times["a2a"].total_ms)
+        # EP=64 over an inter-node network (50 GB/s per GPU): the ring from 16384 tokens, not with NVLink.
+        self.assertEqual(choose(qwen3(16384, 64), routing="auto", ring="auto",
+                                cal=H200.with_link(NVLINK_GBPS)).execution, "all_to_all")
+        self.assertEqual(choose(qwen3(16384, 64), routing="auto", ring="auto", cal=H200.with_link(50)).execution,
+                         "expert")
+        self.assertEqual(H200.with_link(50).describe(), "h200 model, 50 GB/s link")
 
     def test_auto_keeps_the_all_to_all_where_the_ring_is_slower_and_runs_the_ring_where_it_is_faster(self) -> None:
         small, large = choose(qwen3(4096, 64), routing="auto", ring="auto", cal=H200), choose(
@@ -259,7 +290,8 @@ class AllToAllPath(DistributedTestCase):
         items = _items_traced(block, world)
         # The split sizes' host reads go through one copy (passes.host_reads; on CUDA by default, here on the CPU).
         with tempfile.TemporaryDirectory() as dump, mock.patch.object(host_reads, "on_accelerator",
-                                                                              lambda t: True):
+                                                                              lambda t: True), \
+                mock.patch.object(cost_model, "grouped_owners", return_value=(2, 3)):
             torch._dynamo.reset()
             seen = len(compiled_reports())
             kept = torch.compile(block, backend="relaymoe", options={
@@ -271,6 +303,9 @@ class AllToAllPath(DistributedTestCase):
             (report,) = compiled_reports()[seen:]
             self.assertEqual([r.status for r in report.regions], ["kept"], report.summary())
             self.assertIn("ring='never'", report.regions[0].reason)
+            # Its F lowers onto grouped experts: the report predicts with the owners per hop the op would hold
+            # (grouped_owners, patched: at these sizes the rule holds one).
+            self.assertEqual(report.regions[0].owners_per_hop, [2, 3], report.summary())
             (after,) = Path(dump).glob(f"{report.graph}_rank{self.rank}/1_rewritten_graph.py")
             code = after.read_text()
             self.assertEqual(code.count("relaymoe.kept_all_to_all"), 1, code)

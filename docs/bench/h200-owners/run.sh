@@ -19,4 +19,5 @@ if [ -d ab_old/relay_compile ]; then
     echo "== round $round: gathered first stack"; hg --ep 64 --tokens 16384 32768 65536 --repeats 5
   done 2>&1 | tee $OUT/ab.txt
 fi
+python docs/bench/h200-owners/gather_host.py 2>&1 | tee $OUT/gather_host.txt
 python docs/bench/h200-hop-host/profile_hop.py $OUT --ep 64 --tokens 16384 2>&1 | grep -v "Warn\|warn_once\|USDT" | head -60
