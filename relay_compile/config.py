@@ -58,9 +58,9 @@ ring: str = Config(default="auto", env_name_default="RELAYMOE_RING")
 fp8: bool = Config(default=False, env_name_default="RELAYMOE_FP8")
 
 # The link the cost model takes one hop's transfer to cross, for the ``ring`` decision: "auto" from the EP group's
-# backend (NCCL: an NVLink-class link, 450 GB/s; a group without device links, such as the one-GPU stand-in: device
-# copies), or GB/s of one direction of the slowest link a hop crosses (an inter-node network's per-GPU bandwidth,
-# ~50, to plan a ring that spans nodes). Agreed across ranks.
+# backend (NCCL: an NVLink-class link, 450 GB/s, or 50 GB/s where the group spans nodes by torchrun's
+# LOCAL_WORLD_SIZE; a group without device links, such as the one-GPU stand-in: device copies), or GB/s of one
+# direction of the slowest link a hop crosses. The group decides with the slowest link any rank reports.
 link_gbps: str = Config(default="auto", env_name_default="RELAYMOE_LINK_GBPS")
 
 # Where an MoE region's token count is dynamic and the cost model may keep its all-to-all at some counts (CUDA,

@@ -229,8 +229,9 @@ def ring_moe(
             otherwise). Off by default; every rank passes the same.
         link_gbps: the link the cost model takes one hop's transfer to cross (the ``ring`` decision): GB/s of
             one direction of the slowest link a hop crosses (an inter-node network's per-GPU bandwidth, ~50, for
-            a ring that spans nodes); ``"auto"``: from the group's backend (NCCL: NVLink-class, 450; a group
-            without device links, such as the one-GPU stand-in: device copies). Every rank passes the same.
+            a ring that spans nodes); ``"auto"``: from the group's backend (NCCL: NVLink-class, 450, or 50 where
+            the group spans nodes; a group without device links, such as the one-GPU stand-in: device copies).
+            The group decides with the slowest link any rank reports.
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
         scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).

@@ -8,8 +8,9 @@ Contract:
     before the exchange: code, argument and the first bytes of the message), the direction, token count,
     hidden size, top-k, the dtypes of everything that travels (x, topk_ids, topk_scores, grad_y), experts
     per rank, weight count, shapes and dtypes, the options that change the transfer schedule (routing asked,
-    overlap, remat, fp32_accumulation, fp8; never ``max_hop_rows``, a per-rank memory knob), those the cost model
-    decides by (ring, and the link ``link_gbps`` resolves to on the group: ``transport.link_gbps``), the expert function's
+    overlap, remat, fp32_accumulation, fp8; never ``max_hop_rows``, a per-rank memory knob), the option ``ring``,
+    the link this rank's hops cross (``transport.link_gbps``: not checked alike, the slowest one counts), the expert
+    function's
     identity (``fn_identity``) and where the scores apply (before or after it), then what the step needs: a
     bad-expert-id flag and the pair counts per expert, and
     the failure status this rank's previous ring on the group left unread (``transport.RingRun.outcome``).
@@ -88,8 +89,6 @@ _AGREED = (
     ("fp32_accumulation", "option fp32_accumulation", lambda v: str(bool(v))),
     ("ring", "option ring", lambda v: repr(RINGS[v])),
     ("fp8", "option fp8", lambda v: str(bool(v))),
-    ("link", "the link the cost model takes a hop to cross (option link_gbps; 'auto': from the group's backend)",
-     lambda v: f"{v / 1000:g} GB/s" if v else "device copies"),
     ("cuda", "the tokens' device type (x.device)", lambda v: "cuda" if v else "not cuda"),
     ("hidden", "the hidden size (x.shape[1])", str),
     ("top_k", "top-k (topk_ids.shape[1])", str),
@@ -273,7 +272,7 @@ def agree(
         expert_grad_bytes=grad_bytes // max(1, head[_AT["experts_per_rank"]]), sum_elem_bytes=sum_elem_bytes,
     )
     tokens_N = [row[_AT["tokens"]] for row in table]
-    link = head[_AT["link"]] / 1000 or None
+    link = agreed_link([row[_AT["link"]] for row in table])
     execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
                                    volume_args, tokens_N, ring.size, sizes, link)
     if counts_NE[ring.rank] is None:
@@ -285,6 +284,14 @@ def agree(
         counts=StepCounts(tokens_N=tokens_N, counts_NE=counts_NE),
         volumes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
     )
+
+
+def agreed_link(links_N: Sequence[int]) -> float | None:
+    """The link the group's decision takes hops to cross, from every rank's header (``link``, MB/s; 0: device
+    copies): the slowest, since a hop waits for every rank's transfer (one rank's NIC, or a rank that was told
+    ``link_gbps`` of the network the others do not see, slows them all). None where no rank crosses a link."""
+    crossing = [v for v in links_N if v]
+    return min(crossing) / 1000 if crossing else None
 
 
 def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], tokens_N: list[int], size: int,
@@ -347,7 +354,7 @@ def _exchange(
 # The columns that are fine as zeros on every rank, and those every rank must hold alike: one comparison
 # each per call when all is well (the usual case), the detailed checks below only otherwise.
 _QUIET = operator.itemgetter(_AT["problem"], BAD_IDS, PEER_FAILURE)
-_ALIKE = operator.itemgetter(*(i for name, i in _AT.items() if name not in ("problem", "tokens", "counts_len")
+_ALIKE = operator.itemgetter(*(i for name, i in _AT.items() if name not in ("problem", "tokens", "counts_len", "link")
                                and not name.startswith("message")))
 
 

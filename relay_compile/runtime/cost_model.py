@@ -160,6 +160,8 @@ H200 = Calibration(
 )
 # NVLink-class link (H100/H200: ~450 GB/s a direction), the default for planning with a real link.
 NVLINK_GBPS = 450.0
+# An inter-node network's bandwidth per GPU (one 400 Gb/s NIC: 50 GB/s a direction), for a ring spanning nodes.
+INTER_NODE_GBPS = 50.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,8 +3,8 @@
 The functional API (``ring_moe``), the backend's options (``relay_compile.options``) and the rewrite pass all
 build a ``RingOptions``; nothing else validates ``routing`` or ``max_hop_rows``. ``key()`` is part of the
 ring's spec key (``runtime.specs``), a key of this process's registry. ``routing``, ``overlap``, ``remat``,
-``fp32_accumulation`` and ``fp8`` change what travels and when, and ``ring`` and ``link_gbps`` what the cost
-model decides, so every rank must pass the same ones: ``runtime.agreement`` checks them at every call. ``max_hop_rows`` changes only how a rank cuts its own hops: it may differ across ranks and calls.
+``fp32_accumulation`` and ``fp8`` change what travels and when, and ``ring`` what the cost model decides, so every
+rank must pass the same ones: ``runtime.agreement`` checks them at every call (``link_gbps``: the slowest counts). ``max_hop_rows`` changes only how a rank cuts its own hops: it may differ across ranks and calls.
 
 "No bound" on hop rows is ``None`` here; the process-wide config spells it ``0`` (config entries cannot be
 None) and ``relay_compile.options`` converts it. The default, ``"auto"``, is a bound derived from each call's
@@ -184,9 +184,10 @@ class RingOptions:
       transfers, one bf16 rounding per hop).
     - ``link_gbps``: what the cost model takes a transfer to cross (``runtime.cost_model``, the ``ring``
       decision): GB/s of one direction of the slowest link one hop's transfer crosses (an inter-node
-      network's per-GPU bandwidth, ~50, to plan a ring that spans nodes); ``"auto"``: from the group's
-      backend (``transport.link_gbps``: NCCL an NVLink-class link, 450; a group without device links, such
-      as the one-GPU stand-in, device copies). Decides, so every rank must resolve it alike (agreed).
+      network's per-GPU bandwidth, to plan a ring that spans nodes); ``"auto"``: from the group's backend
+      (``transport.link_gbps``: NCCL an NVLink-class link, 450, or 50 across nodes; a group without device
+      links, such as the one-GPU stand-in, device copies). Not checked alike: the group decides with the
+      slowest link any rank reports (``agreement.agreed_link``).
     """
 
     routing: str = "auto"

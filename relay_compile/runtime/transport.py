@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._prims_common import make_contiguous_strides_for
 
-from relay_compile.runtime.cost_model import NVLINK_GBPS
+from relay_compile.runtime.cost_model import INTER_NODE_GBPS, NVLINK_GBPS
 
 # Tags of one transfer are ``index * TAGS_PER_TRANSFER + position``: room for every tensor of a payload.
 TAGS_PER_TRANSFER = 64
@@ -435,11 +436,12 @@ def link_gbps(group: dist.ProcessGroup | None, option: float | str = "auto") -> 
     transfers are device copies (no link).
 
     ``option`` (``RingOptions.link_gbps``) wins where it is a number. ``"auto"``: NCCL moves data over device
-    links, an NVLink-class one within a node (``NVLINK_GBPS``); a ring spanning nodes crosses a slower
-    network, which only the user knows of (pass its per-GPU bandwidth). Any other group has no device link
-    to model: the one-GPU stand-in (``bench.standin_group``) copies on the device, which is how the
-    calibration measured it; gloo runs on the CPU, where the model does not decide. Every rank of a group
-    resolves it alike: same backend, same option (checked in ``runtime.agreement``).
+    links: an NVLink-class one within a node (``NVLINK_GBPS``), a network between nodes (``INTER_NODE_GBPS``,
+    one 400 Gb/s NIC per GPU; pass the real figure where it differs) where the group spans nodes
+    (``spans_nodes``). Any other group has no device link to model: the one-GPU stand-in
+    (``bench.standin_group``) copies on the device, which is how the calibration measured it; gloo runs on the
+    CPU, where the model does not decide. The group decides with the slowest link any rank reports
+    (``agreement.agreed_link``).
     """
     if option != "auto":
         return float(option)
@@ -449,7 +451,19 @@ def link_gbps(group: dist.ProcessGroup | None, option: float | str = "auto") -> 
         backend = str(dist.get_backend(group))
     except (RuntimeError, ValueError):  # a group torch.distributed does not know by a backend name
         return None
-    return NVLINK_GBPS if "nccl" in backend.lower() else None
+    if "nccl" not in backend.lower():
+        return None
+    return INTER_NODE_GBPS if spans_nodes(dist.get_process_group_ranks(group)) else NVLINK_GBPS
+
+
+def spans_nodes(global_ranks: Sequence[int]) -> bool:
+    """Whether these global ranks live on more than one node, as torchrun places them: ``LOCAL_WORLD_SIZE``
+    consecutive global ranks per node. Unknown (no ``LOCAL_WORLD_SIZE``, as outside torchrun): False."""
+    try:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return False
+    return per_node > 0 and len({r // per_node for r in global_ranks}) > 1
 
 
 def group_link_gbps(group_name: str, option: float | str = "auto") -> float | None:

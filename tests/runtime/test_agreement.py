@@ -135,10 +135,6 @@ class ArgumentsAreAgreedByEveryRank(ShortTimeoutCase):
                 (dict(kw=dict(overlap=not other)), "option overlap"),
                 (dict(kw=dict(remat=not other)), "option remat"),
                 (dict(kw=dict(routing="token" if other else "expert")), "option routing"),
-                # The cost model decides by it: a rank planning for another link could run another execution.
-                (dict(kw=dict(link_gbps=50 if other else "auto")),
-                 "the link the cost model takes a hop to cross .*: rank 1 passes 50 GB/s where rank 0 passes device "
-                 "copies"),
                 (dict(kw=dict(scores_applied="before" if other else "after")),
                  "where the scores apply \\(scores_applied\\): rank 1 passes before where rank 0 passes after"),
                 (dict(width=F + 4 * other), r"weight shapes of rank 1 differ from rank 0's: weights\[0\] is"),

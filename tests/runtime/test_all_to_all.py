@@ -32,6 +32,7 @@ from relay_compile.runtime import agreement, all_to_all, cost_model, segment_com
 from relay_compile.experts import GroupedFFN
 from relay_compile.runtime.cost_model import (
     H200,
+    INTER_NODE_GBPS,
     NVLINK_GBPS,
     BlockShape,
     Choice,
@@ -41,7 +42,7 @@ from relay_compile.runtime.cost_model import (
     ring_time,
 )
 from relay_compile.runtime.ring_options import HopShape, backward_owners_per_hop, owners_per_hop
-from relay_compile.runtime.transport import RingPeerError, link_gbps
+from relay_compile.runtime.transport import RingPeerError, link_gbps, spans_nodes
 from tests import distributed
 from tests.distributed import DistributedTestCase
 from tests.test_backend import E_L, F, H, block, inputs, step_outputs
@@ -122,7 +123,17 @@ class Decision(unittest.TestCase):
         self.assertIsNone(link_gbps(None))
         self.assertEqual(link_gbps(standin_group(8), 50), 50.0)
         with mock.patch.object(dist, "get_backend", return_value="nccl"):
-            self.assertEqual(link_gbps(standin_group(8)), NVLINK_GBPS)
+            self.assertEqual(link_gbps(standin_group(8)), NVLINK_GBPS)  # no LOCAL_WORLD_SIZE: one node
+            for per_node, want in (("8", NVLINK_GBPS), ("4", INTER_NODE_GBPS), ("", NVLINK_GBPS)):
+                with mock.patch.dict("os.environ", {"LOCAL_WORLD_SIZE": per_node}):
+                    self.assertEqual(link_gbps(standin_group(8)), want, per_node)
+        # torchrun's placement: LOCAL_WORLD_SIZE consecutive global ranks per node.
+        with mock.patch.dict("os.environ", {"LOCAL_WORLD_SIZE": "8"}):
+            self.assertEqual([spans_nodes(r) for r in ([0, 7], [8, 15], [7, 8], [0, 8, 16], [3])],
+                             [False, False, True, True, False])
+        # The group decides with the slowest link any rank crosses (header values in MB/s; 0: device copies).
+        self.assertEqual(agreement.agreed_link([450_000, 50_000, 450_000]), 50.0)
+        self.assertIsNone(agreement.agreed_link([0, 0]))
         # Qwen3, EP=8, 16384 tokens: the all-to-all's four exchanges over NVLink are exposed, the ring's weights
         # hide behind its hops; with device copies (the stand-in) the all-to-all is the faster.
         copies = choose(qwen3(16384, 8), routing="auto", ring="auto", cal=H200)
@@ -280,6 +291,18 @@ class AllToAllPath(DistributedTestCase):
         own = [None] * world
         dist.all_gather_object(own, decided[0][2] == "all_to_all")
         self.assertEqual(own, [False, False, True, True])  # what each count alone decides: a ring, or not
+        # Links are not checked alike: rank 1 crosses a 50 GB/s network the others do not see (gloo: no link), and
+        # every rank decides with the slowest link (agreement.agreed_link), forward and backward.
+        links: list[float | None] = []
+
+        def recording_choose(shape: BlockShape, **kw) -> Choice:
+            links.append(kw["cal"].link_gbps)
+            return real_choose(shape, **kw)
+
+        with mock.patch.object(agreement, "choose", recording_choose), \
+                mock.patch.object(agreement, "_execution", on_cuda):
+            forward_backward(ring_moe, x, ids, scores, weights, self.rank, link_gbps=50 if self.rank == 1 else "auto")
+        self.assertEqual(links, [50.0, 50.0])
 
     def check_the_backend_keeps_the_region_and_every_rank_must(self) -> None:
         """``ring="never"`` at compile time: the region stays as Dynamo traced it (its all-to-alls run, equal to
