@@ -36,12 +36,14 @@ from relay_compile.passes.expert_lowering import recognized_ffn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
-from relay_compile.runtime.cost_model import H200, BlockShape, choose
+from relay_compile.runtime.cost_model import H200, BlockShape, choose, grouped_owners
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import group_link_gbps
 
-# The largest T searched for a region's threshold (the report's ``ring_from``).
+# The largest T searched for a region's threshold (the report's ``ring_from``), and the grid searched first:
+# powers of two and their midpoints (1, 2, 3, 4, 6, 8, 12, ...).
 _MAX_TOKENS = 1 << 24
+_GRID = sorted({*(1 << k for k in range(25)), *(3 << k for k in range(23))})
 
 
 def _tokens_expr(region: Region) -> sympy.Expr | None:
@@ -62,16 +64,20 @@ def switchable(region: Region, options: RingOptions) -> bool:
 
 def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = True,
                      link: float | None = None) -> int | None:
-    """The smallest T, equal on every rank, from which the cost model runs ``shape`` as a ring (None: not up to
-    ``_MAX_TOKENS``), by bisection: the ring's advantage grows with T. ``grouped``: F lowers onto grouped experts
-    (the ring holds ``cost_model.grouped_owners`` per hop; else one); ``link``: GB/s of the link a hop crosses
-    (``transport.link_gbps``; None: device copies)."""
+    """The smallest T, equal on every rank, from which the cost model runs ``shape`` as a ring (None: at no T up
+    to ``_MAX_TOKENS``): the first T of a geometric grid (``_GRID``) that runs a ring, refined by bisection from
+    the grid point below it. The choice need not stay a ring above it: the owners per hop step down as hops grow
+    (``cost_model.grouped_owners``), so a region may be kept again at larger T; ``SwitchPlan.keeps`` decides every
+    T itself, this is what the report states and whether a switch is worth compiling. ``grouped``: F lowers onto
+    grouped experts (else one owner per hop); ``link``: GB/s of the link a hop crosses (``transport.link_gbps``;
+    None: device copies)."""
     def ring(tokens: int) -> bool:
         return _choice(shape, options, tokens, grouped, link) != "all_to_all"
 
-    if not ring(_MAX_TOKENS):
+    hi = next((t for t in _GRID if ring(t)), None)
+    if hi is None:
         return None
-    lo, hi = 0, _MAX_TOKENS  # kept at lo (0: by definition), a ring at hi
+    lo = max((t for t in _GRID if t < hi), default=0)  # kept at lo (0: by definition), a ring at hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ring(mid) else (mid, hi)
@@ -80,8 +86,9 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = Tr
 
 def _choice(shape: BlockShape, options: RingOptions, tokens: int, grouped: bool, link: float | None) -> str:
     """What ``cost_model.choose`` runs ``shape`` as at ``tokens`` per rank (the compile-time keep's rule)."""
-    return choose(dataclasses.replace(shape, tokens=tokens), routing=options.routing, ring=options.ring,
-                  cal=H200.with_link(link), owners=None if grouped else (1, 1),
+    shape = dataclasses.replace(shape, tokens=tokens)
+    owners = grouped_owners(shape, fp8=options.fp8) if grouped else (1, 1)
+    return choose(shape, routing=options.routing, ring=options.ring, cal=H200.with_link(link), owners=owners,
                   max_hop_rows=options.max_hop_rows).execution
 
 

@@ -125,7 +125,7 @@ def block_shape(
         tokens=report_size(x_val.shape[0]), hidden=hidden, top_k=top_k,
         ffn=weight_elems // max(1, hidden * matrices_per_expert), experts_per_rank=experts_per_rank,
         group_size=group_size, elem_bytes=x_val.element_size(),
-        expert_bytes=weight_elems * weight_vals[0].element_size(),
+        expert_bytes=weight_elems * weight_vals[0].element_size(), expert_params=weight_elems,
     )
 
 

@@ -46,7 +46,7 @@ from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
 from relay_compile.runtime.compiled_experts import CompiledExpertFn
-from relay_compile.runtime.cost_model import H200, Choice, choose
+from relay_compile.runtime.cost_model import H200, Choice, choose, grouped_owners
 from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
 from relay_compile.runtime.region_fn import RegionExpertFn
@@ -224,8 +224,9 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     as the original graph computes it, at its time and memory exactly (the ring op's own all-to-all path
     recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
     (``cost_model.grouped_owners`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
-    otherwise) and the link it will take a hop to cross (``transport.group_link_gbps``), so a region is kept
-    only where the op would keep it too.
+    otherwise; FP8 hops' weight bytes under ``fp8``) and the link it will take a hop to cross
+    (``transport.group_link_gbps``), so a region is kept where the op would keep it at this T, up to what only a
+    call knows (the other ranks' token counts and links, the probe's verdict on F).
     """
     x = node_value(region.x)
     if options.ring == "never":
@@ -234,8 +235,10 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     if options.ring == "always" or not static or x.device.type not in cost_model.CALIBRATED_DEVICES:
         return None
     cal = H200.with_link(group_link_gbps(region.group_name, options.link_gbps))
-    choice = choose(region.block_shape(), routing=options.routing, ring=options.ring, cal=cal,
-                    owners=None if recognized_ffn(region) else (1, 1), max_hop_rows=options.max_hop_rows)
+    shape = region.block_shape()
+    owners = grouped_owners(shape, fp8=options.fp8) if recognized_ffn(region) else (1, 1)
+    choice = choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,
+                    max_hop_rows=options.max_hop_rows)
     return choice if choice.execution == "all_to_all" else None
 
 

@@ -260,8 +260,8 @@ def _plan_switch(report: GraphReport, gm: fx.GraphModule, regions: list[Region],
 def _switch_reason(switch: dict[str, Any]) -> str:
     """A switched region's reason in the ring variant's report."""
     return (f"token count {switch['tokens']} is dynamic: the graph is also compiled with this region kept, and each "
-            "call runs that variant where the cost model keeps it at the group's largest token count (below "
-            f"{switch['ring_from']} tokens per rank when the counts are equal)")
+            "call runs that variant where the cost model keeps it at the group's largest token count (the first ring "
+            f"at {switch['ring_from']} tokens per rank when the counts are equal)")
 
 
 def _apply(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
-from relay_compile.runtime.cost_model import H200, BlockShape, choose, predicted_peak_bytes
+from relay_compile.runtime.cost_model import H200, BlockShape, choose, grouped_owners, predicted_peak_bytes
 from relay_compile.runtime.ring_options import MaxHopRows
 
 __all__ = ["BlockShape", "GraphDump", "GraphReport", "RegionReport", "predicted_peak_bytes"]
@@ -77,20 +77,20 @@ class RegionReport:
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
             predicted_peak_bytes=predicted_peak_bytes(shape, max_hop_rows),
             shape=dataclasses.asdict(shape),
-            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, link),
+            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, link, fp8),
         )
 
 
 def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool,
-              link: float | None) -> dict[str, Any]:
+              link: float | None, fp8: bool) -> dict[str, Any]:
     """The report's view of ``cost_model.choose``, with the owners per hop the op will hold (``grouped``: F lowers
     onto grouped experts, ``cost_model.grouped_owners``; else one) and the link its hops cross (``link`` GB/s,
     ``transport.link_gbps``; None: device copies)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)"}
     cal = H200.with_link(link)
-    choice = choose(shape, routing=routing, ring=ring, cal=cal, owners=None if grouped else (1, 1),
-                    max_hop_rows=max_hop_rows)
+    choice = choose(shape, routing=routing, ring=ring, cal=cal,
+                    owners=grouped_owners(shape, fp8=fp8) if grouped else (1, 1), max_hop_rows=max_hop_rows)
     return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({cal.describe()}: on CUDA)",
             "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}, "owners_per_hop": list(choice.owners)}
 
@@ -137,8 +137,8 @@ class GraphReport:
         lines += [f"  {reads}" for reads in self.host_reads]
         if "tokens" in self.token_switch:
             sw = self.token_switch
-            lines.append(f"  token switch on T={sw['tokens']}: regions {sw['regions']} kept per call below "
-                         f"{sw['ring_from']} tokens per rank (equal counts)")
+            lines.append(f"  token switch on T={sw['tokens']}: regions {sw['regions']} kept per call where the cost "
+                         f"model keeps them (the first ring at {sw['ring_from']} tokens per rank, equal counts)")
         elif self.token_switch:
             lines.append(f"  no token switch: {self.token_switch['none']}")
         return "\n".join(lines)

@@ -447,7 +447,8 @@ def _check_kept(table: list[list[int]]) -> None:
                 "where they differ")
         raise RingInputError(
             f"relaymoe: rank {rank} {mine} while rank 0 {first}: the backend decided at compile time from each "
-            "rank's static token count, and the ranks' counts fall on both sides of the cost model's threshold. "
+            "rank's static token count and link (option link_gbps), and the ranks fall on both sides of the cost "
+            "model's threshold. "
             "Give every rank the same token count, mark the token dimension dynamic (then the ranks decide "
             "together at every call), or pass options={'ring': 'always'}")
 

@@ -79,7 +79,7 @@ class BlockShape:
         return self.expert_params or self.expert_bytes // max(1, self.elem_bytes)
 
 
-def grouped_owners(shape: BlockShape, min_tokens: int | None = None) -> tuple[int, int]:
+def grouped_owners(shape: BlockShape, min_tokens: int | None = None, *, fp8: bool = False) -> tuple[int, int]:
     """Owners per forward and per backward hop of expert routing (``ring_options.owners_per_hop``,
     ``backward_owners_per_hop``) that a ring of grouped experts runs at ``shape``, from the block's sizes alone.
 
@@ -88,13 +88,15 @@ def grouped_owners(shape: BlockShape, min_tokens: int | None = None) -> tuple[in
     compile-time keep, the token switch's threshold, the report) predict the ring the op will run. It takes the
     packed layout of a grouped FFN: two matrices per expert, ``(out, H)`` in and ``(H, in)`` out, whose
     ``out + in`` rows sum to ``2 H + params / H`` (SwiGLU packed ``[w1; w3]``: ``2H + 3F``).
-    ``min_tokens``: the group's smallest token count (its memory budget; default ``shape.tokens``).
+    ``min_tokens``: the group's smallest token count (its memory budget; default ``shape.tokens``). ``fp8``: the
+    weights circulate in E4M3 (``runtime.fp8_experts``: one byte a weight and an fp32 scale per matrix).
     """
     s = shape
+    expert_bytes = s.params + 2 * 4 if fp8 else s.expert_bytes
     hop = HopShape(
         ranks=s.group_size, max_tokens=s.tokens, min_tokens=s.tokens if min_tokens is None else min_tokens,
         top_k=s.top_k, row_bytes=(2 * s.hidden + s.params // max(1, s.hidden)) * s.elem_bytes,
-        partition_bytes=s.experts_per_rank * s.expert_bytes, token_bytes=s.hidden * s.elem_bytes,
+        partition_bytes=s.experts_per_rank * expert_bytes, token_bytes=s.hidden * s.elem_bytes,
     )
     return owners_per_hop(hop), backward_owners_per_hop(hop)
 

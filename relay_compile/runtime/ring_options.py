@@ -4,7 +4,8 @@ The functional API (``ring_moe``), the backend's options (``relay_compile.option
 build a ``RingOptions``; nothing else validates ``routing`` or ``max_hop_rows``. ``key()`` is part of the
 ring's spec key (``runtime.specs``), a key of this process's registry. ``routing``, ``overlap``, ``remat``,
 ``fp32_accumulation`` and ``fp8`` change what travels and when, and ``ring`` what the cost model decides, so every
-rank must pass the same ones: ``runtime.agreement`` checks them at every call (``link_gbps``: the slowest counts). ``max_hop_rows`` changes only how a rank cuts its own hops: it may differ across ranks and calls.
+rank must pass the same ones: ``runtime.agreement`` checks them at every call (``link_gbps``: the slowest
+counts). ``max_hop_rows`` changes only how a rank cuts its own hops: it may differ across ranks and calls.
 
 "No bound" on hop rows is ``None`` here; the process-wide config spells it ``0`` (config entries cannot be
 None) and ``relay_compile.options`` converts it. The default, ``"auto"``, is a bound derived from each call's
@@ -186,8 +187,8 @@ class RingOptions:
       decision): GB/s of one direction of the slowest link one hop's transfer crosses (an inter-node
       network's per-GPU bandwidth, to plan a ring that spans nodes); ``"auto"``: from the group's backend
       (``transport.link_gbps``: NCCL an NVLink-class link, 450, or 50 across nodes; a group without device
-      links, such as the one-GPU stand-in, device copies). Not checked alike: the group decides with the
-      slowest link any rank reports (``agreement.agreed_link``).
+      links, such as the one-GPU stand-in, device copies). Not checked alike: a call decides with the slowest
+      link any rank reports (``agreement.agreed_link``), a compile-time keep with this rank's own.
     """
 
     routing: str = "auto"

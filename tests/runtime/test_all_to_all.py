@@ -28,7 +28,7 @@ from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
 from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
-from relay_compile.runtime import agreement, all_to_all, cost_model, segment_compute
+from relay_compile.runtime import agreement, all_to_all, segment_compute
 from relay_compile.experts import GroupedFFN
 from relay_compile.runtime.cost_model import (
     H200,
@@ -94,9 +94,9 @@ class Decision(unittest.TestCase):
         # The compile-time keep, the token switch and the report predict from the block's sizes
         # (grouped_owners); the op from its packed weights (runtime.ops, ring_options rules): they must agree, or
         # a region is kept at compile time that the op would run as a ring. Qwen3 (SwiGLU, packed [w13, w2]) and
-        # a non-gated FFN ([w1, w2]), bf16 and fp32, EP 8-128, 1024-131072 tokens.
+        # a non-gated FFN ([w1, w2]), bf16 and fp32, and FP8 hops, EP 8-128, 1024-131072 tokens.
         for activation, elem, ep, tokens in itertools.product(
-                ("swiglu", "gelu"), (2, 4), (8, 16, 64, 128), (1024, 4096, 16384, 32768, 65536, 131072)):
+                ("swiglu", "gelu"), (2, 4), (8, 16, 32, 64, 128), (1024, 4096, 16384, 32768, 65536, 131072)):
             e_l, h, f = 128 // ep, 2048, 768
             dtype = {2: torch.bfloat16, 4: torch.float32}[elem]
             unpacked = [torch.empty(e_l, f, h, dtype=dtype, device="meta"), torch.empty(e_l, h, f, dtype=dtype,
@@ -108,6 +108,12 @@ class Decision(unittest.TestCase):
                                elem_bytes=elem, expert_bytes=sum(w.numel() for w in unpacked) // e_l * elem)
             self.assertEqual(grouped_owners(shape), (owners_per_hop(hop), backward_owners_per_hop(hop)),
                              (activation, elem, ep, tokens))
+            if activation == "swiglu" and elem == 2:  # FP8 hops: E4M3 q13, fp32 s13, q2, s2 (fp8_experts.pack)
+                fp8 = [((e_l, 2 * f, h), e_l * 2 * f * h), ((e_l,), 4 * e_l), ((e_l, h, f), e_l * h * f),
+                       ((e_l,), 4 * e_l)]
+                hop = HopShape.of(ep, [tokens] * ep, 8, fp8, h, elem)
+                self.assertEqual(grouped_owners(shape, fp8=True), (owners_per_hop(hop), backward_owners_per_hop(hop)),
+                                 ("fp8", ep, tokens))
         # Qwen3 at EP=64: the grouped ring at 65536 tokens (2 / 1 owners) is predicted faster than the all-to-all,
         # one owner per hop is not: the compile-time keep used to assume one and kept what the op runs as a ring.
         shape = qwen3(65536, 64)
@@ -314,7 +320,7 @@ class AllToAllPath(DistributedTestCase):
         # The split sizes' host reads go through one copy (passes.host_reads; on CUDA by default, here on the CPU).
         with tempfile.TemporaryDirectory() as dump, mock.patch.object(host_reads, "on_accelerator",
                                                                               lambda t: True), \
-                mock.patch.object(cost_model, "grouped_owners", return_value=(2, 3)):
+                mock.patch("relay_compile.report.grouped_owners", return_value=(2, 3)):
             torch._dynamo.reset()
             seen = len(compiled_reports())
             kept = torch.compile(block, backend="relaymoe", options={
