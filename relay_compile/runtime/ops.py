@@ -44,7 +44,7 @@ from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
 from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
-from relay_compile.runtime.transport import RingGroup, RingRun, link_gbps
+from relay_compile.runtime.transport import RingGroup, RingRun
 from relay_compile.runtime.weight_grads import pack_weights
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def _prepare(
         experts_per_rank=spec.experts_per_rank, options=spec.options, expert_fn=state.identity_code,
         scores_before=spec.scores_applied == "before",
         weights=tuple((w.dtype, tuple(w.shape)) for w in weights), cuda=x.device.type == "cuda",
-        link_gbps=link_gbps(cfg.ring.group, spec.options.link_gbps),
+        link_gbps=state.link_gbps,
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 
@@ -122,7 +122,7 @@ def _run(
     state = spec_state(key)
     ring = RingGroup.resolve(state.spec.group_name)
     if ring != state.ring:
-        state.ring = ring  # the group behind the name was destroyed and created anew (tests, elastic restarts)
+        state.rebind(ring)
     spec = state.spec
     cfg = RingStepConfig(
         expert_fn=spec.ring_fn, ring=ring, num_experts=spec.experts_per_rank * ring.size,

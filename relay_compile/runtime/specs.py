@@ -34,7 +34,7 @@ from relay_compile.runtime.cost_model import Choice, Execution
 from relay_compile.runtime.fn_identity import identity_code
 from relay_compile.runtime.fp8_experts import fp8_experts
 from relay_compile.runtime.ring_options import RingOptions
-from relay_compile.runtime.transport import RingGroup
+from relay_compile.runtime.transport import RingGroup, link_gbps
 
 # Functional registrations kept at once (one per live expert function and max_hop_rows, typically a few).
 MAX_FUNCTIONAL_SPECS = 64
@@ -99,6 +99,17 @@ class SpecState:
     @functools.cached_property
     def identity_code(self) -> int:
         return identity_code(self.identity)
+
+    @functools.cached_property
+    def link_gbps(self) -> float | None:
+        """``transport.link_gbps`` of the spec's group and option: resolved once per group, not per call."""
+        return link_gbps(self.ring.group, self.spec.options.link_gbps)
+
+    def rebind(self, ring: RingGroup) -> None:
+        """The group behind the name was destroyed and created anew (tests, elastic restarts): forget what was
+        resolved from the old one."""
+        self.ring = ring
+        self.__dict__.pop("link_gbps", None)
 
 
 _PINNED: dict[str, SpecState] = {}

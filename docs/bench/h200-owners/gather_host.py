@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python docs/bench/h200-owners/gather_host.py [--device cuda] [--calls 2000]
 
 Host time: the calls issued back to back, timed on the host without a sync inside the loop (the GPU runs
-behind; one sync after, outside the timing). GPU time per call: CUDA events around a second loop. Rows as a
+behind; one sync after, outside the timing). GPU time per call: ``bench.measure.gpu_us_per_call``. Rows as a
 ring chunk has them (Qwen3: H=2048, bf16; T=16384 tokens, 2048 and 8192 gathered rows). Both return the same
 tensor (checked).
 """
@@ -12,6 +12,8 @@ import argparse
 import time
 
 import torch
+
+from relay_compile.bench.measure import gpu_us_per_call
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -36,18 +38,6 @@ def host_us(fn, calls: int) -> float:
     return elapsed / calls * 1e6
 
 
-def gpu_us(fn, calls: int) -> float | None:
-    if dev.type != "cuda":
-        return None
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / calls * 1e3
-
-
 print(f"device {dev} ({torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
 print("| rows | x[tok] host us | index_select host us | x[tok] GPU us | index_select GPU us |")
 print("| ---: | ---: | ---: | ---: | ---: |")
@@ -57,6 +47,6 @@ for rows in (2048, 8192):
     assert torch.equal(x[tok], torch.index_select(x, 0, tok))
     fns = (lambda: x[tok], lambda: torch.index_select(x, 0, tok))
     host = [host_us(fn, calls) for fn in fns]
-    gpu = [gpu_us(fn, calls) for fn in fns]
+    gpu = [gpu_us_per_call(fn, calls) if dev.type == "cuda" else None for fn in fns]
     cells = [f"{v:.1f}" for v in host] + ["-" if v is None else f"{v:.1f}" for v in gpu]
     print(f"| {rows} | " + " | ".join(cells) + " |")
