@@ -61,7 +61,8 @@ fp8: bool = Config(default=False, env_name_default="RELAYMOE_FP8")
 # backend (NCCL: an NVLink-class link, 450 GB/s, or 50 GB/s where the group spans nodes by torchrun's
 # LOCAL_WORLD_SIZE; a group without device links, such as the one-GPU stand-in: device copies), or GB/s of one
 # direction of the slowest link a hop crosses. The group decides with the slowest link any rank reports.
-link_gbps: str = Config(default="auto", env_name_default="RELAYMOE_LINK_GBPS")
+# (RELAYMOE_LINK_GBPS is read by ``options.resolve``: torch's config module reads "1" from the environment as True.)
+link_gbps: float | str = "auto"
 
 # Where an MoE region's token count is dynamic and the cost model may keep its all-to-all at some counts (CUDA,
 # ring "auto" or "memory"): compile the graph a second time with those regions kept, and pick per call from every

@@ -156,12 +156,16 @@ def _given(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return options
 
 
-def _config_hop_bound() -> Any:
-    """The config's max_hop_rows, or RELAYMOE_MAX_HOP_ROWS where the config leaves it at its default."""
-    value = config.max_hop_rows
+_NUMERIC_ENV = {"max_hop_rows": "RELAYMOE_MAX_HOP_ROWS", "link_gbps": "RELAYMOE_LINK_GBPS"}
+
+
+def _config_numeric(name: str) -> Any:
+    """The config's value of a numeric option, or its environment variable where the config leaves it "auto"."""
+    value = getattr(config, name)
     if value == "auto":
-        # Read here, not by the config module: torch config entries read from the environment are bool or str.
-        return os.environ.get("RELAYMOE_MAX_HOP_ROWS", "auto")
+        # Read here, not by the config module: torch config entries read from the environment are bool or str,
+        # and "1" reads as True.
+        return os.environ.get(_NUMERIC_ENV[name], "auto")
     return value
 
 
@@ -173,7 +177,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
         """``(value, parse)``: ``parse`` for config values, which may be environment strings."""
         if name in given:
             return given[name], False
-        return (_config_hop_bound() if name == "max_hop_rows" else getattr(config, name)), True
+        return (_config_numeric(name) if name in _NUMERIC_ENV else getattr(config, name)), True
 
     inner = _str("inner_compiler", *pick("inner_compiler"))
     if inner not in INNER_COMPILERS:

@@ -129,6 +129,9 @@ class BackendOptions(unittest.TestCase):
         self.assertEqual(resolve().ring.max_hop_rows, "auto")
         with relay_compile.config.patch(link_gbps=" 50.5 "):
             self.assertEqual(resolve().ring.link_gbps, 50.5)
+        # "1" is a number here, not the switch torch's config module would read it as.
+        with unittest.mock.patch.dict("os.environ", {"RELAYMOE_LINK_GBPS": "1"}):
+            self.assertEqual(resolve().ring.link_gbps, 1.0)
         for value, message in (("fast", r"link_gbps='fast' \(RELAYMOE_LINK_GBPS\) must be 'auto' or a number"),
                                ("-3", r"link_gbps must be 'auto' or a positive bandwidth in GB/s, got -3\.0")):
             with self.subTest(RELAYMOE_LINK_GBPS=value), relay_compile.config.patch(link_gbps=value), \
