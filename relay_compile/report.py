@@ -75,7 +75,6 @@ class RegionReport:
             routing_option=routing,
             routing_predicted=choose_routing(**volume_args) if routing == "auto" else routing,
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
-            predicted_peak_bytes=predicted_peak_bytes(shape, max_hop_rows),
             shape=dataclasses.asdict(shape),
             ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, link, fp8),
         )
@@ -87,12 +86,14 @@ def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRo
     onto grouped experts, ``cost_model.grouped_owners``; else one) and the link its hops cross (``link`` GB/s,
     ``transport.link_gbps``; None: device copies)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
-        return {"decision": "no prediction: the token count is not known at compile time (decided per call)"}
+        return {"decision": "no prediction: the token count is not known at compile time (decided per call)",
+                "predicted_peak_bytes": predicted_peak_bytes(shape, max_hop_rows)}
     cal = H200.with_link(link)
     choice = choose(shape, routing=routing, ring=ring, cal=cal,
                     owners=grouped_owners(shape, fp8=fp8) if grouped else (1, 1), max_hop_rows=max_hop_rows)
     return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({cal.describe()}: on CUDA)",
-            "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}, "owners_per_hop": list(choice.owners)}
+            "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}, "owners_per_hop": list(choice.owners),
+            "predicted_peak_bytes": choice.peaks}
 
 
 @dataclass(kw_only=True)

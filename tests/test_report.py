@@ -35,6 +35,9 @@ SMALL_VOLUMES = {"expert": {"forward": 300, "backward": 600}, "token": {"forward
 #   expert routing per hop 1.5 MiB + 3 MiB, token routing 4096*2144 + 4096*3200 bytes (~20.9 MiB): expert
 REFERENCE = BlockShape(tokens=4096, hidden=256, ffn=128, top_k=8, experts_per_rank=4, group_size=4, elem_bytes=4,
                        expert_bytes=393216)
+# One more owner in a forward hop of REFERENCE (ring_options.grouped_extra_bytes): 8192 rows of the packed widths
+# (2H + 3F) * 4 bytes = 3584, and two partitions of 4 * 393216 bytes: 29360128 + 3145728 = 31 MiB.
+REFERENCE_OWNER_BYTES = 32505856
 
 
 class PeakMemoryModel(unittest.TestCase):
@@ -57,6 +60,14 @@ class PeakMemoryModel(unittest.TestCase):
     def test_the_reference_shape_predicts_256_mib_for_the_a2a_and_66_for_the_ring(self) -> None:
         self.assertEqual(predicted_peak_bytes(REFERENCE), {"a2a": 256 * MiB, "ring": 66 * MiB})
         self.assertEqual(predicted_peak_bytes(REFERENCE, 1024), {"a2a": 256 * MiB, "ring": 24 * MiB})
+
+    def test_owners_per_hop_add_their_stacks_to_the_ring(self) -> None:
+        ring = predicted_peak_bytes(REFERENCE)["ring"]
+        self.assertEqual(predicted_peak_bytes(REFERENCE, owners=(2, 1))["ring"], ring + REFERENCE_OWNER_BYTES)
+        # A backward owner: 8192 rows at twice a forward row's bytes and six partitions; the larger direction counts.
+        backward = 8192 * 3584 * 2 + 6 * 4 * 393216
+        self.assertEqual(predicted_peak_bytes(REFERENCE, owners=(2, 2))["ring"], ring + backward)
+        self.assertEqual(predicted_peak_bytes(REFERENCE, owners=(4, 2))["ring"], ring + 3 * REFERENCE_OWNER_BYTES)
 
 
 class MatchedRegion(unittest.TestCase):
@@ -115,9 +126,9 @@ class Summary(unittest.TestCase):
         self.assertEqual(sample_report().summary().split("\n"), [
             "graph3 (rank 1): 3 MoE region(s)",
             "  region 0 at all_to_all_single: refused: no token all-to-all pair",
-            # 256 / 66 = 3.88
+            # 256 / (66 + 31) = 2.64: the forward's second owner per hop (REFERENCE_OWNER_BYTES)
             "  region 1 at all_to_all_single_2: rewritten, EP=4, routing auto -> expert, predicted peak a2a "
-            "256.0 MiB, ring 66.0 MiB (3.9x)",
+            "256.0 MiB, ring 97.0 MiB (2.6x)",
             # The owners per hop the op will hold (grouped experts, cost_model.grouped_owners), not one.
             "    runs as expert: expert ring (2/1 owners per forward/backward hop): predicted 4.37 ms against the "
             "all-to-all's 6.04 ms (h200 model: on CUDA)",
@@ -143,7 +154,7 @@ class Json(unittest.TestCase):
         regions = loaded["regions"]
         self.assertEqual([r["status"] for r in regions], ["refused", "rewritten", "matched"])
         self.assertEqual(regions[0]["reason"], "no token all-to-all pair")
-        self.assertEqual(regions[1]["predicted_peak_bytes"], {"a2a": 268435456, "ring": 69206016})
+        self.assertEqual(regions[1]["predicted_peak_bytes"], {"a2a": 268435456, "ring": 69206016 + REFERENCE_OWNER_BYTES})
         self.assertEqual(regions[1]["per_hop_bytes"]["expert"], {"forward": 1572864, "backward": 3145728})
         self.assertEqual(regions[2]["shape"]["tokens"], 4096)
         rebuilt = GraphReport(**{**loaded, "regions": [RegionReport(**r) for r in regions]})

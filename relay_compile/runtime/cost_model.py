@@ -11,7 +11,8 @@ Memory (the big buffers only, element counts times bytes):
 - ring: resident ``x`` and the ``[T, H]`` output/gradient accumulators (``3*T*H``, counted at 4 bytes an element:
   an upper bound, the accumulators take the tokens' dtype), current + prefetched partition and two gradient
   buffers (``4 * E_l * W``), and one hop's (or chunk's) rows ``S``: rows in and out, their gradients and the
-  recomputed intermediates (~``S*(4*H + 4*F)``).
+  recomputed intermediates (~``S*(4*H + 4*F)``); an expert ring of ``g`` owners per hop holds ``g - 1`` more
+  owners' rows and partitions (``ring_options.grouped_extra_bytes``).
 
 Time of one forward + backward on one rank (``Calibration`` holds the machine's constants):
 
@@ -49,6 +50,7 @@ from relay_compile.runtime.ring_options import (
     HopShape,
     MaxHopRows,
     backward_owners_per_hop,
+    grouped_extra_bytes,
     hop_row_bound,
     owners_per_hop,
 )
@@ -91,18 +93,25 @@ def grouped_owners(shape: BlockShape, min_tokens: int | None = None, *, fp8: boo
     ``min_tokens``: the group's smallest token count (its memory budget; default ``shape.tokens``). ``fp8``: the
     weights circulate in E4M3 (``runtime.fp8_experts``: one byte a weight and an fp32 scale per matrix).
     """
+    hop = _hop_shape(shape, min_tokens, fp8)
+    return owners_per_hop(hop), backward_owners_per_hop(hop)
+
+
+def _hop_shape(shape: BlockShape, min_tokens: int | None = None, fp8: bool = False) -> HopShape:
+    """The ``HopShape`` the runtime's owner rules would read off the block's packed grouped experts."""
     s = shape
     expert_bytes = s.params + 2 * 4 if fp8 else s.expert_bytes
-    hop = HopShape(
+    return HopShape(
         ranks=s.group_size, max_tokens=s.tokens, min_tokens=s.tokens if min_tokens is None else min_tokens,
         top_k=s.top_k, row_bytes=(2 * s.hidden + s.params // max(1, s.hidden)) * s.elem_bytes,
         partition_bytes=s.experts_per_rank * expert_bytes, token_bytes=s.hidden * s.elem_bytes,
     )
-    return owners_per_hop(hop), backward_owners_per_hop(hop)
 
 
-def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None) -> dict[str, int]:
-    """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring)."""
+def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
+                         owners: tuple[int, int] = (1, 1)) -> dict[str, int]:
+    """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring); ``owners``:
+    the expert ring's owners per forward / backward hop, whose stacks add to the ring's peak."""
     s = shape
     pairs = s.tokens * s.top_k
     a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
@@ -112,6 +121,8 @@ def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None) -> 
         hop_rows = min(hop_rows, bound)
     resident = 3 * s.tokens * s.hidden * 4 + 4 * s.experts_per_rank * s.expert_bytes
     ring = resident + hop_rows * (4 * s.hidden + 4 * s.ffn) * s.elem_bytes
+    if owners != (1, 1):
+        ring += grouped_extra_bytes(_hop_shape(s), *owners)
     return {"a2a": a2a, "ring": ring}
 
 
@@ -284,8 +295,8 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
                           backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
              for r in routings}
     times["a2a"] = a2a_time(shape, cal)
-    peaks = predicted_peak_bytes(shape, max_hop_rows)
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
+    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1))
     ring_ms, a2a_ms = times[best].total_ms, times["a2a"].total_ms
     mib = {k: v / 2**20 for k, v in peaks.items()}
     grouped = best == "expert" and forward * backward > 1

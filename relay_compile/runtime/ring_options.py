@@ -85,6 +85,34 @@ class HopShape:
         )
 
 
+def _hop_rows(shape: HopShape) -> int:
+    """Rows a hop expects under balanced routing: ``R = max_tokens * top_k / N``."""
+    return max(1, shape.max_tokens * shape.top_k // shape.ranks)
+
+
+def _owners_budget(shape: HopShape) -> int:
+    """What owners beyond the first may add: one top-k-expanded ``[T*K, H]`` buffer of ``min_tokens``."""
+    return shape.min_tokens * shape.top_k * shape.token_bytes
+
+
+def _forward_owner_bytes(shape: HopShape) -> int:
+    """What one more owner in a forward hop holds: ``R`` rows and two partitions (the stack computed, the one
+    arriving)."""
+    return _hop_rows(shape) * shape.row_bytes + 2 * shape.partition_bytes
+
+
+def _backward_owner_bytes(shape: HopShape) -> int:
+    """What one more owner in a backward hop holds: ``R`` backward rows and six partitions' bytes (weights
+    computed and arriving, their fp32 gradient sums summed and arriving)."""
+    return _hop_rows(shape) * shape.row_bytes * AUTO_FORWARD_ROWS_FACTOR + 6 * shape.partition_bytes
+
+
+def grouped_extra_bytes(shape: HopShape, forward: int, backward: int) -> int:
+    """Bytes a ring of ``forward`` / ``backward`` owners per hop holds beyond one owner per hop, by the rules'
+    estimates: the larger of the two directions (the forward's stacks are gone when the backward's arrive)."""
+    return max((forward - 1) * _forward_owner_bytes(shape), (backward - 1) * _backward_owner_bytes(shape))
+
+
 def owners_per_hop(shape: HopShape) -> int:
     """How many owners' weights one forward hop of expert routing holds (``programs.build``: the grouped forward).
 
@@ -101,14 +129,11 @@ def owners_per_hop(shape: HopShape) -> int:
     ``g``: the largest power of two meeting both that divides ``N`` and is at most ``N / 2`` (1: the plain ring).
     Qwen3 layer, bf16, EP=64: 16384 tokens -> 8, 32768 -> 4, 65536 -> 2 (8192-row hops); EP=8 -> 1.
     """
-    n = shape.ranks
-    hop_rows = max(1, shape.max_tokens * shape.top_k // n)
-    per_owner = hop_rows * shape.row_bytes + 2 * shape.partition_bytes
-    budget = shape.min_tokens * shape.top_k * shape.token_bytes
+    n, hop_rows, budget = shape.ranks, _hop_rows(shape), _owners_budget(shape)
 
     def fits(g: int) -> bool:
         return (g <= n // 2 and n % g == 0 and g * hop_rows <= AUTO_MIN_HOP_ROWS
-                and (g - 1) * per_owner <= budget)
+                and (g - 1) * _forward_owner_bytes(shape) <= budget)
 
     g = 1
     while fits(2 * g):
@@ -133,14 +158,11 @@ def backward_owners_per_hop(shape: HopShape) -> int:
     ``g``: the largest power of two meeting both that divides ``N`` and is at most ``N / 2`` (1: the plain ring).
     Qwen3 layer, bf16, EP=64: 16384 tokens -> 4, 32768 -> 2, 65536 -> 1; EP=8: 1 from 4096 tokens on.
     """
-    n = shape.ranks
-    hop_rows = max(1, shape.max_tokens * shape.top_k // n)
-    per_owner = hop_rows * shape.row_bytes * AUTO_FORWARD_ROWS_FACTOR + 6 * shape.partition_bytes
-    budget = shape.min_tokens * shape.top_k * shape.token_bytes
+    n, hop_rows, budget = shape.ranks, _hop_rows(shape), _owners_budget(shape)
 
     def fits(g: int) -> bool:
         return (g <= n // 2 and n % g == 0 and g * hop_rows <= AUTO_MIN_HOP_ROWS // AUTO_FORWARD_ROWS_FACTOR
-                and (g - 1) * per_owner <= budget)
+                and (g - 1) * _backward_owner_bytes(shape) <= budget)
 
     g = 1
     while fits(2 * g):
