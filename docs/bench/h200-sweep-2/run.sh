@@ -29,5 +29,5 @@ TLIM=110 sweep 64 --no-compile
 {
   echo "== row gathers (gather_host.py)"; timeout 40 python docs/bench/h200-owners/gather_host.py
   echo "== census, EP=64 16384 (profile_hop.py)"
-  timeout 60 python docs/bench/h200-hop-host/profile_hop.py /tmp/prof --ep 64 --tokens 16384 > /dev/null && head -40 /tmp/prof/census-*.txt
+  mkdir -p /tmp/prof; timeout 60 python docs/bench/h200-hop-host/profile_hop.py /tmp/prof --ep 64 --tokens 16384 > /dev/null && head -40 /tmp/prof/census-*.txt
 } 2>&1 | quiet | tee -a $OUT/host.txt
