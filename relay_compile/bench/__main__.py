@@ -181,7 +181,7 @@ def build_tasks(args: argparse.Namespace, opts: BenchOptions) -> list[Task]:
             section = report.section("Ring or all-to-all: the token-count sweep")
             for ep in ep_list:
                 for t in t_list:
-                    section.append(measure_layer(qwen_at(ep, t), interleaved, token_sweep_rows(interleaved),
+                    section.append(measure_layer(qwen_at(ep, t), interleaved, token_sweep_rows(interleaved, args.rows),
                                                  progress=progress, deadline=deadline))
                     write_sweep(section, out)
 
@@ -256,6 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="rows that need torch.compile (default: on, except tiny)")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds; later sections and rows are skipped once spent (default 420 for device)")
+    ap.add_argument("--rows", nargs="+", default=None,
+                    help="sweep: only these rows beside a2a eager (e.g. 'relaymoe backend' 'ring expert')")
     ap.add_argument("--replot", action="store_true", help="redraw results.md and the PNG from --out/results.json")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -295,6 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     opts = BenchOptions(warmup=args.warmup, repeats=args.repeats, link_gbps=args.link_gbps,
                         max_hop_rows=args.max_hop_rows or None, compile=args.compile)
+    if args.rows is not None:
+        if args.preset != "sweep":
+            print("relay_compile.bench: --rows selects rows of --preset sweep only", file=sys.stderr)
+            return 2
+        try:
+            token_sweep_rows(opts, args.rows)
+        except ValueError as e:
+            print(f"relay_compile.bench: {e}", file=sys.stderr)
+            return 2
     report = Report(options=opts)
     report.notes.append(f"command: python -m relay_compile.bench {' '.join(sys.argv[1:] if argv is None else argv)}")
     progress = Progress()

@@ -21,6 +21,7 @@ refits the model from it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,19 @@ from relay_compile.runtime.cost_model import H200, choose
 RING_ROWS = {"ring expert": "expert", "ring token": "token"}
 
 
-def token_sweep_rows(opts: BenchOptions) -> list[RowSpec]:
-    """The sweep's rows (module docstring)."""
+def token_sweep_rows(opts: BenchOptions, only: Sequence[str] | None = None) -> list[RowSpec]:
+    """The sweep's rows (module docstring); ``only``: those named, beside a2a eager (``ValueError`` naming the
+    valid rows on an unknown name)."""
+    rows = _all_rows(opts)
+    if only is None:
+        return rows
+    unknown = sorted(set(only) - {r.name for r in rows})
+    if unknown:
+        raise ValueError(f"--rows: unknown sweep row(s) {unknown}; the sweep's rows are {[r.name for r in rows]}")
+    return [r for r in rows if r.name == A2A_EAGER or r.name in only]
+
+
+def _all_rows(opts: BenchOptions) -> list[RowSpec]:
     return [
         RowSpec(name=A2A_EAGER, build=build_eager_a2a, kind="a2a"),
         RowSpec(name="relaymoe backend", build=compiled_a2a_builder("relaymoe", opts.compile), kind="ring",

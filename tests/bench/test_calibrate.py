@@ -58,3 +58,19 @@ class Calibration(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SweepRows(unittest.TestCase):
+    def test_rows_selects_by_name_beside_the_baseline_and_names_the_valid_rows(self) -> None:
+        from relay_compile.bench.__main__ import main
+        from relay_compile.bench.configs import BenchOptions
+        from relay_compile.bench.sweep import token_sweep_rows
+
+        every = [r.name for r in token_sweep_rows(BenchOptions())]
+        self.assertEqual(every[0], "a2a eager")
+        picked = token_sweep_rows(BenchOptions(), ["ring expert", "relaymoe backend"])
+        self.assertEqual([r.name for r in picked], ["a2a eager", "relaymoe backend", "ring expert"])
+        with self.assertRaisesRegex(ValueError, r"unknown sweep row\(s\) \['ring fast'\]; the sweep's rows are"):
+            token_sweep_rows(BenchOptions(), ["ring fast"])
+        self.assertEqual(main(["--preset", "sweep", "--device", "cpu", "--rows", "ring fast"]), 2)
+        self.assertEqual(main(["--preset", "tiny", "--rows", "ring expert"]), 2)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 24 on one GPU (device tool, torch 2.11), everything one lease allows, most valuable first, each part
-# bounded so the later ones still run: owners per hop forced (host_gpu.py), the token-count sweep at EP=8 (every
-# row, compiled ones included) and at EP=64 without the compiled rows (inductor compiles a kept EP=64 region
-# for ~220 s: docs/BENCHMARKS.md, "Kept regions at EP=64"), the row-gather host cost, the op census of one step.
-# At most 8 files come back from the device: per sweep its sweep.json (calibrate's input), results.md and log.
+# bounded so the later ones still run: the token-count sweep at EP=8 (every row, compiled ones included), at
+# EP=64 without the compiled rows (inductor compiles a kept EP=64 region for ~220 s: docs/BENCHMARKS.md, "Kept
+# regions at EP=64") and the static backend row at EP=64 where the model runs the ring (no kept compile); then
+# owners per hop forced (host_gpu.py), the row-gather host cost, the op census of one step.
+# At most 8 files come back from the device: per sweep its sweep.json (calibrate's and bench.sweep's input) and log.
 # Usage: bash docs/bench/h200-sweep-2/run.sh "$OUT"
 set -uo pipefail
 OUT=$1
@@ -12,22 +13,22 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 git log -1 --format=%H 2>/dev/null | tee -a $OUT/env.txt
 quiet() { grep --line-buffered -v "Warn\|warn_once\|USDT"; }
 export PYTHONUNBUFFERED=1
+sweep() {  # name, seconds, args
+  local name=$1 limit=$2; shift 2
+  timeout $limit python -m relay_compile.bench --preset sweep --repeats 5 --warmup 2 --out /tmp/$name "$@" \
+    2>&1 | quiet > $OUT/$name.log
+  cp /tmp/$name/sweep.json $OUT/$name.json
+  grep "|" $OUT/$name.log | cut -c1-130
+}
+sweep sweep-ep8 150 --ep 8
+sweep sweep-ep64 110 --ep 64 --no-compile
+sweep sweep-ep64-backend 90 --ep 64 --tokens 65536 131072 --rows "relaymoe backend"
 {
   echo "== owners per hop forced (host_gpu.py)"
-  timeout 170 python docs/bench/h200-hop-host/host_gpu.py --ep 64 --tokens 16384 32768 --repeats 5 --owners 8/8 4/4
-  timeout 100 python docs/bench/h200-hop-host/host_gpu.py --ep 64 8 --tokens 65536 --repeats 5 --owners 2/2 4/2
-} 2>&1 | quiet | tee $OUT/host.txt
-sweep() {  # EP, extra args
-  local ep=$1; shift
-  timeout $TLIM python -m relay_compile.bench --preset sweep --ep $ep --repeats 5 --warmup 2 --out /tmp/sweep-ep$ep "$@" \
-    2>&1 | quiet > $OUT/sweep-ep$ep.log
-  cp /tmp/sweep-ep$ep/sweep.json $OUT/sweep-ep$ep.json; cp /tmp/sweep-ep$ep/results.md $OUT/sweep-ep$ep.md
-  grep "|" $OUT/sweep-ep$ep.log | cut -c1-130
-}
-TLIM=150 sweep 8
-TLIM=110 sweep 64 --no-compile
-{
-  echo "== row gathers (gather_host.py)"; timeout 40 python docs/bench/h200-owners/gather_host.py
+  timeout 90 python docs/bench/h200-hop-host/host_gpu.py --ep 64 --tokens 16384 32768 --repeats 5 --owners 8/8
+  timeout 60 python docs/bench/h200-hop-host/host_gpu.py --ep 64 --tokens 65536 --repeats 5 --owners 2/2
+  echo "== row gathers (gather_host.py)"; timeout 30 python docs/bench/h200-owners/gather_host.py
   echo "== census, EP=64 16384 (profile_hop.py)"
-  mkdir -p /tmp/prof; timeout 60 python docs/bench/h200-hop-host/profile_hop.py /tmp/prof --ep 64 --tokens 16384 > /dev/null && head -40 /tmp/prof/census-*.txt
-} 2>&1 | quiet | tee -a $OUT/host.txt
+  mkdir -p /tmp/prof; timeout 45 python docs/bench/h200-hop-host/profile_hop.py /tmp/prof --ep 64 --tokens 16384 > /dev/null \
+    && head -40 /tmp/prof/census-*.txt
+} 2>&1 | quiet | tee $OUT/host.txt
