@@ -36,7 +36,7 @@ from relay_compile.passes.expert_lowering import recognized_ffn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
-from relay_compile.runtime.cost_model import H200, BlockShape, choose, grouped_owners
+from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, calibration_for, choose, grouped_owners
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import group_link_gbps
 
@@ -63,16 +63,16 @@ def switchable(region: Region, options: RingOptions) -> bool:
 
 
 def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = True,
-                     link: float | None = None) -> int | None:
+                     cal: Calibration = H200) -> int | None:
     """The smallest T, equal on every rank, from which the cost model runs ``shape`` as a ring (None: at no T up
     to ``_MAX_TOKENS``): the first T of a geometric grid (``_GRID``) that runs a ring, refined by bisection from
     the grid point below it. The choice need not stay a ring above it: the owners per hop step down as hops grow
     (``cost_model.grouped_owners``), so a region may be kept again at larger T; ``SwitchPlan.keeps`` decides every
     T itself, this is what the report states and whether a switch is worth compiling. ``grouped``: F lowers onto
-    grouped experts (else one owner per hop); ``link``: GB/s of the link a hop crosses (``transport.link_gbps``;
-    None: device copies)."""
+    grouped experts (else one owner per hop); ``cal``: the device's constants with the link a hop crosses
+    (``cost_model.calibration_for``, ``transport.link_gbps``)."""
     def ring(tokens: int) -> bool:
-        return _choice(shape, options, tokens, grouped, link) != "all_to_all"
+        return _choice(shape, options, tokens, grouped, cal) != "all_to_all"
 
     hi = next((t for t in _GRID if ring(t)), None)
     if hi is None:
@@ -84,11 +84,11 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = Tr
     return hi
 
 
-def _choice(shape: BlockShape, options: RingOptions, tokens: int, grouped: bool, link: float | None) -> str:
+def _choice(shape: BlockShape, options: RingOptions, tokens: int, grouped: bool, cal: Calibration) -> str:
     """What ``cost_model.choose`` runs ``shape`` as at ``tokens`` per rank (the compile-time keep's rule)."""
     shape = dataclasses.replace(shape, tokens=tokens)
     owners = grouped_owners(shape, fp8=options.fp8) if grouped else (1, 1)
-    return choose(shape, routing=options.routing, ring=options.ring, cal=H200.with_link(link), owners=owners,
+    return choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,
                   max_hop_rows=options.max_hop_rows).execution
 
 
@@ -102,7 +102,7 @@ class SwitchPlan:
     regions: tuple[int, ...]
     shapes: tuple[BlockShape, ...]
     grouped: tuple[bool, ...]  # per region: F lowers onto grouped experts (``expert_lowering.recognized_ffn``)
-    link: float | None  # GB/s of the link a hop crosses (``transport.link_gbps``; None: device copies)
+    cal: Calibration  # the device's constants, with the link a hop crosses (``transport.link_gbps``)
     tokens: sympy.Expr
     where: tuple[tuple[sympy.Symbol, int, int | None], ...]
     group_name: str
@@ -117,7 +117,7 @@ class SwitchPlan:
 
     def keeps(self, tokens: int) -> bool:
         """Whether every covered region keeps its all-to-all at an agreed largest T of ``tokens``."""
-        return _keeps(self.shapes, self.grouped, self.options, tokens, self.link)
+        return _keeps(self.shapes, self.grouped, self.options, tokens, self.cal)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -132,9 +132,9 @@ def _evaluate(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...], values: tuple
 
 @functools.lru_cache(maxsize=1024)
 def _keeps(shapes: tuple[BlockShape, ...], grouped: tuple[bool, ...], options: RingOptions, tokens: int,
-           link: float | None = None) -> bool:
+           cal: Calibration = H200) -> bool:
     """``SwitchPlan.keeps``, cached per agreed T."""
-    return all(_choice(s, options, tokens, g, link) == "all_to_all" for s, g in zip(shapes, grouped, strict=True))
+    return all(_choice(s, options, tokens, g, cal) == "all_to_all" for s, g in zip(shapes, grouped, strict=True))
 
 
 def _symbol_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[int, int | None]]:
@@ -171,16 +171,17 @@ def plan_switch(gm: fx.GraphModule, regions: Sequence[Region], options: RingOpti
     shapes = tuple(r.block_shape() for _, r in chosen)
     grouped = tuple(recognized_ffn(r) for _, r in chosen)
     group_name = groups.pop()
-    link = group_link_gbps(group_name, options.link_gbps)
-    starts = (ring_from_tokens(s, options, g, link) for s, g in zip(shapes, grouped, strict=True))
+    device = node_value(chosen[0][1].x).device
+    cal = calibration_for(device).with_link(group_link_gbps(group_name, options.link_gbps))
+    starts = (ring_from_tokens(s, options, g, cal) for s, g in zip(shapes, grouped, strict=True))
     ring_from = min((t for t in starts if t is not None), default=None)
     if ring_from is None or ring_from <= 1:
         always = "keeps its all-to-all at every" if ring_from is None else "runs a ring at every"
         return (f"the cost model {always} token count up to {_MAX_TOKENS}: one variant would never run, so each "
                 "region runs as a ring op that decides per call")
     return SwitchPlan(
-        regions=tuple(i for i, _ in chosen), shapes=shapes, grouped=grouped, link=link, tokens=expr,
+        regions=tuple(i for i, _ in chosen), shapes=shapes, grouped=grouped, cal=cal, tokens=expr,
         where=tuple((s, *where[s]) for s in sorted(expr.free_symbols, key=str)), group_name=group_name,
-        device=node_value(chosen[0][1].x).device, options=options, ring_from=ring_from,
+        device=device, options=options, ring_from=ring_from,
     )
 

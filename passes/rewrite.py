@@ -46,7 +46,7 @@ from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
 from relay_compile.runtime.compiled_experts import CompiledExpertFn
-from relay_compile.runtime.cost_model import H200, Choice, choose, grouped_owners
+from relay_compile.runtime.cost_model import H200, Choice, calibration_for, choose, grouped_owners
 from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
 from relay_compile.runtime.region_fn import RegionExpertFn
@@ -234,7 +234,7 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     static = isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape)
     if options.ring == "always" or not static or x.device.type not in cost_model.CALIBRATED_DEVICES:
         return None
-    cal = H200.with_link(group_link_gbps(region.group_name, options.link_gbps))
+    cal = calibration_for(x.device).with_link(group_link_gbps(region.group_name, options.link_gbps))
     shape = region.block_shape()
     owners = grouped_owners(shape, fp8=options.fp8) if recognized_ffn(region) else (1, 1)
     choice = choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,

@@ -54,12 +54,13 @@ from relay_compile.passes import (
 )
 from relay_compile.passes.dynamic_keep import SwitchPlan, plan_switch, switchable
 from relay_compile.passes.expert_lowering import choose_expert_fn, recognized_ffn
-from relay_compile.passes.fx_nodes import is_all_to_all
+from relay_compile.passes.fx_nodes import is_all_to_all, node_value
 from relay_compile.passes.refusals import Refusal
 from relay_compile.passes.region import Region
 from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime import program_dumps
+from relay_compile.runtime.cost_model import calibration_for
 from relay_compile.runtime.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.runtime.token_switch import TokenSwitch
 from relay_compile.runtime.transport import group_link_gbps
@@ -207,6 +208,7 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
             grouped=recognized_ffn(region), link=group_link_gbps(region.group_name, opts.ring.link_gbps),
+            machine=calibration_for(node_value(region.x).device),
         )
         entry.idiom = region.idiom()
         try:

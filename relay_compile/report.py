@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
-from relay_compile.runtime.cost_model import H200, BlockShape, choose, grouped_owners, predicted_peak_bytes
+from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, choose, grouped_owners, predicted_peak_bytes
 from relay_compile.runtime.ring_options import MaxHopRows
 
 __all__ = ["BlockShape", "GraphDump", "GraphReport", "RegionReport", "predicted_peak_bytes"]
@@ -60,7 +60,8 @@ class RegionReport:
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
                 max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto",
-                fp8: bool = False, grouped: bool = True, link: float | None = None) -> RegionReport:
+                fp8: bool = False, grouped: bool = True, link: float | None = None,
+                machine: Calibration = H200) -> RegionReport:
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``; FP8 hops move one byte
         # per weight, the per-expert scales aside.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
@@ -76,19 +77,18 @@ class RegionReport:
             routing_predicted=choose_routing(**volume_args) if routing == "auto" else routing,
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
             shape=dataclasses.asdict(shape),
-            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, link, fp8),
+            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, machine.with_link(link), fp8),
         )
 
 
 def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool,
-              link: float | None, fp8: bool) -> dict[str, Any]:
+              cal: Calibration, fp8: bool) -> dict[str, Any]:
     """The report's view of ``cost_model.choose``, with the owners per hop the op will hold (``grouped``: F lowers
-    onto grouped experts, ``cost_model.grouped_owners``; else one) and the link its hops cross (``link`` GB/s,
-    ``transport.link_gbps``; None: device copies)."""
+    onto grouped experts, ``cost_model.grouped_owners``; else one), by the device's constants with the link its
+    hops cross (``cal``: ``cost_model.calibration_for``, ``transport.link_gbps``)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)",
                 "predicted_peak_bytes": predicted_peak_bytes(shape, max_hop_rows)}
-    cal = H200.with_link(link)
     choice = choose(shape, routing=routing, ring=ring, cal=cal,
                     owners=grouped_owners(shape, fp8=fp8) if grouped else (1, 1), max_hop_rows=max_hop_rows)
     return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({cal.describe()}: on CUDA)",

@@ -25,11 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from relay_compile.bench.calibrate import predict, shape_of
 from relay_compile.bench.configs import BenchOptions, LayerConfig
 from relay_compile.bench.measure import LayerResult
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a, compiled_a2a_builder, ring_builder
-from relay_compile.runtime.cost_model import H200, choose
+from relay_compile.runtime.cost_model import H200, calibration_for, choose
 
 # Row names as the calibration reads them (``bench.calibrate.predict``).
 RING_ROWS = {"ring expert": "expert", "ring token": "token"}
@@ -72,11 +74,13 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     decisions: list[dict[str, Any]] = []
     layer: dict[str, int] = {}
+    cal = H200
     for result in results:
         cfg = LayerConfig(**result.config)
         layer = layer_of(cfg)
         shape = shape_of(layer, cfg.ep, cfg.tokens)
-        choice = choose(shape, routing="auto", ring="auto", cal=H200)
+        cal = calibration_for(torch.device(cfg.device)) if cfg.device != "cpu" else H200
+        choice = choose(shape, routing="auto", ring="auto", cal=cal)
         decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict()})
         for row in result.rows:
             if row.skipped or row.total_ms is None:
@@ -84,11 +88,11 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
             point: dict[str, Any] = {"ep": cfg.ep, "tokens": cfg.tokens, "row": row.row, "ms": round(row.total_ms, 3),
                                      "spread": row.spread, "peak_bytes": row.peak_bytes,
                                      "time_ratio": row.time_ratio, "peak_ratio": row.peak_ratio}
-            predicted = predict(H200, layer, point)
+            predicted = predict(cal, layer, point)
             if predicted is not None:
                 point["predicted_ms"] = round(predicted, 3)
             points.append(point)
-    return {"source": "python -m relay_compile.bench --preset sweep", "calibration": H200.name, "layer": layer,
+    return {"source": "python -m relay_compile.bench --preset sweep", "calibration": cal.name, "layer": layer,
             "rows": points, "decisions": decisions}
 
 

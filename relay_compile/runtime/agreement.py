@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
-from relay_compile.runtime.cost_model import H200, BlockShape, Choice, Execution, choose
+from relay_compile.runtime.cost_model import CALIBRATIONS, H200, BlockShape, Calibration, Choice, Execution, choose
 from relay_compile.runtime.ring_options import RINGS, MaxHopRows, RingOptions
 from relay_compile.runtime.transport import RingGroup, RingPeerError, all_gather_rows, peer_failure
 
@@ -67,7 +67,7 @@ MESSAGE_WORDS = 16  # a problem's message: its first 128 bytes travel with it
 _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
-    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "fp8", "link", "cuda", "kept",
+    "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "fp8", "link", "cuda", "machine", "kept",
     "expert_fn", "scores_before", "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
@@ -136,6 +136,7 @@ class Claims:
     scores_before: bool = False
     weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
     cuda: bool = False
+    machine: int = 0  # ``cost_model.calibration_code`` of the tokens' device: the group decides with rank 0's
     link_gbps: float | None = None  # ``transport.link_gbps`` of the option and the group (None: device copies)
     # 1: the region kept its all-to-all at compile time, 2: it was refused (``agree_kept``); 3: a graph compiled
     # twice chooses its kept or its ring variant (``agree_tokens``)
@@ -157,7 +158,7 @@ class Claims:
             overlap=int(self.options.overlap), remat=int(self.options.remat),
             fp32_accumulation=int(self.options.fp32_accumulation), ring=RINGS.index(self.options.ring),
             fp8=int(self.options.fp8), link=round(self.link_gbps * 1000) if self.link_gbps else 0,
-            cuda=int(self.cuda), kept=int(self.kept), expert_fn=self.expert_fn,
+            cuda=int(self.cuda), machine=self.machine, kept=int(self.kept), expert_fn=self.expert_fn,
             scores_before=int(self.scores_before),
             num_weights=len(self.weights), counts_len=counts_len,
         )
@@ -272,9 +273,9 @@ def agree(
         expert_grad_bytes=grad_bytes // max(1, head[_AT["experts_per_rank"]]), sum_elem_bytes=sum_elem_bytes,
     )
     tokens_N = [row[_AT["tokens"]] for row in table]
-    link = agreed_link([row[_AT["link"]] for row in table])
+    cal = agreed_calibration(head[_AT["machine"]]).with_link(agreed_link([row[_AT["link"]] for row in table]))
     execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
-                                   volume_args, tokens_N, ring.size, sizes, link)
+                                   volume_args, tokens_N, ring.size, sizes, cal)
     if counts_NE[ring.rank] is None:
         # NOTE: the group's first call with this many experts: counts did not fit the row.
         counts_NE = all_gather_rows(ring, counts_E).tolist() if execution == "token" else _own(ring, counts_E)
@@ -294,17 +295,24 @@ def agreed_link(links_N: Sequence[int]) -> float | None:
     return min(crossing) / 1000 if crossing else None
 
 
+def agreed_calibration(machine: int) -> Calibration:
+    """The time model's constants the group decides with: rank 0's device's (``machine``, its header's
+    ``cost_model.calibration_code``; 0: ``H200``). Every rank reads the same row; a group of mixed GPU kinds
+    decides alike, by one of them."""
+    return CALIBRATIONS[machine - 1] if machine else H200
+
+
 def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], tokens_N: list[int], size: int,
-               sizes: BlockSizes | None, link: float | None = None) -> tuple[Execution, Choice | None]:
+               sizes: BlockSizes | None, cal: Calibration = H200) -> tuple[Execution, Choice | None]:
     """The options ``routing`` and ``ring`` resolved from agreed values only (the same on every rank): by the
-    cost model where it is calibrated (CUDA: ``cost_model.H200``, transfers over a ``link`` of that many GB/s or
-    as device copies), else routing by bytes and the ring."""
+    cost model where it is calibrated (CUDA: ``cal``, rank 0's device's constants, with transfers over the
+    group's slowest link or as device copies), else routing by bytes and the ring."""
     if cuda and sizes is not None and (asked == "auto" or ring != "always"):
         shape = BlockShape(
             tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
             experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
             expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
-        choice = choose(shape, routing=asked, ring=ring, cal=H200.with_link(link), owners=sizes.owners(tokens_N),
+        choice = choose(shape, routing=asked, ring=ring, cal=cal, owners=sizes.owners(tokens_N),
                         max_hop_rows=sizes.max_hop_rows)
         return choice.execution, choice
     if ring == "never":

@@ -42,8 +42,11 @@ Legend: T tokens per rank, H hidden, F expert width, K top-k, E experts, E_l = E
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 from relay_compile.routing import Routing, per_hop_bytes
 from relay_compile.runtime.ring_options import (
@@ -171,6 +174,37 @@ H200 = Calibration(
     hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=42.2, gpu_hop_us=0.0, token_hop_pair_ns=0.61,
     copy_gbps=1256.0,
 )
+# Fitted to H100 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
+# rank, 2026-12-06, commit b79b867: grouped owners, gathered first stacks; rms log error 0.064, every point within
+# 0.79-1.16x): docs/bench/h200-sweep-2/raw-1-h100/. Redone as H200's, on an H100.
+H100 = dataclasses.replace(
+    H200, name="h100", host_hop_us=291.5, host_hop_expert_us=36.42, host_chunk_us=243.2, host_token_hop_us=537.8,
+    host_token_expert_us=31.9, host_a2a_us=6532.0, host_a2a_peer_us=101.7, gemm_tflops=392.6, gemm_half_rows=0.0,
+    ring_row_bytes=0.0, a2a_row_bytes=51.68, gpu_hop_us=0.0, token_hop_pair_ns=0.2214, copy_gbps=633.6,
+)
+# Every calibration, by the code the agreement header carries (``calibration_code``).
+CALIBRATIONS = (H200, H100)
+
+
+def calibration_for(device: torch.device) -> Calibration:
+    """The constants for ``device``: a GPU of a measured kind (its name holds ``H100``) gets its own; any other
+    device the model decides on gets ``H200`` (the first measured, and the closest for other Hopper parts)."""
+    if device.type == "cuda" and "H100" in _device_name(device.index):
+        return H100
+    return H200
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    # No GPU here (a sweep's record read on a laptop, a graph traced with fake CUDA tensors): no name.
+    return torch.cuda.get_device_name(index) if torch.cuda.is_available() else ""
+
+
+def calibration_code(cal: Calibration) -> int:
+    """``cal``'s code in ``CALIBRATIONS`` (1-based: 0 in a header is no calibrated device)."""
+    return 1 + [c.name for c in CALIBRATIONS].index(cal.name)
+
+
 # NVLink-class link (H100/H200: ~450 GB/s a direction), the default for planning with a real link.
 NVLINK_GBPS = 450.0
 # An inter-node network's bandwidth per GPU (one 400 Gb/s NIC: 50 GB/s a direction), for a ring spanning nodes.

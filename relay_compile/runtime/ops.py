@@ -32,6 +32,7 @@ from torch import Tensor
 from relay_compile.routing import PairRouting, summed_bytes
 from relay_compile.runtime import equal_groups, program_dumps
 from relay_compile.runtime.agreement import BadArgument, BlockSizes, Claims, agree, agree_kept, remember_status
+from relay_compile.runtime.cost_model import calibration_code, calibration_for
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,
@@ -110,7 +111,7 @@ def _prepare(
         experts_per_rank=spec.experts_per_rank, options=spec.options, expert_fn=state.identity_code,
         scores_before=spec.scores_applied == "before",
         weights=tuple((w.dtype, tuple(w.shape)) for w in weights), cuda=x.device.type == "cuda",
-        link_gbps=state.link_gbps,
+        machine=calibration_code(calibration_for(x.device)), link_gbps=state.link_gbps,
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 

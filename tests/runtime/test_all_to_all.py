@@ -28,9 +28,10 @@ from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
 from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
-from relay_compile.runtime import agreement, all_to_all, segment_compute
+from relay_compile.runtime import agreement, all_to_all, ops, segment_compute
 from relay_compile.experts import GroupedFFN
 from relay_compile.runtime.cost_model import (
+    H100,
     H200,
     INTER_NODE_GBPS,
     NVLINK_GBPS,
@@ -152,6 +153,22 @@ class Decision(unittest.TestCase):
         self.assertEqual(choose(qwen3(16384, 64), routing="auto", ring="auto", cal=H200.with_link(50)).execution,
                          "expert")
         self.assertEqual(H200.with_link(50).describe(), "h200 model, 50 GB/s link")
+
+    def test_the_device_picks_its_calibration_and_the_group_decides_with_rank_0s(self) -> None:
+        from relay_compile.runtime import cost_model
+        from relay_compile.runtime.agreement import agreed_calibration
+
+        for name, want in (("NVIDIA H100 80GB HBM3", H100), ("NVIDIA H200", H200), ("NVIDIA B200", H200)):
+            with mock.patch.object(cost_model, "_device_name", return_value=name):
+                self.assertIs(cost_model.calibration_for(torch.device("cuda", 0)), want, name)
+        self.assertIs(cost_model.calibration_for(torch.device("cpu")), H200)
+        for cal in cost_model.CALIBRATIONS:
+            self.assertIs(agreed_calibration(cost_model.calibration_code(cal)), cal)
+        self.assertIs(agreed_calibration(0), H200)
+        # Measured on the H100 (docs/bench/h200-sweep-2/raw-1-h100): the ring at EP=64, 32768 tokens 0.95x a2a eager;
+        # its constants run it there, the H200's (fitted before the gathered stacks) keep the all-to-all.
+        self.assertEqual(choose(qwen3(32768, 64), routing="auto", ring="auto", cal=H100).execution, "expert")
+        self.assertEqual(choose(qwen3(32768, 64), routing="auto", ring="auto", cal=H200).execution, "all_to_all")
 
     def test_auto_keeps_the_all_to_all_where_the_ring_is_slower_and_runs_the_ring_where_it_is_faster(self) -> None:
         small, large = choose(qwen3(4096, 64), routing="auto", ring="auto", cal=H200), choose(
@@ -298,17 +315,19 @@ class AllToAllPath(DistributedTestCase):
         dist.all_gather_object(own, decided[0][2] == "all_to_all")
         self.assertEqual(own, [False, False, True, True])  # what each count alone decides: a ring, or not
         # Links are not checked alike: rank 1 crosses a 50 GB/s network the others do not see (gloo: no link), and
-        # every rank decides with the slowest link (agreement.agreed_link), forward and backward.
-        links: list[float | None] = []
+        # every rank decides with the slowest link (agreement.agreed_link), forward and backward. Nor are GPU kinds:
+        # rank 0 has an H100, the others not; every rank decides with rank 0's constants (agreed_calibration).
+        used: list[tuple[str, float | None]] = []
 
         def recording_choose(shape: BlockShape, **kw) -> Choice:
-            links.append(kw["cal"].link_gbps)
+            used.append((kw["cal"].name, kw["cal"].link_gbps))
             return real_choose(shape, **kw)
 
         with mock.patch.object(agreement, "choose", recording_choose), \
-                mock.patch.object(agreement, "_execution", on_cuda):
+                mock.patch.object(agreement, "_execution", on_cuda), \
+                mock.patch.object(ops, "calibration_for", lambda device: H100 if self.rank == 0 else H200):
             forward_backward(ring_moe, x, ids, scores, weights, self.rank, link_gbps=50 if self.rank == 1 else "auto")
-        self.assertEqual(links, [50.0, 50.0])
+        self.assertEqual(used, [("h100", 50.0), ("h100", 50.0)])
 
     def check_the_backend_keeps_the_region_and_every_rank_must(self) -> None:
         """``ring="never"`` at compile time: the region stays as Dynamo traced it (its all-to-alls run, equal to
