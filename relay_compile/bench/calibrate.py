@@ -3,7 +3,8 @@
 Reads the measured times of a sweep (``python -m relay_compile.bench --preset sweep``: ``sweep.json``, rows
 ``a2a eager``, ``ring expert``, ``ring token``; or the same format by hand), fits ``runtime.cost_model``'s
 ``Calibration`` by coordinate descent on the squared log error of every (EP, tokens, row) point, and prints the
-fitted constants (paste them into ``cost_model.H200``) and a table of predicted against measured.
+fitted constants (paste them into the GPU kind's ``Calibration`` in ``runtime.cost_model``: ``H200``, ``H100``;
+``calibration_for`` picks one by the device's name) and a table of predicted against measured.
 
 The layer's shape comes from the file's ``layer`` entry (hidden, ffn, experts, top_k, elem_bytes; swiglu:
 three ``(F, H)`` matrices per expert).

@@ -8,18 +8,7 @@
 # Usage: bash docs/bench/h200-sweep-2/run.sh "$OUT"
 set -uo pipefail
 OUT=$1
-python -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee $OUT/env.txt
-git log -1 --format=%H 2>/dev/null | tee -a $OUT/env.txt
-quiet() { grep --line-buffered -v "Warn\|warn_once\|USDT"; }
-export PYTHONUNBUFFERED=1
-sweep() {  # name, seconds, args
-  local name=$1 limit=$2; shift 2
-  timeout $limit python -m relay_compile.bench --preset sweep --repeats 5 --warmup 2 --out /tmp/$name "$@" \
-    2>&1 | quiet > $OUT/$name.log
-  cp /tmp/$name/sweep.json $OUT/$name.json
-  grep "|" $OUT/$name.log | cut -c1-130
-}
+source "$(dirname "$0")/setup.sh"
 sweep sweep-ep8 150 --ep 8
 sweep sweep-ep64 110 --ep 64 --no-compile
 sweep sweep-ep64-backend 90 --ep 64 --tokens 65536 131072 --rows "relaymoe backend"

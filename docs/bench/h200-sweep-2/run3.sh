@@ -4,10 +4,7 @@
 # Usage: bash docs/bench/h200-sweep-2/run3.sh "$OUT"
 set -uo pipefail
 OUT=$1
-python -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1
-python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee $OUT/env.txt
-quiet() { grep --line-buffered -v "Warn\|warn_once\|USDT"; }
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/setup.sh"
 timeout 170 python -m relay_compile.bench.full_model --preset h200 --memory-gib 76 --rows "a2a eager" relaymoe \
   --start 8192 --max-tokens 16384 --repeats 5 --time-budget 120 --out /tmp/full 2>&1 | quiet > $OUT/full-model.log
 tail -12 $OUT/full-model.log; cp /tmp/full/results.md $OUT/full-model.md
