@@ -207,8 +207,8 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
         entry = RegionReport.matched(
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
-            grouped=recognized_ffn(region), link=group_link_gbps(region.group_name, opts.ring.link_gbps),
-            machine=calibration_for(node_value(region.x).device),
+            grouped=recognized_ffn(region), cal=calibration_for(node_value(region.x).device).with_link(
+                group_link_gbps(region.group_name, opts.ring.link_gbps)),
         )
         entry.idiom = region.idiom()
         try:

@@ -60,8 +60,9 @@ class RegionReport:
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
                 max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto",
-                fp8: bool = False, grouped: bool = True, link: float | None = None,
-                machine: Calibration = H200) -> RegionReport:
+                fp8: bool = False, grouped: bool = True, cal: Calibration = H200) -> RegionReport:
+        # ``cal``: the device's constants with the link a hop crosses (``cost_model.calibration_for``,
+        # ``transport.group_link_gbps``).
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``; FP8 hops move one byte
         # per weight, the per-expert scales aside.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
@@ -77,7 +78,7 @@ class RegionReport:
             routing_predicted=choose_routing(**volume_args) if routing == "auto" else routing,
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
             shape=dataclasses.asdict(shape),
-            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, machine.with_link(link), fp8),
+            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, cal, fp8),
         )
 
 

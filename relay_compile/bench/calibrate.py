@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, a2a_time, grouped_owners, ring_time
+from relay_compile.runtime.cost_model import CALIBRATIONS, H200, BlockShape, Calibration, a2a_time, grouped_owners, ring_time
 
 # The constants fitted (the link stays out: the stand-in has none), and how far one move scales them.
 FITTED = ("host_hop_us", "host_hop_expert_us", "host_a2a_us", "host_a2a_peer_us", "gemm_tflops", "gemm_half_rows",
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sweeps", nargs="+", type=Path)
     p.add_argument("--min-tokens", type=int, default=4096, help="points with fewer tokens per rank are left out")
+    p.add_argument("--check", choices=[c.name for c in CALIBRATIONS], default=None,
+                   help="no fit: how that calibration predicts the sweeps")
     args = p.parse_args(argv)
     layer: dict[str, int] = {}
     points: list[dict[str, object]] = []
@@ -96,9 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(path.read_text())
         layer = data["layer"]
         points += [r for r in data["rows"] if int(r["tokens"]) >= args.min_tokens]
-    cal = fit(H200, layer, points)
-    print("fitted:", ", ".join(f"{n}={getattr(cal, n):.4g}" for n in FITTED))
-    print(f"rms log error {math.sqrt(loss(cal, layer, points) / max(1, len(points))):.3f}")
+    if args.check is not None:
+        cal = next(c for c in CALIBRATIONS if c.name == args.check)
+        print(f"{cal.name} constants, not fitted to these points")
+    else:
+        cal = fit(H200, layer, points)
+        print("fitted:", ", ".join(f"{n}={getattr(cal, n):.4g}" for n in FITTED))
+    ratios = [got / float(q["ms"]) for q in points if (got := predict(cal, layer, q)) is not None]  # type: ignore[arg-type]
+    print(f"{sum(abs(math.log(r)) <= math.log(1.25) for r in ratios)} of {len(ratios)} points within 25% "
+          f"(predicted/measured {min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"rms log error {math.sqrt(loss(cal, layer, points) / max(1, len(ratios))):.3f} over the points it predicts")
     print(table(cal, layer, points))
     return 0
 

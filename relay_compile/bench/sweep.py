@@ -79,7 +79,7 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
         cfg = LayerConfig(**result.config)
         layer = layer_of(cfg)
         shape = shape_of(layer, cfg.ep, cfg.tokens)
-        cal = calibration_for(torch.device(cfg.device)) if cfg.device != "cpu" else H200
+        cal = calibration_for(torch.device(cfg.device))
         choice = choose(shape, routing="auto", ring="auto", cal=cal)
         decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict()})
         for row in result.rows:

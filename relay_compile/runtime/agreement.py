@@ -362,7 +362,8 @@ def _exchange(
 # The columns that are fine as zeros on every rank, and those every rank must hold alike: one comparison
 # each per call when all is well (the usual case), the detailed checks below only otherwise.
 _QUIET = operator.itemgetter(_AT["problem"], BAD_IDS, PEER_FAILURE)
-_ALIKE = operator.itemgetter(*(i for name, i in _AT.items() if name not in ("problem", "tokens", "counts_len", "link")
+_ALIKE = operator.itemgetter(*(i for name, i in _AT.items()
+                               if name not in ("problem", "tokens", "counts_len", "link", "machine")
                                and not name.startswith("message")))
 
 

@@ -175,8 +175,9 @@ H200 = Calibration(
     copy_gbps=1256.0,
 )
 # Fitted to H100 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
-# rank, 2026-12-06, commit b79b867: grouped owners, gathered first stacks; rms log error 0.064, every point within
-# 0.79-1.16x): docs/bench/h200-sweep-2/raw-1-h100/. Redone as H200's, on an H100.
+# rank, 2026-12-06, commit b79b867: grouped owners, gathered first stacks; rms log error 0.090, 35 of 36 points
+# within 25%, 0.79-1.16x): docs/bench/h200-sweep-2/raw-1-h100/. Redone as H200's, on an H100; ``--check h100``
+# reports how they predict another sweep.
 H100 = dataclasses.replace(
     H200, name="h100", host_hop_us=291.5, host_hop_expert_us=36.42, host_chunk_us=243.2, host_token_hop_us=537.8,
     host_token_expert_us=31.9, host_a2a_us=6532.0, host_a2a_peer_us=101.7, gemm_tflops=392.6, gemm_half_rows=0.0,
@@ -202,7 +203,7 @@ def _device_name(index: int | None) -> str:
 
 def calibration_code(cal: Calibration) -> int:
     """``cal``'s code in ``CALIBRATIONS`` (1-based: 0 in a header is no calibrated device)."""
-    return 1 + [c.name for c in CALIBRATIONS].index(cal.name)
+    return 1 + CALIBRATIONS.index(cal)
 
 
 # NVLink-class link (H100/H200: ~450 GB/s a direction), the default for planning with a real link.

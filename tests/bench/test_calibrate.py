@@ -74,3 +74,31 @@ class SweepRows(unittest.TestCase):
             token_sweep_rows(BenchOptions(), ["ring fast"])
         self.assertEqual(main(["--preset", "sweep", "--device", "cpu", "--rows", "ring fast"]), 2)
         self.assertEqual(main(["--preset", "tiny", "--rows", "ring expert"]), 2)
+
+
+class Check(unittest.TestCase):
+    def test_check_reports_how_a_named_calibration_predicts_without_fitting(self) -> None:
+        import contextlib
+        import io
+        import json
+        import tempfile
+        from pathlib import Path
+
+        from relay_compile.bench.calibrate import main
+        from relay_compile.runtime.cost_model import H100
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "sweep.json"
+            # An H100 sweep as its constants predict it, and a row the model does not describe (not counted).
+            rows = [*synthetic_points(H100), {"ep": 8, "tokens": 4096, "row": "relaymoe backend", "ms": 1.0}]
+            path.write_text(json.dumps({"layer": LAYER, "rows": rows}))
+            outputs = {}
+            for name in ("h100", "h200"):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    self.assertEqual(main(["--check", name, str(path)]), 0)
+                outputs[name] = out.getvalue().splitlines()
+        self.assertEqual(outputs["h100"][:3], ["h100 constants, not fitted to these points",
+                                               "24 of 24 points within 25% (predicted/measured 1.00-1.00)",
+                                               "rms log error 0.000 over the points it predicts"])
+        self.assertNotIn("1.00-1.00", outputs["h200"][1])
