@@ -167,8 +167,8 @@ class Calibration:
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-02; rms log error 0.058, every point within 0.82-1.19x): docs/bench/h200-time-model/. Redo with
 # ``python -m relay_compile.bench --preset sweep --ep 8 --out A`` (and ``--ep 64 --out B``) on the device, then
-# ``python -m relay_compile.bench.calibrate A/sweep.json B/sweep.json``. Stale: fitted before the ring was predicted
-# with the owners per hop the op holds; with today's model they predict that sweep at 0.36-1.19x (``--check h200``).
+# ``python -m relay_compile.bench.calibrate A/sweep.json B/sweep.json``. That sweep measured the ring before grouped
+# owners per hop (64 hops at EP=64), which today's model no longer describes: the H200 ring of today is unmeasured.
 H200 = Calibration(
     name="h200", host_hop_us=238.0, host_hop_expert_us=40.3, host_chunk_us=276.0, host_token_hop_us=729.0,
     host_token_expert_us=35.3, host_a2a_us=5611.0, host_a2a_peer_us=107.0, gemm_tflops=413.0, gemm_half_rows=0.0,
