@@ -181,14 +181,16 @@ def _split_w13(w13_LUH: Tensor, ffn: int) -> list[Tensor]:
 
 def _recompute(
     x_TH: Tensor, dy_TH: Tensor, tok_S: Tensor | None, w_first: Tensor, w2_LHF: Tensor, offsets_L: Tensor | None,
-    counts_host: Sequence[int] | None, b: _Biases,
+    counts_host: Sequence[int] | None, b: _Biases, projections_SU: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What both fused backwards start from: the rows ``dy``, ``x`` (gathered by ``tok_S`` unless given), ``g =
-    dy @ w2[e]`` and the recomputed first projection ``h`` (with its bias). Returned, not kept: the caller
-    releases each after its last use."""
+    dy @ w2[e]`` and the first projection ``h`` (with its bias): recomputed, or the forward's where it saved
+    them (``projections_SU``, read only). Returned, not kept: the caller releases each after its last use."""
     dy_SH = dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)
     g_SF = grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
     x_SH = x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)
+    if projections_SU is not None:
+        return dy_SH, g_SF, x_SH, projections_SU
     return dy_SH, g_SF, x_SH, add_bias(grouped_linear(x_SH, w_first, offsets_L, counts_host), b.first, b.expert_S)
 
 
@@ -196,10 +198,11 @@ def _swiglu_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LUH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
     rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
-    d_score_out: Tensor | None = None,
+    d_score_out: Tensor | None = None, projections_SU: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
-    (then ``db13``, ``db2`` for the biases ``biases`` has).
+    (then ``db13``, ``db2`` for the biases ``biases`` has). ``projections_SU``: the rows' ``h13`` as the forward
+    saved them (not recomputed, not overwritten: ``[dh1, dh3]`` go to a buffer of their own).
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
@@ -210,11 +213,14 @@ def _swiglu_vjp(
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
-    dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b)
-    d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out)
+    dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b,
+                                           projections_SU)
+    dh13_out = None if projections_SU is None else torch.empty_like(h13_SU)
+    d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out, dh13_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
         d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
-    act_scaled_SF, dh13_SU = g_SF, h13_SU
+    act_scaled_SF, dh13_SU = g_SF, h13_SU if dh13_out is None else dh13_out
+    del h13_SU
     into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
     into13, into2, *into_b = into if into is not None else (None, None, None, None)
     # dw2[e] = (score * dy)^T act = dy^T (score * act)
@@ -246,18 +252,19 @@ def _ffn_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, activation: str, tok_S: Tensor | None = None,
     grad_dtype: torch.dtype | None = None, rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
-    biases: _Biases | None = None, d_score_out: Tensor | None = None,
+    biases: _Biases | None = None, d_score_out: Tensor | None = None, projections_SU: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused backward of ``score * w2 @ act(w1 @ x)`` for a non-gated activation: ``dx``, ``d_score``,
     ``[dw1, dw2]`` (then ``db1``, ``db2`` for the biases ``biases`` has; ``_swiglu_vjp``'s contract: rows
-    gathered here, ``grad_into`` asked before the first weight GEMM).
+    gathered here, ``grad_into`` asked before the first weight GEMM, ``projections_SU`` the saved ``h``, read only).
 
     ``d_score = <dy @ w2, act(h)>``, so the output GEMM is not recomputed: one recomputed GEMM (``h``) and four
     gradient GEMMs, where autograd over a recomputed forward runs six and keeps every intermediate.
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
-    dy_SH, g_SF, x_SH, h_SF = _recompute(x_TH, dy_TH, tok_S, w1_LFH, w2_LHF, offsets_L, counts_host, b)
+    dy_SH, g_SF, x_SH, h_SF = _recompute(x_TH, dy_TH, tok_S, w1_LFH, w2_LHF, offsets_L, counts_host, b,
+                                         projections_SU)
     act_SF = activation_fn(activation)(h_SF)
     d_score_S = torch.sum(g_SF.float() * act_SF.float(), -1, out=d_score_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
@@ -308,13 +315,17 @@ def expert_ffn(
 
 def _ffn(
     x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
-    w3_LFH: Tensor | None, activation: Activation, biases: _Biases | None = None,
+    w3_LFH: Tensor | None, activation: Activation, biases: _Biases | None = None, save_into: Tensor | None = None,
 ) -> Tensor:
     """``expert_ffn`` given the grouping (device offsets, or host counts for the loop path); ``biases``
-    (non-gated only): ``b1``, ``b2`` added to each row's projections."""
+    (non-gated only): ``b1``, ``b2`` added to each row's projections; ``save_into`` (non-gated only): the first
+    projection ``h`` (with its bias) is copied there, for a backward that does not recompute it."""
     b = biases or _Biases()
     act = activation_fn(activation)
-    h_SF = act(add_bias(grouped_linear(x_SH, w1_LFH, offsets_L, counts_host), b.first, b.expert_S))
+    h_SF = add_bias(grouped_linear(x_SH, w1_LFH, offsets_L, counts_host), b.first, b.expert_S)
+    if save_into is not None:
+        save_into.copy_(h_SF)
+    h_SF = act(h_SF)
     if activation in GATED:
         assert w3_LFH is not None and biases is None, f"{activation} needs w3 (and its biases packed)"
         h_SF = h_SF * grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
@@ -323,13 +334,15 @@ def _ffn(
 
 def _gated_packed(
     x_SH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LUH: Tensor, w2_LHF: Tensor,
-    activation: str, biases: _Biases | None = None,
+    activation: str, biases: _Biases | None = None, save_into: Tensor | None = None,
 ) -> Tensor:
     """Gated experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3`` (their biases
-    ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them)."""
+    ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them); ``save_into``: ``h13`` is copied there."""
     b = biases or _Biases()
     ffn = w2_LHF.shape[-1]
     h13_SU = add_bias(grouped_linear(x_SH, w13_LUH, offsets_L, counts_host), b.first, b.expert_S)
+    if save_into is not None:
+        save_into.copy_(h13_SU)
     h_SF = activation_fn(activation)(h13_SU[:, :ffn]) * h13_SU[:, ffn:]
     return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
 
@@ -425,19 +438,26 @@ class GroupedFFN:
         first, down = (next(rest) if has else None for has in self.biases)
         return _Biases(first, down, expert_of_rows(offsets_G, rows))
 
+    def projection_dtype(self, weights: Sequence[Tensor]) -> torch.dtype:
+        """The dtype of the first projections ``forward_rows(save_into=)`` saves and ``vjp_rows(projections=)``
+        reads instead of recomputing them (the packed weights'; a row's are the packed first matrix's columns:
+        ``2F`` gated, else ``F``). ``weights`` in the caller's layout."""
+        return weights[0].dtype
+
     def forward_rows(
-        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
+        save_into: Tensor | None = None,
     ) -> Tensor:
         grouping = self._grouping(x_SH, offsets_G, rows_G, weights)
         biases = self._biases(weights, offsets_G, x_SH.shape[0])
         if self.activation in GATED:
-            return _gated_packed(x_SH, *grouping, weights[0], weights[1], self.activation, biases)
-        return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation, biases)
+            return _gated_packed(x_SH, *grouping, weights[0], weights[1], self.activation, biases, save_into)
+        return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation, biases, save_into)
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
-        grad_into: GradSink | None = None, d_score_out: Tensor | None = None,
+        grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
@@ -445,9 +465,9 @@ class GroupedFFN:
         w1, w2 = weights[:2]
         if self.activation != "swiglu":
             return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
-                            grad_into, biases, d_score_out)
+                            grad_into, biases, d_score_out, projections)
         return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases,
-                           d_score_out)
+                           d_score_out, projections)
 
 
 def ffn_expert_fn(

@@ -23,8 +23,9 @@ from torch import Tensor
 from relay_compile.experts import ACTIVATIONS, Activation, ExpertFn, ffn_expert_fn
 from relay_compile.runtime.agreement import BadArgument, fail_together
 from relay_compile.runtime.fn_identity import identify
-from relay_compile.runtime.ops import check_routing_args, ring_moe_op
-from relay_compile.runtime.ring_options import ChunkGraphs, LinkGbps, MaxHopRows, RingOptions
+from relay_compile.runtime.ops import check_routing_args, ring_moe_op, ring_moe_saving_op
+from relay_compile.runtime.ring_options import ChunkGraphs, LinkGbps, MaxHopRows, RingOptions, SaveProjections
+from relay_compile.runtime.saved_projections import call_saves, can_save
 from relay_compile.runtime.specs import SCORES_APPLIED, RingSpec, ScoresApplied, register_spec
 from relay_compile.runtime.transport import RingGroup
 
@@ -128,6 +129,7 @@ def ring_moe_experts(
     link_gbps: LinkGbps = "auto",
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
+    save_projections: SaveProjections = "auto",
 ) -> Tensor:
     """``ring_moe`` with any expert function (``relay_compile.experts`` gives its contract).
 
@@ -140,7 +142,7 @@ def ring_moe_experts(
             function's code and what it captures (``runtime.fn_identity``), so a new closure over equal
             values is the same expert function, and a different one is told apart. Under torch.compile the
             spec is registered while Dynamo traces: the compiled graph keeps the function it was traced with.
-        scores_applied: see ``ring_moe``.
+        scores_applied, save_projections: see ``ring_moe``.
     """
     group_name = _group_name(group)
     with _raising_together(group_name, x):
@@ -148,10 +150,17 @@ def ring_moe_experts(
         _check_experts_per_rank(experts_per_rank)
         _check_scores_applied(scores_applied)
         # (Options are made inside ``_register``: Dynamo runs it as is instead of tracing the dataclass.)
-        key = _register(expert_fn, experts_per_rank, group_name, dict(
+        options = dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
-            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8, link_gbps=link_gbps),
-            name, scores_applied, torch.compiler.is_compiling())
+            fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8, link_gbps=link_gbps,
+            save_projections=save_projections)
+        compiling = torch.compiler.is_compiling()
+        key = _register(expert_fn, experts_per_rank, group_name, options, name, scores_applied, compiling)
+        saves = (_saves_traced(expert_fn, options, scores_applied, x.device.type) if compiling else
+                 call_saves(expert_fn, RingOptions.checked("ring_moe", **options), scores_applied, group_name, x,
+                            topk_ids, list(weights), experts_per_rank))
+    if saves:
+        return ring_moe_saving_op(x, topk_ids, topk_scores, list(weights), key)[0]
     return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
 
 
@@ -170,6 +179,15 @@ def _register(
     spec = RingSpec(expert_fn=expert_fn, experts_per_rank=experts_per_rank, group_name=group_name,
                     options=RingOptions.checked("ring_moe", **options), scores_applied=scores_applied)
     return register_spec(spec, fn_name, identity=identity, functional=True, pinned=compiling)
+
+
+@torch.compiler.assume_constant_result
+def _saves_traced(expert_fn: ExpertFn, options: dict[str, Any], scores_applied: ScoresApplied, device_type: str
+                  ) -> bool:
+    """``call_saves`` while torch.compile traces the call (run as is, its result a constant of the graph): only
+    where the option says True, since the shapes may be symbolic."""
+    return options["save_projections"] is True and can_save(
+        expert_fn, RingOptions.checked("ring_moe", **options), scores_applied, torch.device(device_type))
 
 
 def ring_moe(
@@ -193,6 +211,7 @@ def ring_moe(
     link_gbps: LinkGbps = "auto",
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
+    save_projections: SaveProjections = "auto",
 ) -> Tensor:
     """The RelayMoE block: ``y[t] = sum_k topk_scores[t, k] * FFN_{topk_ids[t, k]}(x[t])``.
 
@@ -235,6 +254,12 @@ def ring_moe(
         use_grouped_mm: ``torch._grouped_mm`` (None: where supported) or a loop over experts.
         scores_applied: ``"after"`` the experts (above), or ``"before"`` them: ``y[t] = sum_k
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
+        save_projections: the expert ring's forward keeps every pair's first projection (``T*K`` rows of
+            ``2F``) until the backward, which then does not recompute it per hop (two of the ring's eleven GEMM
+            passes). ``"auto"``: where the cost model predicts the ring slower than the all-to-all without them
+            and its peak with them no higher than the all-to-all's (CUDA, eager calls); True: wherever the ring
+            runs in expert routing (scores after the experts, no chunk graphs or FP8 hops); False: never. A
+            per-rank knob: a call saves where every rank's call can.
 
     Returns:
         ``(T, H)`` in ``x``'s dtype.
@@ -268,5 +293,5 @@ def ring_moe(
         fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8,
         link_gbps=link_gbps,
         name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
-        scores_applied=scores_applied,
+        scores_applied=scores_applied, save_projections=save_projections,
     )

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from relay_compile import RingInputError, ring_moe, ring_moe_experts
-from relay_compile.experts import expert_ffn
+from relay_compile.experts import GroupedFFN, expert_ffn
 from relay_compile.reference import a2a_moe, dense_moe, moe_weights
 from relay_compile.runtime import chunk_graphs, equal_groups
 from relay_compile.runtime.programs import pipeline
@@ -141,7 +141,33 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
             self.check_bf16_matches_a2a_to_bf16_rounding()
         self.assertTrue(any(p is not None and p.used for p in planned), "no backward chunk ran padded")
 
-    def check_sgd_steps_track_a2a(self) -> None:
+    def test_saved_projections_match_a2a_and_replace_the_recompute(self) -> None:
+        # save_projections=True: the forward keeps every pair's first projection and the backward reads it
+        # (vjp_rows gets them) instead of recomputing it; the same results as a2a. A rank that cannot save (its
+        # option False) makes no rank save; token routing has nothing to save.
+        self.init_pg()
+        given: list[bool] = []
+        real = GroupedFFN.vjp_rows
+
+        def spy(fn, *args, **kw):
+            given.append(kw.get("projections") is not None)
+            return real(fn, *args, **kw)
+
+        with mock.patch.object(GroupedFFN, "vjp_rows", spy):
+            for case in ROUTER_CASES:
+                for overlap in (True, False):
+                    self.assert_matches_a2a(case, routing="expert", overlap=overlap, save_projections=True)
+                self.assert_matches_a2a(case, routing="expert", max_hop_rows=5, save_projections=True)
+            self.assertTrue(given and all(given), "a backward chunk recomputed its projections")
+            given.clear()
+            self.assert_matches_a2a("random", routing="expert", remat=False, save_projections=True)
+            self.assert_matches_a2a("random", routing="expert", save_projections=self.rank == 0)
+            self.assert_matches_a2a("random", routing="token", save_projections=True)
+            self.assertFalse(any(given), "projections read where not every rank saved them")
+            self.check_sgd_steps_track_a2a(save_projections=True)
+        self.assertTrue(any(given), "the expert ring's steps read no saved projections")
+
+    def check_sgd_steps_track_a2a(self, **ring_kw) -> None:
         # Weights updated from the ring's gradients stay with those updated from a2a's, step after step.
         world = dist.get_world_size()
         for routing in ("expert", "token"):
@@ -149,7 +175,7 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
             w_a2a = [w.clone() for w in w_ring]
             for step in range(3):
                 x, ids, scores = routed_inputs("random", self.rank, world, self.e_l * world, seed=step)
-                got = forward_backward(ring_moe, x, ids, scores, w_ring, step, routing=routing)
+                got = forward_backward(ring_moe, x, ids, scores, w_ring, step, routing=routing, **ring_kw)
                 want = forward_backward(a2a_moe, x, ids, scores, w_a2a, step)
                 assert_close_rel(got[0], want[0], 1e-5, f"{routing} step {step}")
                 w_ring = [w - 0.1 * g for w, g in zip(w_ring, got[3:])]

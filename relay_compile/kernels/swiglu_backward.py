@@ -41,11 +41,13 @@ def reference(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor) -> tuple[Tensor, Te
     return (act * score).to(out), dh1.to(out), dh3.to(out), d_score_S
 
 
-def swiglu_backward_(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor, d_score_out: Tensor | None = None) -> Tensor:
+def swiglu_backward_(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor, d_score_out: Tensor | None = None,
+                     dh13_out: Tensor | None = None) -> Tensor:
     """In place (see the module docstring): ``h13`` becomes ``[dh1, dh3]``, ``g`` becomes ``score * act``.
 
     ``d_score_out``: an fp32 ``(S,)`` tensor (a slice of the ring's per-pair score gradients) to write
-    ``d_score`` into, instead of a fresh one.
+    ``d_score`` into, instead of a fresh one. ``dh13_out``: ``[dh1, dh3]`` go there instead, and ``h13`` is
+    only read (projections the forward saved, which the backward must not overwrite).
 
     Returns:
         ``d_score (S,)`` fp32 (``d_score_out`` where given).
@@ -53,23 +55,27 @@ def swiglu_backward_(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor, d_score_out:
     assert h13_SU.shape[-1] == 2 * g_SF.shape[-1] and h13_SU.shape[0] == g_SF.shape[0] == score_S.shape[0]
     assert d_score_out is None or (d_score_out.shape == score_S.shape and d_score_out.dtype == torch.float32
                                    and d_score_out.is_contiguous()), "swiglu_backward_: d_score_out is (S,) fp32"
-    kernel = _triton_kernel() if _eager_cuda(h13_SU, g_SF, score_S) else None
+    assert dh13_out is None or (dh13_out.shape == h13_SU.shape and dh13_out.dtype == h13_SU.dtype), (
+        "swiglu_backward_: dh13_out has h13's shape and dtype")
+    dh13_SU = h13_SU if dh13_out is None else dh13_out
+    kernel = _triton_kernel() if _eager_cuda(h13_SU, g_SF, score_S, dh13_SU) else None
     if kernel is None:
         if torch.compiler.is_compiling() or not isinstance(h13_SU.shape[0], int):
-            d_score_S = _reference_in_place(h13_SU, g_SF, score_S)  # a traced graph: one block of any size
+            # a traced graph: one block of any size
+            d_score_S = _reference_in_place(h13_SU, g_SF, score_S, dh13_SU)
             return d_score_S if d_score_out is None else d_score_out.copy_(d_score_S)
         # Blocks of rows (each row is independent): the eager form's fp32 temporaries, about ten (rows, F)
         # buffers, would otherwise outweigh the in-place buffers themselves.
         d_score_S = _d_score_buffer(g_SF, d_score_out)
         for lo in range(0, h13_SU.shape[0], _EAGER_BLOCK_ROWS):
             hi = lo + _EAGER_BLOCK_ROWS
-            d_score_S[lo:hi] = _reference_in_place(h13_SU[lo:hi], g_SF[lo:hi], score_S[lo:hi])
+            d_score_S[lo:hi] = _reference_in_place(h13_SU[lo:hi], g_SF[lo:hi], score_S[lo:hi], dh13_SU[lo:hi])
         return d_score_S
     rows, ffn = g_SF.shape
     d_score_S = _d_score_buffer(g_SF, d_score_out)
     if rows:
-        kernel[(rows,)](h13_SU, g_SF, score_S, d_score_S, ffn, h13_SU.stride(0), g_SF.stride(0),
-                        BLOCK_F=_BLOCK_F, num_warps=4)
+        kernel[(rows,)](h13_SU, dh13_SU, g_SF, score_S, d_score_S, ffn, h13_SU.stride(0), dh13_SU.stride(0),
+                        g_SF.stride(0), BLOCK_F=_BLOCK_F, num_warps=4)
     return d_score_S
 
 
@@ -77,13 +83,14 @@ def _d_score_buffer(g_SF: Tensor, d_score_out: Tensor | None) -> Tensor:
     return torch.empty(g_SF.shape[0], dtype=torch.float32, device=g_SF.device) if d_score_out is None else d_score_out
 
 
-def _reference_in_place(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor) -> Tensor:
-    """``reference`` written back over its inputs; returns ``d_score``."""
+def _reference_in_place(h13_SU: Tensor, g_SF: Tensor, score_S: Tensor, dh13_SU: Tensor) -> Tensor:
+    """``reference`` written back over ``g`` and into ``dh13`` (``h13`` itself where the caller passes it);
+    returns ``d_score``."""
     act_scaled_SF, dh1_SF, dh3_SF, d_score_S = reference(h13_SU, g_SF, score_S)
     ffn = g_SF.shape[-1]
     g_SF.copy_(act_scaled_SF)
-    h13_SU[:, :ffn].copy_(dh1_SF)
-    h13_SU[:, ffn:].copy_(dh3_SF)
+    dh13_SU[:, :ffn].copy_(dh1_SF)
+    dh13_SU[:, ffn:].copy_(dh3_SF)
     return d_score_S
 
 
@@ -103,9 +110,10 @@ def _build(triton: Any, tl: Any) -> Callable:
     """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
     @triton.jit
-    def _kernel(h13_ptr, g_ptr, score_ptr, d_score_ptr, ffn, stride_h, stride_g, BLOCK_F: tl.constexpr):
+    def _kernel(h13_ptr, dh13_ptr, g_ptr, score_ptr, d_score_ptr, ffn, stride_h, stride_dh, stride_g,
+                BLOCK_F: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        h_row, g_row = h13_ptr + row * stride_h, g_ptr + row * stride_g
+        h_row, dh_row, g_row = h13_ptr + row * stride_h, dh13_ptr + row * stride_dh, g_ptr + row * stride_g
         score = tl.load(score_ptr + row).to(tl.float32)
         acc = tl.zeros([BLOCK_F], dtype=tl.float32)
         for f0 in range(0, ffn, BLOCK_F):
@@ -121,8 +129,8 @@ def _build(triton: Any, tl: Any) -> Callable:
             g = g * score
             dh1 = g * h3 * (sig * (1 + h1 * (1 - sig)))
             tl.store(g_row + cols, (act * score).to(g_ptr.dtype.element_ty), mask=mask)
-            tl.store(h_row + cols, dh1.to(h13_ptr.dtype.element_ty), mask=mask)
-            tl.store(h_row + ffn + cols, (g * silu).to(h13_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_row + cols, dh1.to(dh13_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_row + ffn + cols, (g * silu).to(dh13_ptr.dtype.element_ty), mask=mask)
         tl.store(d_score_ptr + row, tl.sum(acc, axis=0))
 
     return _kernel

@@ -54,7 +54,7 @@ Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 ARGUMENTS = (
     "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
     "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "fp32_accumulation",
-    "scores_applied", "ring", "fp8", "link_gbps",
+    "scores_applied", "ring", "fp8", "link_gbps", "save_projections",
     "the call",
 )
 # Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.
@@ -68,6 +68,7 @@ _WEIGHT_FIELDS = ("dtype", "ndim", *(f"d{i}" for i in range(MAX_DIMS)))
 _HEADER = (
     "problem", "direction", "tokens", "hidden", "top_k", "x_dtype", "ids_dtype", "scores_dtype", "grad_dtype",
     "experts_per_rank", "routing", "overlap", "remat", "fp32_accumulation", "ring", "fp8", "link", "cuda", "machine", "kept",
+    "saves",
     "expert_fn", "scores_before", "num_weights", "weights_digest",
     *(f"w{i}.{f}" for i in range(MAX_WEIGHTS) for f in _WEIGHT_FIELDS), "counts_len",
     *(f"message{i}" for i in range(MESSAGE_WORDS)),
@@ -141,6 +142,10 @@ class Claims:
     # 1: the region kept its all-to-all at compile time, 2: it was refused (``agree_kept``); 3: a graph compiled
     # twice chooses its kept or its ring variant (``agree_tokens``)
     kept: int = 0
+    # The op can save the expert ring's first projections (``ops.ring_moe_saving``): 1 where the cost model
+    # decides (``save_projections="auto"``), 2 where the option says True; 0: it cannot. The call saves only where
+    # every rank can (``Agreement.saves``): a rank-local knob, not checked alike.
+    saves: int = 0
 
     def header(self, counts_len: int) -> list[int]:
         if self.problem is None:
@@ -158,7 +163,7 @@ class Claims:
             overlap=int(self.options.overlap), remat=int(self.options.remat),
             fp32_accumulation=int(self.options.fp32_accumulation), ring=RINGS.index(self.options.ring),
             fp8=int(self.options.fp8), link=round(self.link_gbps * 1000) if self.link_gbps else 0,
-            cuda=int(self.cuda), machine=self.machine, kept=int(self.kept), expert_fn=self.expert_fn,
+            cuda=int(self.cuda), machine=self.machine, kept=int(self.kept), saves=self.saves, expert_fn=self.expert_fn,
             scores_before=int(self.scores_before),
             num_weights=len(self.weights), counts_len=counts_len,
         )
@@ -216,6 +221,9 @@ class Agreement:
     counts: StepCounts
     volumes: dict[str, dict[str, int]]
     choice: Choice | None = None
+    # The expert ring's forward saves the first projections for its backward (``ops.ring_moe_saving``): both
+    # directions of a call read the same agreed values, so they agree on it.
+    saves: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,8 +282,9 @@ def agree(
     )
     tokens_N = [row[_AT["tokens"]] for row in table]
     cal = agreed_calibration(head[_AT["machine"]]).with_link(agreed_link([row[_AT["link"]] for row in table]))
+    saving = min(row[_AT["saves"]] for row in table)
     execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
-                                   volume_args, tokens_N, ring.size, sizes, cal)
+                                   volume_args, tokens_N, ring.size, sizes, cal, saving)
     if counts_NE[ring.rank] is None:
         # NOTE: the group's first call with this many experts: counts did not fit the row.
         counts_NE = all_gather_rows(ring, counts_E).tolist() if execution == "token" else _own(ring, counts_E)
@@ -284,6 +293,7 @@ def agree(
         routing="expert" if execution == "all_to_all" else execution, execution=execution, choice=choice,
         counts=StepCounts(tokens_N=tokens_N, counts_NE=counts_NE),
         volumes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
+        saves=execution == "expert" and (choice.saves if choice is not None else saving == 2),
     )
 
 
@@ -303,17 +313,18 @@ def agreed_calibration(machine: int) -> Calibration:
 
 
 def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], tokens_N: list[int], size: int,
-               sizes: BlockSizes | None, cal: Calibration = H200) -> tuple[Execution, Choice | None]:
+               sizes: BlockSizes | None, cal: Calibration = H200, saving: int = 0) -> tuple[Execution, Choice | None]:
     """The options ``routing`` and ``ring`` resolved from agreed values only (the same on every rank): by the
     cost model where it is calibrated (CUDA: ``cal``, rank 0's device's constants, with transfers over the
-    group's slowest link or as device copies), else routing by bytes and the ring."""
-    if cuda and sizes is not None and (asked == "auto" or ring != "always"):
+    group's slowest link or as device copies), else routing by bytes and the ring. ``saving``: the least
+    ``Claims.saves`` of the group (the model also decides whether the expert ring saves projections)."""
+    if cuda and sizes is not None and (asked == "auto" or ring != "always" or saving):
         shape = BlockShape(
             tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
             experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
             expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
         choice = choose(shape, routing=asked, ring=ring, cal=cal, owners=sizes.owners(tokens_N),
-                        max_hop_rows=sizes.max_hop_rows)
+                        max_hop_rows=sizes.max_hop_rows, saving=saving)
         return choice.execution, choice
     if ring == "never":
         return "all_to_all", None
@@ -363,7 +374,7 @@ def _exchange(
 # each per call when all is well (the usual case), the detailed checks below only otherwise.
 _QUIET = operator.itemgetter(_AT["problem"], BAD_IDS, PEER_FAILURE)
 _ALIKE = operator.itemgetter(*(i for name, i in _AT.items()
-                               if name not in ("problem", "tokens", "counts_len", "link", "machine")
+                               if name not in ("problem", "tokens", "counts_len", "link", "machine", "saves")
                                and not name.startswith("message")))
 
 

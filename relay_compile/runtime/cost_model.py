@@ -22,7 +22,8 @@ Time of one forward + backward on one rank (``Calibration`` holds the machine's 
   pays a fixed cost per hop pass (its transfers, planning, ~40 launches) and a cost per expert a hop computes;
   the all-to-all a fixed cost per call and per peer (split lists, host syncs).
 - gpu: grouped GEMMs, ``2 * params`` flops per expert row per pass (forward 1, backward 2, and the ring's
-  per-hop recompute 1), at an efficiency that grows with the rows one expert's GEMM sees
+  per-hop recompute 1, less the first projection's share where the forward saved it: ``save_projections``),
+  at an efficiency that grows with the rows one expert's GEMM sees
   (``rows / (rows + gemm_half_rows)``): a ring hop gives an expert ``T*K/E`` rows, the all-to-all ``N*T*K/E``;
   plus the memory-bound row traffic (gathers, scatters, permutes: bytes per expanded row, per path), plus what
   a hop does at a fixed cost on the GPU.
@@ -33,7 +34,9 @@ Time of one forward + backward on one rank (``Calibration`` holds the machine's 
 ``choose`` (the ``ring`` option): the ring's routing with the least predicted time; under ``"auto"`` the block
 keeps its all-to-all where that ring is predicted slower than the all-to-all (a model is never made slower);
 under ``"memory"`` only where, besides, the all-to-all's predicted peak is no higher than the ring's (the ring
-then buys nothing). Where hops are cheap enough the two agree; while a hop costs ~0.5-1 ms of host time they do
+then buys nothing). Where the op can save projections (``save_projections``), the expert ring saves them where
+it is predicted slower than the all-to-all without them and its peak with them stays no higher than the
+all-to-all's: memory is traded for time only where the ring would otherwise lose. Where hops are cheap enough the two agree; while a hop costs ~0.5-1 ms of host time they do
 not at small token counts (docs/BENCHMARKS.md, "Ring or all-to-all").
 
 Legend: T tokens per rank, H hidden, F expert width, K top-k, E experts, E_l = E / N, N ranks, P = T*K.
@@ -111,10 +114,22 @@ def _hop_shape(shape: BlockShape, min_tokens: int | None = None, fp8: bool = Fal
     )
 
 
+def projection_width(shape: BlockShape) -> int:
+    """Columns of a row's first projection (a grouped FFN's packed ``w13``: ``2F`` gated, ``F`` otherwise): the
+    expert matrices' elements per hidden unit, less the down projection's ``F``."""
+    return max(0, shape.params // max(1, shape.hidden) - shape.ffn)
+
+
+def saved_projection_bytes(shape: BlockShape) -> int:
+    """What ``save_projections`` holds from forward to backward: every pair's first projection."""
+    return shape.tokens * shape.top_k * projection_width(shape) * shape.elem_bytes
+
+
 def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
-                         owners: tuple[int, int] = (1, 1)) -> dict[str, int]:
+                         owners: tuple[int, int] = (1, 1), saved: bool = False) -> dict[str, int]:
     """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring); ``owners``:
-    the expert ring's owners per forward / backward hop, whose stacks add to the ring's peak."""
+    the expert ring's owners per forward / backward hop, whose stacks add to the ring's peak; ``saved``: the
+    ring holds the saved projections besides."""
     s = shape
     pairs = s.tokens * s.top_k
     a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
@@ -126,6 +141,8 @@ def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
     ring = resident + hop_rows * (4 * s.hidden + 4 * s.ffn) * s.elem_bytes
     if owners != (1, 1):
         ring += grouped_extra_bytes(_hop_shape(s), *owners)
+    if saved:
+        ring += saved_projection_bytes(s)
     return {"a2a": a2a, "ring": ring}
 
 
@@ -227,7 +244,7 @@ class TimeEstimate:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
 
 
-def _gemm_ms(rows: float, params: int, passes: int, rows_per_expert: float, cal: Calibration) -> float:
+def _gemm_ms(rows: float, params: int, passes: float, rows_per_expert: float, cal: Calibration) -> float:
     efficiency = rows_per_expert / (rows_per_expert + cal.gemm_half_rows) if rows_per_expert > 0 else 0.0
     flops = 2.0 * rows * params * passes
     return flops / (cal.gemm_tflops * 1e12 * max(efficiency, 1e-6)) * 1e3
@@ -247,9 +264,10 @@ def _hops(n: int, g: int) -> int:
 
 
 def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
-              backward_owners: int = 1, max_hop_rows: MaxHopRows = "auto") -> TimeEstimate:
+              backward_owners: int = 1, max_hop_rows: MaxHopRows = "auto", saved: bool = False) -> TimeEstimate:
     """Predicted time of the ring in ``routing`` (``owners_per_hop`` / ``backward_owners``: the grouped forward
-    / backward of expert routing; a stack's hop computes ``g`` owners' experts on ``g`` hops' rows)."""
+    / backward of expert routing; a stack's hop computes ``g`` owners' experts on ``g`` hops' rows; ``saved``:
+    the backward reads the forward's first projections instead of recomputing them)."""
     s, n = shape, shape.group_size
     pairs = s.tokens * s.top_k
     g, g_b = owners_per_hop, backward_owners
@@ -262,8 +280,14 @@ def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_p
     host = (hops_f * (per_hop + g * s.experts_per_rank * per_expert)
             + hops_b * (per_hop + g_b * s.experts_per_rank * per_expert) + chunk_calls * cal.host_chunk_us)
     rows_per_expert = pairs / (n * s.experts_per_rank)
-    gemm = _gemm_ms(pairs, s.params, 4, rows_per_expert, cal)  # forward, recompute, two backward GEMMs
+    width = projection_width(s)
+    # forward, recompute, two backward GEMMs; saved projections: the first projection's share of the recompute
+    # goes, and the forward writes them once more than it would (the backward reads them instead of a GEMM's)
+    passes = 4.0 - (width / (width + s.ffn) if saved and width else 0.0)
+    gemm = _gemm_ms(pairs, s.params, passes, rows_per_expert, cal)
     rows = _bytes_ms(pairs * s.hidden * s.elem_bytes * cal.ring_row_bytes, cal.hbm_gbps)
+    if saved:
+        rows += _bytes_ms(saved_projection_bytes(s), cal.hbm_gbps)
     volumes = per_hop_bytes(routing, tokens=s.tokens, hidden=s.hidden, top_k=s.top_k,
                             experts_per_rank=s.experts_per_rank, expert_bytes=s.expert_bytes, elem_bytes=s.elem_bytes,
                             expert_grad_bytes=s.expert_bytes // s.elem_bytes * 4, sum_elem_bytes=4)
@@ -308,18 +332,32 @@ class Choice:
     times: dict[str, TimeEstimate]  # "expert", "token" (the ring's routings considered), "a2a"
     peaks: dict[str, int]  # predicted_peak_bytes
     owners: tuple[int, int] = (1, 1)  # the expert ring's owners per forward and per backward hop, predicted with
+    saves: bool = False  # the expert ring saves its first projections (``times["expert"]``, ``peaks`` with them)
 
     def as_dict(self) -> dict[str, object]:
         return {"execution": self.execution, "reason": self.reason, "owners_per_hop": list(self.owners),
+                "saves_projections": self.saves,
                 "predicted_ms": {k: t.as_dict() for k, t in self.times.items()}, "predicted_peak_bytes": self.peaks}
 
 
+def _saves(shape: BlockShape, unsaved: TimeEstimate, a2a: TimeEstimate, saving: int, owners: tuple[int, int],
+           max_hop_rows: MaxHopRows) -> bool:
+    """Whether the expert ring saves its projections: wherever the op can and the option says True
+    (``saving`` 2); under ``"auto"`` (1) where, without them, it is predicted slower than the all-to-all and,
+    with them, its peak is no higher than the all-to-all's."""
+    if saving != 1:
+        return saving == 2
+    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=owners, saved=True)
+    return unsaved.total_ms > a2a.total_ms and peaks["ring"] <= peaks["a2a"]
+
+
 def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners: tuple[int, int] | None = None,
-           max_hop_rows: MaxHopRows = "auto") -> Choice:
+           max_hop_rows: MaxHopRows = "auto", saving: int = 0) -> Choice:
     """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
 
     ``owners``: owners per forward and per backward hop of the expert ring (``(1, 1)``: an expert function
-    without grouped entry points); None: those of grouped experts (``grouped_owners``).
+    without grouped entry points); None: those of grouped experts (``grouped_owners``). ``saving``: the op can
+    save the expert ring's projections (``agreement.Claims.saves``: 1 the model decides, 2 the option says so).
 
     ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also
     where it is slower but the all-to-all's predicted peak is higher (the ring buys memory with time);
@@ -331,12 +369,20 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
                           backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
              for r in routings}
     times["a2a"] = a2a_time(shape, cal)
+    saves = "expert" in times and _saves(shape, times["expert"], times["a2a"], saving, (forward, backward),
+                                         max_hop_rows)
+    if saves:
+        times["expert"] = ring_time(shape, "expert", cal, owners_per_hop=forward, backward_owners=backward,
+                                    max_hop_rows=max_hop_rows, saved=True)
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
-    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1))
+    saves = saves and best == "expert"
+    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1),
+                                 saved=saves)
     ring_ms, a2a_ms = times[best].total_ms, times["a2a"].total_ms
     mib = {k: v / 2**20 for k, v in peaks.items()}
     grouped = best == "expert" and forward * backward > 1
     held = f" ({forward}/{backward} owners per forward/backward hop)" if grouped else ""
+    held += ", projections saved" if saves else ""
     if ring == "never":
         return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks,
                       owners=(forward, backward))
@@ -353,4 +399,4 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
             f"the {best} ring{held} is predicted slower ({ring_ms:.2f} ms against {a2a_ms:.2f} ms; peak "
             f"{mib['ring']:.0f} MiB against {mib['a2a']:.0f} MiB); ring='memory' or 'always' runs it"))
     return Choice(execution=best, reason=f"{best} ring{held}: {why}", times=times, peaks=peaks,
-                  owners=(forward, backward))
+                  owners=(forward, backward), saves=saves)

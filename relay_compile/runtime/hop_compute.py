@@ -166,14 +166,18 @@ class ExpertRoutingStep:
     """Expert routing: ``x`` stays, weight partitions circulate (and their gradients one hop behind).
 
     ``counts``: the agreed counts (``runtime.agreement``; None: a ring of one counts its own). ``packed``:
-    the weights already in the expert function's packed layout.
+    the weights already in the expert function's packed layout. ``projections``: forward, True saves every
+    pair's first projection (``finish`` returns them after ``y``); backward, the forward's saved ones, read
+    instead of recomputing them (``saves_projections`` says where either applies).
     """
 
     def __init__(
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
-        packed: list[Tensor] | None = None, owners_per_hop: int = 1,
+        packed: list[Tensor] | None = None, owners_per_hop: int = 1, projections: Tensor | bool = False,
     ) -> None:
+        assert projections is False or saves_projections(cfg), "ring_moe: this ring cannot save projections"
+        self.projections = projections
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
         # What a visiting partition's gradients look like (every partition has the local one's shapes).
@@ -211,11 +215,20 @@ class ExpertRoutingStep:
         chunks = plan_chunks(bounds + groups, [e_l] * len(bounds) + [g * e_l] * len(groups), x_TH.device)
         self.chunks, self.group_chunks = chunks[: len(bounds)], chunks[len(bounds):]
         self.scores_S = torch.index_select(topk_scores_TK.reshape(-1), 0, routing.order_P)
-        # Padded and equal-group chunks are planned for one owner per hop (stacks run their chunks as they are).
-        graphs = g == 1 and cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
+        # Padded and equal-group chunks are planned for one owner per hop (stacks run their chunks as they are),
+        # and not beside saved projections (their rows are the pairs', unpadded).
+        saved = self.projections is not False
+        graphs = g == 1 and not saved and cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
         self.equal = (EqualGroups.plan(self.chunks, routing.tokens_P, self.scores_S)
-                      if g == 1 and self.backward and self.padded is None and cfg.pads_equal_groups else None)
+                      if g == 1 and not saved and self.backward and self.padded is None and cfg.pads_equal_groups
+                      else None)
+        self.projections_PU: Tensor | None = None
+        if self.projections is True:  # in the packed first matrix's columns and dtype (``projection_dtype``)
+            first = self.weights[0]
+            self.projections_PU = first.new_empty((routing.order_P.shape[0], first.shape[1]))
+        elif isinstance(self.projections, Tensor):
+            self.projections_PU = self.projections
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
@@ -259,12 +272,13 @@ class ExpertRoutingStep:
 
     def _group_rows(self, group: int) -> HopRows:
         return HopRows(routing=self.routing, chunks=self.group_chunks[group], src=self.cfg.ring.rank,
-                       scores_S=self.scores_S)
+                       scores_S=self.scores_S, projections_PU=self.projections_PU)
 
     def _rows(self, hop: int) -> HopRows:
         owner = (self.cfg.ring.rank - hop) % self.cfg.ring.size
         return HopRows(routing=self.routing, chunks=self.chunks[owner], src=self.cfg.ring.rank,
-                       scores_S=self.scores_S, padded=self.padded, equal=self.equal)
+                       scores_S=self.scores_S, padded=self.padded, equal=self.equal,
+                       projections_PU=self.projections_PU)
 
     @_drains(_no_partials)
     def forward_hop(self, hop: int, *weights: Tensor) -> tuple[Tensor, ...]:
@@ -346,7 +360,8 @@ class ExpertRoutingStep:
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
         dtype = self.x_TH.dtype
         if self.grad_y_TH is None:
-            return (self.y.finish(dtype),)
+            y_TH = self.y.finish(dtype)
+            return (y_TH,) if self.projections_PU is None else (y_TH, self.projections_PU)
         if self.equal is not None:
             self.equal.scores_grad_into(self.ds_S1)
         ds_P = torch.empty_like(self.ds_S).index_copy_(0, self.routing.order_P, self.ds_S)
@@ -474,6 +489,16 @@ class TokenRoutingStep:
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep
+
+
+def saves_projections(cfg: RingStepConfig) -> bool:
+    """Whether an expert-routing step of ``cfg`` can save the first projections in its forward for its backward
+    (option ``save_projections``): grouped experts with a fused backward that takes them
+    (``projection_dtype``: ``experts.GroupedFFN``, ``lowered_ffn.LoweredFFN``), scores applied after the
+    experts, no chunk graphs."""
+    grouped = cfg.grouped
+    return (grouped is not None and grouped.has_fused_backward and hasattr(grouped, "projection_dtype")
+            and not cfg.scores_before and not cfg.pads_chunks)
 
 
 def clamped_ids(num_experts: int, topk_ids_TK: Tensor) -> tuple[Tensor, Tensor]:

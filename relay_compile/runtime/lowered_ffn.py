@@ -187,15 +187,20 @@ class LoweredFFN:
         dtype = self.plan.compute_dtype
         return x if dtype is None else x.to(dtype)
 
+    def projection_dtype(self, weights: Sequence[Tensor]) -> torch.dtype:
+        """``GroupedFFN.projection_dtype``: the packed weights' dtype (F's compute dtype where it casts)."""
+        return self.plan.compute_dtype or weights[0].dtype
+
     def forward_rows(
-        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
+        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
+        save_into: Tensor | None = None,
     ) -> Tensor:
-        return self.inner.forward_rows(self._compute(x_SH), offsets_G, rows_G, weights).to(x_SH.dtype)
+        return self.inner.forward_rows(self._compute(x_SH), offsets_G, rows_G, weights, save_into).to(x_SH.dtype)
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
-        grad_into: GradSink | None = None, d_score_out: Tensor | None = None,
+        grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         """The fused backward; where F computes in another dtype than the rows' (torchtitan: bf16 GEMMs on fp32
         parameters and rows), on this chunk's rows cast to it and the packed weights (cast once per step, by
@@ -207,12 +212,12 @@ class LoweredFFN:
         dtype = self.plan.compute_dtype
         if dtype is None or dtype == x_TH.dtype == dy_TH.dtype:
             return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into,
-                                       d_score_out)
+                                       d_score_out, projections)
         # Gathered, then cast: the chunk's rows only, never a cast copy of all T rows per chunk.
         x_SH = (x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)).to(dtype)
         dy_SH = (dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)).to(dtype)
         dx_SH, d_score_S, dws = self.inner.vjp_rows(x_SH, None, offsets_G, rows_G, weights, dy_SH, score_S,
-                                                    grad_dtype, grad_into, d_score_out)
+                                                    grad_dtype, grad_into, d_score_out, projections)
         return dx_SH.to(x_TH.dtype), d_score_S, dws
 
     # --- ExpertFn (the probe, and callers without grouped entry points) ---

@@ -1,9 +1,17 @@
 """The ``relaymoe`` custom ops: the autograd boundary of a ring, and the trampolines into ring programs.
 
     relaymoe::ring_moe(x, topk_ids, topk_scores, weights[], spec) -> y
-    relaymoe::ring_moe_backward(grad_y, x, topk_ids, topk_scores, weights[], spec) -> [dx, d_scores, *d_weights]
+    relaymoe::ring_moe_saving(x, topk_ids, topk_scores, weights[], spec) -> (y, projections)
+    relaymoe::ring_moe_backward(grad_y, x, topk_ids, topk_scores, weights[], spec, projections?)
+        -> [dx, d_scores, *d_weights]
 
-``spec`` is the key of a registered ``RingSpec`` (``runtime.specs``). The backward is an op of its own so
+``spec`` is the key of a registered ``RingSpec`` (``runtime.specs``). ``ring_moe_saving`` also returns every
+pair's first projection ``(T*K, U)`` (the packed first matrix's columns and dtype), in the step's sorted-pair
+order (option ``save_projections``), which
+its backward reads instead of recomputing that GEMM per hop: it holds them from forward to backward, so it is
+emitted only where that memory is granted. Where a call does not run as an expert ring (the agreement chose the
+all-to-all or token routing), the projections are left unwritten and its backward, which decides alike from the
+same agreed values (``agreement._execution`` reads no direction), does not read them. The backward is an op of its own so
 that the ring runs at run time under aot_autograd (a Python ``register_autograd`` backward runs only while
 tracing). Both ops have fake implementations, so they trace under torch.compile without communicating.
 
@@ -39,6 +47,7 @@ from relay_compile.runtime.hop_compute import (
     RingStepConfig,
     TokenRoutingStep,
     clamped_ids,
+    saves_projections,
 )
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import hop_owners, program_for
@@ -86,9 +95,10 @@ def _check_grad(x: Tensor, grad_y: Tensor | None) -> None:
 
 def _prepare(
     direction: Direction, state: SpecState, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor, topk_scores: Tensor,
-    weights: Sequence[Tensor], grad_y: Tensor | None,
+    weights: Sequence[Tensor], grad_y: Tensor | None, can_save: bool = False,
 ) -> _Local:
-    """Step 1 of the module docstring: this rank's claims; an error becomes its problem."""
+    """Step 1 of the module docstring: this rank's claims; an error becomes its problem. ``can_save``: the op
+    saves (forward) or was given (backward) projections, where the ring can (``Claims.saves``)."""
     spec = state.spec
     no_counts = torch.zeros(0, dtype=torch.int64, device=x.device)
     try:
@@ -112,14 +122,18 @@ def _prepare(
         scores_before=spec.scores_applied == "before",
         weights=tuple((w.dtype, tuple(w.shape)) for w in weights), cuda=x.device.type == "cuda",
         machine=calibration_code(calibration_for(x.device)), link_gbps=state.link_gbps,
+        saves=spec.options.saves_code if can_save and saves_projections(cfg) else 0,
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 
 
 def _run(
     direction: Direction, key: str, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor],
-    grad_y: Tensor | None = None,
+    grad_y: Tensor | None = None, projections: Tensor | bool = False,
 ) -> tuple[Tensor, ...]:
+    """One call of the ring (the module docstring's steps); ``projections``: the forward saves them (True), the
+    backward reads the forward's (a tensor), where the call runs as an expert ring that can
+    (``hop_compute.saves_projections``)."""
     state = spec_state(key)
     ring = RingGroup.resolve(state.spec.group_name)
     if ring != state.ring:
@@ -132,7 +146,7 @@ def _run(
         scores_before=spec.scores_applied == "before", chunk_graphs=spec.options.graphs_on(x.device),
         equal_groups=equal_groups.applies(x.device),
     )
-    local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y)
+    local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y, projections is not False)
     fp32 = spec.options.fp32_accumulation
     agreed = agree(ring, local.claims, local.bad_ids, local.counts_E,
                    # What circulates: the packed weights (FP8 hops: half the bytes), else the given ones.
@@ -153,6 +167,7 @@ def _run(
         a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
                            counts_E=local.counts_E, packed=local.packed)
         return a2a.forward() if direction == "forward" else a2a.backward()
+    saving = projections if agreed.saves else False
     owners = hop_owners(direction, agreed.routing, cfg.grouped is not None,
                         _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
@@ -163,7 +178,7 @@ def _run(
     sched: RingSchedule = program.meta["schedule"]
     with RingRun(ring, x.device, direction, carries_status=sched.num_trailing > 0) as run:
         step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed,
-                        owners_per_hop=owners)
+                        owners_per_hop=owners, **({} if saving is False else {"projections": saving}))
         out = run_program(program, step, step.initial_circulating())
     remember_status(ring, run.outcome())  # raises this rank's failure, or a peer's where reading it is free
     return out
@@ -210,40 +225,74 @@ def _(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], s
     return torch.empty_like(x, memory_format=_CONTIGUOUS)
 
 
+@torch.library.custom_op("relaymoe::ring_moe_saving", mutates_args=())
+def ring_moe_saving_op(
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
+) -> tuple[Tensor, Tensor]:
+    """``ring_moe`` that also returns every pair's first projection for its backward (module docstring)."""
+    with torch.no_grad():
+        y, *saved = _run("forward", spec, x, topk_ids, topk_scores, weights, projections=True)
+    if not saved:  # not an expert ring this call: nothing saved, and the backward decides alike
+        return y.contiguous(), _unsaved(spec, topk_ids, weights)
+    return y.contiguous(), saved[0]
+
+
+def _unsaved(spec: str, topk_ids: Tensor, weights: list[Tensor]) -> Tensor:
+    """Where a saving op's projections would go: ``(T*K, U)`` in the packed first matrix's columns and dtype
+    (``hop_compute.ExpertRoutingStep`` allocates them so), unwritten."""
+    first = spec_state(spec).spec.ring_fn.pack(weights)[0]  # type: ignore[attr-defined]
+    return first.new_empty((topk_ids.numel(), first.shape[1]))
+
+
+@ring_moe_saving_op.register_fake
+def _(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x, memory_format=_CONTIGUOUS), _unsaved(spec, topk_ids, weights)
+
+
 @torch.library.custom_op("relaymoe::ring_moe_backward", mutates_args=())
 def ring_moe_backward_op(
-    grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
+    grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str,
+    projections: Tensor | None = None,
 ) -> list[Tensor]:
-    """``[dx, d_scores, *d_weights]`` of ``ring_moe``: the backward ring (recompute per hop)."""
-    return [g.contiguous() for g in _run("backward", spec, x, topk_ids, topk_scores, weights, grad_y.contiguous())]
+    """``[dx, d_scores, *d_weights]`` of ``ring_moe``: the backward ring (recompute per hop, or read the
+    forward's ``projections``)."""
+    saved: Tensor | bool = False if projections is None else projections
+    return [g.contiguous() for g in _run("backward", spec, x, topk_ids, topk_scores, weights, grad_y.contiguous(),
+                                         projections=saved)]
 
 
 @ring_moe_backward_op.register_fake
 def _(
-    grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
+    grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str,
+    projections: Tensor | None = None,
 ) -> list[Tensor]:
     return [torch.empty_like(t, memory_format=_CONTIGUOUS) for t in (x, topk_scores, *weights)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, topk_ids, topk_scores, weights, spec = inputs
-    ctx.save_for_backward(x, topk_ids, topk_scores, *weights)
-    ctx.spec = spec
+    x, topk_ids, topk_scores, weights, spec, *_ = inputs
+    saved = [output[1]] if isinstance(output, tuple) else []  # ring_moe_saving's projections
+    if saved:
+        ctx.mark_non_differentiable(saved[0])
+    ctx.save_for_backward(x, topk_ids, topk_scores, *saved, *weights)
+    ctx.saves, ctx.spec = bool(saved), spec
     # The backward runs with this very spec, even if the registry evicted or replaced it meanwhile. (While
     # Dynamo traces, the spec's registration is a side effect it applies later: none to hold yet.)
     ctx.spec_state = spec_held(spec)
 
 
-def _backward(ctx, grad_y: Tensor):
-    x, topk_ids, topk_scores, *weights = ctx.saved_tensors
+def _backward(ctx, grad_y: Tensor, *_grad_projections: Tensor | None):  # projections: not differentiable
+    x, topk_ids, topk_scores, *rest = ctx.saved_tensors
+    projections, weights = (rest[0], rest[1:]) if ctx.saves else (None, rest)
     with holding(ctx.spec_state) if ctx.spec_state is not None else contextlib.nullcontext():
         dx, d_scores, *d_weights = torch.ops.relaymoe.ring_moe_backward(
-            grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec
+            grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec, projections
         )
     return dx, None, d_scores, d_weights, None
 
 
 ring_moe_op.register_autograd(_backward, setup_context=_setup_context)
+ring_moe_saving_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("relaymoe::kept_all_to_all", mutates_args=())
 def kept_all_to_all_op(t: Tensor, group_name: str, refused: bool = False) -> Tensor:
@@ -265,4 +314,5 @@ kept_all_to_all_op.register_autograd(lambda ctx, grad: (grad, None, None))
 
 # The ops' overloads: what the rewrite pass inserts into Dynamo graphs.
 RING_MOE = torch.ops.relaymoe.ring_moe.default
+RING_MOE_SAVING = torch.ops.relaymoe.ring_moe_saving.default
 KEPT_ALL_TO_ALL = torch.ops.relaymoe.kept_all_to_all.default

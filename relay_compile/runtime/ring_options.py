@@ -31,6 +31,9 @@ RINGS: tuple[str, ...] = ("auto", "memory", "always", "never")
 ChunkGraphs = bool | Literal["auto"]
 # The ``link_gbps`` option: GB/s of the slowest link a hop's transfer crosses, or "auto" (``transport.link_gbps``).
 LinkGbps = float | Literal["auto"]
+# The ``save_projections`` option: the expert ring's forward keeps every pair's first projection for its backward
+# (True), never (False), or where the cost model grants it ("auto", ``cost_model.choose``).
+SaveProjections = bool | Literal["auto"]
 # ``max_hop_rows="auto"``: a chunk holds at most 1/AUTO_HOP_ROWS_FRACTION of the rank's tokens (its gathered
 # rows, their gradients and the expert activations then stay below the token-sized sums the step holds
 # anyway), and never fewer than AUTO_MIN_HOP_ROWS rows: each chunk costs a fixed host time, which below that
@@ -211,6 +214,13 @@ class RingOptions:
       (``transport.link_gbps``: NCCL an NVLink-class link, 450, or 50 across nodes; a group without device
       links, such as the one-GPU stand-in, device copies). Not checked alike: a call decides with the slowest
       link any rank reports (``agreement.agreed_link``), a compile-time keep with this rank's own.
+    - ``save_projections``: the expert ring's forward keeps every pair's first projection (``T*K`` rows of
+      ``2F`` for SwiGLU) until the backward, whose hops then skip recomputing that GEMM (a sixth of the
+      ring's GEMM flops). True wherever the ring runs in expert routing with grouped FFN experts (scores
+      after them, no chunk graphs); ``"auto"``: where the cost model predicts the ring slower than the
+      all-to-all without them and its peak with them still no higher than the all-to-all's (CUDA; never
+      elsewhere); False: never. A per-rank knob: a call saves only where every rank's op can
+      (``agreement``).
     """
 
     routing: str = "auto"
@@ -222,6 +232,7 @@ class RingOptions:
     ring: str = "auto"
     fp8: bool = False
     link_gbps: LinkGbps = "auto"
+    save_projections: SaveProjections = "auto"
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -239,6 +250,9 @@ class RingOptions:
         if link != "auto" and (isinstance(link, bool) or not isinstance(link, (int, float)) or not 0 < link < 1e6):
             raise InvalidRingOption(f"link_gbps must be 'auto' or a positive bandwidth in GB/s, got {link!r}",
                                     "link_gbps")
+        if self.save_projections != "auto" and not isinstance(self.save_projections, bool):
+            raise InvalidRingOption(f"save_projections must be True, False or 'auto', got {self.save_projections!r}",
+                                    "save_projections")
         for name in ("overlap", "remat", "fp32_accumulation", "fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRingOption(f"{name} must be a bool, got {getattr(self, name)!r}", name)
@@ -248,12 +262,13 @@ class RingOptions:
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
         max_hop_rows: MaxHopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
         ring: str = "auto", fp8: bool = False, link_gbps: LinkGbps = "auto",
+        save_projections: SaveProjections = "auto",
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""
         try:
             return cls(routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
                        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8,
-                       link_gbps=link_gbps)
+                       link_gbps=link_gbps, save_projections=save_projections)
         except InvalidRingOption as e:
             raise InvalidRingOption(f"{caller}: {e.problem}", e.argument) from None
 
@@ -265,7 +280,14 @@ class RingOptions:
             f"|chunk_graphs={self.chunk_graphs if self.chunk_graphs == 'auto' else int(self.chunk_graphs)}"
             f"|ring={self.ring}" + ("|fp8=1" if self.fp8 else "")
             + ("" if self.link_gbps == "auto" else f"|link_gbps={float(self.link_gbps):g}")
+            + ("" if self.save_projections == "auto" else f"|save_projections={int(self.save_projections)}")
         )
+
+    @property
+    def saves_code(self) -> int:
+        """What a ring op that can save projections claims in the agreement (``agreement.Claims.saves``): 1 for
+        ``"auto"``, 2 for True, 0 for False."""
+        return {True: 2, False: 0}.get(self.save_projections, 1)  # type: ignore[arg-type]
 
     def graphs_on(self, device: torch.device) -> bool:
         """Whether ``chunk_graphs`` runs padded chunks as static-shape programs on ``device``."""

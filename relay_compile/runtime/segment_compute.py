@@ -126,6 +126,10 @@ class HopRows:
     padded: PaddedChunks | None = None
     # The step's chunks padded to equal groups (``equal_groups``, backward), or None.
     equal: EqualGroups | None = None
+    # The first projections of every pair of the step, in sorted-pair order ``(P, U)`` (``save_projections``):
+    # the forward writes a chunk's rows ``[start, end)``, the backward reads them instead of recomputing. None:
+    # the backward recomputes.
+    projections_PU: Tensor | None = None
 
 
 def _chunk_weights(cfg: RingStepConfig, weights: Sequence[Tensor], chunk: Chunk) -> list[Tensor]:
@@ -189,7 +193,12 @@ def segment_forward(
         tok_S = rows.routing.tokens_P[chunk.start : chunk.end]
         score_S1 = rows.scores_S[chunk.start : chunk.end, None]
         x_SH = _gathered_scaled_rows(x_TH, tok_S, score_S1) if cfg.scores_before else torch.index_select(x_TH, 0, tok_S)
-        out_SH = _expert_forward(cfg, chunk, rows.src, x_SH, _chunk_weights(cfg, weights, chunk))
+        if rows.projections_PU is not None:  # the step checked: grouped experts, scores after them
+            assert cfg.grouped is not None
+            out_SH = cfg.grouped.forward_rows(x_SH, chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk),
+                                              save_into=rows.projections_PU[chunk.start : chunk.end])
+        else:
+            out_SH = _expert_forward(cfg, chunk, rows.src, x_SH, _chunk_weights(cfg, weights, chunk))
         if cfg.scores_before:
             y.add_(tok_S, out_SH)
         elif cfg.grouped is not None and out_SH.dtype == y.dtype:
@@ -304,10 +313,12 @@ def segment_backward(
         if grouped is not None:
             chunk_weights = _chunk_weights(cfg, weights, chunk)
             # The score gradients are written in place into the step's (no buffer and copy per chunk).
+            saved = rows.projections_PU
             dx_SH, ds_out, dws = grouped.vjp_rows(
                 x_TH, tok_S, offsets_G, rows_G, chunk_weights, dy_TH, chunk_score_S,
                 grad_dtype=cfg.sum_dtype(dw.weights[0]), grad_into=functools.partial(dw.sink, chunk),
                 d_score_out=chunk_ds_S,
+                **({} if saved is None else {"projections": saved[chunk.start : chunk.end]}),
             )
         else:
             dx_SH, ds_out, dws = fused(
