@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import operator
 
 import torch
 import torch.fx as fx
@@ -48,9 +49,10 @@ from relay_compile.runtime import cost_model
 from relay_compile.runtime.compiled_experts import CompiledExpertFn
 from relay_compile.runtime.cost_model import H200, Choice, calibration_for, choose, grouped_owners
 from relay_compile.runtime.fp8_experts import fp8_refusal
-from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE
+from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE, RING_MOE_SAVING
 from relay_compile.runtime.region_fn import RegionExpertFn
 from relay_compile.runtime.ring_options import RingOptions
+from relay_compile.runtime.saved_projections import compile_time_level, saving_op
 from relay_compile.runtime.specs import RingSpec, register_spec
 from relay_compile.runtime.transport import group_link_gbps
 
@@ -100,10 +102,16 @@ def _check_record(gm: fx.GraphModule, region: Region) -> None:
             )
 
 
-def _fake_output(region: Region) -> object:
-    """The ring's fake value: what its fake kernel returns, ``empty_like(x)``, in ``x``'s fake mode."""
+def _fake_output(region: Region, saving: object = None, args: tuple = ()) -> object:
+    """The ring's fake value: what its fake kernel returns, ``empty_like(x)``, in ``x``'s fake mode; ``saving``:
+    the saving op, whose fake kernel runs on the fake values of ``args`` (``(y, projections)``)."""
     x = node_value(region.x)
     fake_mode = getattr(x, "fake_mode", None)
+    if saving is not None:
+        assert fake_mode is not None, "rewrite: a saving ring needs the graph's fake values"
+        values = fx.node.map_arg(args, node_value)
+        with fake_mode:
+            return saving(*values)  # type: ignore[operator]
     if fake_mode is None:
         return node_value(region.output)
     with fake_mode:
@@ -168,27 +176,30 @@ def rewrite_moe_region(
     )
     key = register_spec(spec, region_fn_name(region, fn), identity=region_fn_identity(region, fn))
 
-    # Step 3: the ring call, right before the output (every input of the ring is upstream of the output).
-    fake = _fake_output(region)
+    # Step 3: the ring call, right before the output (every input of the ring is upstream of the output); the
+    # saving op's first output is ``y``.
+    saves = saves_at_compile_time(region, fn, options)
     graph = gm.graph
     with graph.inserting_before(region.output):
         topk_ids, topk_scores = region.insert_pairs()  # capacity regions derive them from their masks
-        ring = graph.create_node(
-            "call_function", RING_MOE, (region.x, topk_ids, topk_scores, list(region.weights), key), name="ring_moe"
-        )
+        args = (region.x, topk_ids, topk_scores, list(region.weights), key)
+        ring = graph.create_node("call_function", RING_MOE_SAVING if saves else RING_MOE, args,
+                                 name="ring_moe_saving" if saves else "ring_moe")
+        y = graph.create_node("call_function", operator.getitem, (ring, 0), name="ring_moe") if saves else ring
     ring.meta["relaymoe_experts"] = path
     ring.meta["relaymoe_fp8"] = "on" if options.fp8 else (f"refused: {fp8_refused}" if fp8_refused else "")
-    ring.meta["example_value"] = fake
-    ring.meta["val"] = fake
+    ring.meta["example_value"] = ring.meta["val"] = _fake_output(region, RING_MOE_SAVING if saves else None, args)
+    if saves:
+        y.meta["example_value"] = y.meta["val"] = ring.meta["val"][0]
     for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if k in region.output.meta:
-            ring.meta[k] = region.output.meta[k]
+            ring.meta[k] = y.meta[k] = region.output.meta[k]
 
     # Step 4: uses, then the dead region, users before producers; then what only the region read (values
     # shared by several regions, such as the T*K of Dynamo's size asserts, die with the last of them).
-    region.output.replace_all_uses_with(ring)
+    region.output.replace_all_uses_with(y)
     for buffer in region.output_aliases:  # reads after an in-place combine scatter (match checked the order)
-        buffer.replace_all_uses_with(ring, delete_user_cb=lambda user: user not in region.nodes)
+        buffer.replace_all_uses_with(y, delete_user_cb=lambda user: user not in region.nodes)
     frontier: set[fx.Node] = set()
     for n in reversed(list(graph.nodes)):
         if n in region.nodes:
@@ -238,8 +249,21 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     shape = region.block_shape()
     owners = grouped_owners(shape, fp8=options.fp8) if recognized_ffn(region) else (1, 1)
     choice = choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,
-                    max_hop_rows=options.max_hop_rows)
+                    max_hop_rows=options.max_hop_rows,
+                    saving=compile_time_level(options, region.scores_applied, x.device, recognized_ffn(region)))
     return choice if choice.execution == "all_to_all" else None
+
+
+def saves_at_compile_time(region: Region, fn: object, options: RingOptions) -> bool:
+    """Whether ``region``'s ring runs as ``relaymoe::ring_moe_saving`` (``saved_projections.saving_op``): with
+    expert function ``fn``, at the traced shapes where they are static (``"auto"``: the device's time model
+    predicts that saving pays; True: wherever ``fn`` can)."""
+    x = node_value(region.x)
+    static = isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape)
+    shape = region.block_shape() if static else None
+    cal = calibration_for(x.device).with_link(group_link_gbps(region.group_name, options.link_gbps))
+    owners = grouped_owners(shape, fp8=options.fp8) if shape is not None and isinstance(fn, LoweredFFN) else (1, 1)
+    return saving_op(fn, options, region.scores_applied, x.device, shape, cal, owners)  # type: ignore[arg-type]
 
 
 def keep_all_to_all(gm: fx.GraphModule, region: Region) -> fx.Node:

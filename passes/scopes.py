@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from relay_compile.passes.fx_nodes import checkpoint_body
-from relay_compile.runtime.ops import RING_MOE
+from relay_compile.runtime.ops import RING_MOE, RING_MOE_SAVING
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,9 @@ __all__ = ["Scope", "find_scopes", "keep_rings_saved"]
 
 
 def _ring_saved_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Plain checkpointing's policy (recompute every op), except the ring: its output is saved."""
-    return CheckpointPolicy.MUST_SAVE if op is RING_MOE else CheckpointPolicy.PREFER_RECOMPUTE
+    """Plain checkpointing's policy (recompute every op), except the ring: its outputs are saved (a saving ring's
+    projections too: recomputing them would run the ring's forward again)."""
+    return CheckpointPolicy.MUST_SAVE if op in (RING_MOE, RING_MOE_SAVING) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # The body's context_fn for plain checkpointing (a module-level partial: Dynamo's recompile guards and

@@ -60,7 +60,9 @@ from relay_compile.passes.region import Region
 from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
 from relay_compile.runtime import program_dumps
+from relay_compile.runtime.ops import RING_MOE_SAVING
 from relay_compile.runtime.cost_model import calibration_for
+from relay_compile.runtime.saved_projections import compile_time_level
 from relay_compile.runtime.dynamo_settings import dynamo_settings, keep_backend_ctx_through_torch_compile
 from relay_compile.runtime.token_switch import TokenSwitch
 from relay_compile.runtime.transport import group_link_gbps
@@ -204,11 +206,13 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
     # Step 2: rewrite, one region at a time (records hold nodes of the graph being rewritten).
     start = time.perf_counter()
     for i, (scope, region) in enumerate(regions, start=first):
+        device = node_value(region.x).device
         entry = RegionReport.matched(
             i, scope.anchor(region.dispatch), region.group_name, region.block_shape(), opts.ring.routing,
             opts.ring.max_hop_rows, opts.ring.fp32_accumulation, opts.ring.ring, opts.ring.fp8,
-            grouped=recognized_ffn(region), cal=calibration_for(node_value(region.x).device).with_link(
+            grouped=recognized_ffn(region), cal=calibration_for(device).with_link(
                 group_link_gbps(region.group_name, opts.ring.link_gbps)),
+            saving=compile_time_level(opts.ring, region.scores_applied, device, recognized_ffn(region)),
         )
         entry.idiom = region.idiom()
         try:
@@ -291,6 +295,7 @@ def _apply(
         if scope.checkpoint is not None:
             keep_rings_saved(scope)
         entry.status, entry.ring_op = "rewritten", str(node.args[-1])
+        entry.saves_projections = node.target is RING_MOE_SAVING  # what the rewrite emitted, not a prediction
         entry.experts = node.meta["relaymoe_experts"].summary()
         entry.fp8 = node.meta["relaymoe_fp8"]
         if dump.dir is not None:  # the op writes each program it runs, from the decision it makes

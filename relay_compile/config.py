@@ -64,6 +64,11 @@ fp8: bool = Config(default=False, env_name_default="RELAYMOE_FP8")
 # (RELAYMOE_LINK_GBPS is read by ``options.resolve``: torch's config module reads "1" from the environment as True.)
 link_gbps: float | str = "auto"
 
+# The expert ring's forward keeps every pair's first projection for its backward, which then does not recompute
+# that GEMM per hop: "auto" where the cost model predicts the ring slower than the all-to-all without them and its
+# peak with them no higher than the all-to-all's (CUDA, a static token count); true; false.
+save_projections: str = Config(default="auto", env_name_default="RELAYMOE_SAVE_PROJECTIONS")
+
 # Where an MoE region's token count is dynamic and the cost model may keep its all-to-all at some counts (CUDA,
 # ring "auto" or "memory"): compile the graph a second time with those regions kept, and pick per call from every
 # rank's agreed count (``runtime.token_switch``). False: one compile, the ring op decides per call and runs small

@@ -1,7 +1,7 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
 The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs, ring, fp8,
-link_gbps) become a
+link_gbps, save_projections) become a
 ``RingOptions``, which validates them; this module adds the backend's (inner compiler, dumps, verify, activation
 memory budget) and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop
 rows").
@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_compile import config
-from relay_compile.runtime.ring_options import ChunkGraphs, InvalidRingOption, LinkGbps, MaxHopRows, RingOptions
+from relay_compile.runtime.ring_options import (
+    ChunkGraphs,
+    InvalidRingOption,
+    LinkGbps,
+    MaxHopRows,
+    RingOptions,
+    SaveProjections,
+)
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
@@ -103,6 +110,17 @@ def _graphs(value: Any, parse: bool) -> ChunkGraphs:
     if value == "auto":
         return "auto"
     return _bool("chunk_graphs", value, parse)
+
+
+def _saves(value: Any, parse: bool) -> SaveProjections:
+    """``save_projections``: a bool or ``"auto"`` (from the environment also true/false/1/0)."""
+    if value == "auto":
+        return "auto"
+    try:
+        return _bool("save_projections", value, parse)
+    except ValueError:
+        raise ValueError(f"relaymoe: option save_projections={value!r} must be True, False or 'auto' "
+                         "(true/false/1/0/auto in the environment)") from None
 
 
 def _link(value: Any, parse: bool) -> LinkGbps:
@@ -189,6 +207,7 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
             fp32_accumulation=_bool("fp32_accumulation", *pick("fp32_accumulation")),
             chunk_graphs=_graphs(*pick("chunk_graphs")), ring=_str("ring", *pick("ring")),
             fp8=_bool("fp8", *pick("fp8")), link_gbps=_link(*pick("link_gbps")),
+            save_projections=_saves(*pick("save_projections")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None

@@ -49,6 +49,8 @@ class RegionReport:
     decision: str = ""
     predicted_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     owners_per_hop: list[int] = field(default_factory=list)  # the expert ring's, per forward and backward hop
+    # The expert ring's forward saves its first projections for the backward (option ``save_projections``)
+    saves_projections: bool = False
     # How the experts run at each hop: "grouped: <what F was recognized as>", "compiled (<inner compiler>): <what
     # was compiled, and why F is not grouped>" or "eager: <why neither>".
     experts: str = ""
@@ -60,9 +62,9 @@ class RegionReport:
     @staticmethod
     def matched(index: int, anchor: str, group_name: str, shape: BlockShape, routing: str,
                 max_hop_rows: MaxHopRows, fp32_accumulation: bool = True, ring: str = "auto",
-                fp8: bool = False, grouped: bool = True, cal: Calibration = H200) -> RegionReport:
+                fp8: bool = False, grouped: bool = True, cal: Calibration = H200, saving: int = 0) -> RegionReport:
         # ``cal``: the device's constants with the link a hop crosses (``cost_model.calibration_for``,
-        # ``transport.group_link_gbps``).
+        # ``transport.group_link_gbps``); ``saving``: the ring op can save projections (``Claims.saves``).
         # (Weights are taken to be of the tokens' dtype, as in ``shape.expert_bytes``; FP8 hops move one byte
         # per weight, the per-expert scales aside.)
         sum_elem_bytes = summed_bytes(shape.elem_bytes, fp32_accumulation)
@@ -78,12 +80,12 @@ class RegionReport:
             routing_predicted=choose_routing(**volume_args) if routing == "auto" else routing,
             per_hop_bytes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
             shape=dataclasses.asdict(shape),
-            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, cal, fp8),
+            ring_option=ring, **_decision(shape, routing, ring, max_hop_rows, grouped, cal, fp8, saving),
         )
 
 
 def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool,
-              cal: Calibration, fp8: bool) -> dict[str, Any]:
+              cal: Calibration, fp8: bool, saving: int = 0) -> dict[str, Any]:
     """The report's view of ``cost_model.choose``, with the owners per hop the op will hold (``grouped``: F lowers
     onto grouped experts, ``cost_model.grouped_owners``; else one), by the device's constants with the link its
     hops cross (``cal``: ``cost_model.calibration_for``, ``transport.link_gbps``)."""
@@ -91,10 +93,11 @@ def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRo
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)",
                 "predicted_peak_bytes": predicted_peak_bytes(shape, max_hop_rows)}
     choice = choose(shape, routing=routing, ring=ring, cal=cal,
-                    owners=grouped_owners(shape, fp8=fp8) if grouped else (1, 1), max_hop_rows=max_hop_rows)
+                    owners=grouped_owners(shape, fp8=fp8) if grouped else (1, 1), max_hop_rows=max_hop_rows,
+                    saving=saving)
     return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({cal.describe()}: on CUDA)",
             "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}, "owners_per_hop": list(choice.owners),
-            "predicted_peak_bytes": choice.peaks}
+            "predicted_peak_bytes": choice.peaks, "saves_projections": choice.saves}
 
 
 @dataclass(kw_only=True)

@@ -17,6 +17,7 @@ from torch.testing._internal.common_utils import run_tests
 
 import relay_compile
 from relay_compile.backend import _compare_outputs, compiled_reports
+from relay_compile.experts import GroupedFFN
 from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime.dynamo_settings import DYNAMO_SETTINGS, NON_EMPTY_BRANCHES
 from tests.distributed import DistributedTestCase
@@ -85,11 +86,16 @@ class BackendOptions(unittest.TestCase):
             ({"link_gbps": "50"}, r"option link_gbps must be 'auto' or a positive bandwidth in GB/s, got '50'"),
             ({"link_gbps": 0}, r"option link_gbps must be 'auto' or a positive bandwidth in GB/s, got 0"),
             ({"link_gbps": True}, r"option link_gbps must be 'auto' or a positive bandwidth in GB/s, got True"),
+            ({"save_projections": "yes"}, r"option save_projections='yes' must be True, False or 'auto'"),
+            ({"save_projections": 1}, r"option save_projections=1 must be True, False or 'auto'"),
             (["routing"], r"options must be a dict \{option: value\}, got list \['routing'\]; valid options are"),
         ]
         for options, message in cases:
             with self.subTest(options=options), self.assertRaisesRegex(ValueError, f"^relaymoe: {message}"):
                 resolve(options)
+        self.assertIs(resolve({"save_projections": True}).ring.save_projections, True)
+        with relay_compile.config.patch(save_projections="0"):  # the environment's spelling
+            self.assertIs(resolve().ring.save_projections, False)
         opts = resolve({"dump_dir": Path("dumps"), "max_hop_rows": 0, "overlap": False})
         self.assertEqual((opts.dump_dir, opts.ring.max_hop_rows, opts.ring.overlap), ("dumps", None, False))
         fn = torch.compile(lambda x: x + 1, backend="relaymoe", options=[("routing", "token")])
@@ -290,6 +296,36 @@ class BackendEndToEnd(DistributedTestCase):
             rewritten = (next(Path(dump_dir).glob(f"graph*_rank{self.rank}")) / "1_rewritten_graph.py").read_text()
             self.assertIn("relaymoe.ring_moe", rewritten)
             self.assertNotIn("all_to_all_single", rewritten)
+
+    def test_saving_ring_matches_eager_over_steps_and_reads_its_projections(self) -> None:
+        # save_projections=True: the region becomes relaymoe::ring_moe_saving, whose projections the partitioner
+        # saves for the backward op, which reads them (vjp_rows gets them) instead of recomputing them.
+        self.init_pg()
+        world = dist.get_world_size()
+        weights = self.weights(world)
+        given: list[bool] = []
+        real = GroupedFFN.vjp_rows
+
+        def spy(fn, *args, **kw):
+            given.append(kw.get("projections") is not None)
+            return real(fn, *args, **kw)
+
+        for inner in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            given.clear()
+            options = {"inner_compiler": inner, "routing": "expert", "save_projections": True}
+            seen = len(compiled_reports())
+            compiled = torch.compile(block, backend="relaymoe", options=options)
+            with unittest.mock.patch.object(GroupedFFN, "vjp_rows", spy):
+                for step in range(3):
+                    x, ids, scores = inputs(self.rank, world, step)
+                    got = step_outputs(compiled, x, ids, scores, weights)
+                    want = step_outputs(block, x, ids, scores, weights)
+                    for g, w in zip(got, want):
+                        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+            (graph,) = compiled_reports()[seen:]
+            self.assertEqual([(r.status, r.saves_projections) for r in graph.regions], [("rewritten", True)])
+            self.assertTrue(given and all(given), f"{inner}: a backward chunk recomputed its projections")
 
     def test_dumped_programs_are_the_ones_the_op_ran_with_uneven_tokens_across_ranks(self) -> None:
         # Rank r has 6 + 7 r tokens: what a call runs is decided from every rank's counts (the agreement), so

@@ -64,6 +64,15 @@ def saving_op(
                   max_hop_rows=options.max_hop_rows, saving=1).saves
 
 
+def compile_time_level(options: RingOptions, scores_applied: Literal["after", "before"], device: torch.device,
+                       grouped: bool) -> int:
+    """``Claims.saves`` as a decision made before the expert function is chosen predicts it (the compile-time
+    keep, the report): the option's code where F lowers onto grouped experts (``grouped``: the lowered FFN can
+    save where its activation has a fused backward) and nothing else rules saving out, else 0."""
+    possible = grouped and scores_applied == "after" and not options.graphs_on(device) and not options.fp8
+    return options.saves_code if possible else 0
+
+
 def call_saves(
     expert_fn: ExpertFn, options: RingOptions, scores_applied: Literal["after", "before"], group_name: str,
     x: torch.Tensor, topk_ids: torch.Tensor, weights: list[torch.Tensor], experts_per_rank: int,

@@ -68,6 +68,7 @@ class RingBackend:
     # The compiler after the rewrite: aot_eager traces forward and backward (the ring op's autograd);
     # "eager" runs the Dynamo graph as is (for graphs expected unchanged: saves seconds of tracing).
     inner: str = "aot_eager"
+    options: RingOptions = field(default_factory=RingOptions)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._dynamo.backends.registry import lookup_backend
@@ -80,7 +81,7 @@ class RingBackend:
         if self.check is not None:
             self.check(record)
         for region in regions:
-            rewrite_moe_region(gm, region)
+            rewrite_moe_region(gm, region, self.options)
         record.after = gm.print_readable(False)
         self.graphs.append(record)
         return gm.forward if self.inner == "eager" else lookup_backend(self.inner)(gm, example_inputs)
@@ -320,6 +321,25 @@ class GraphModule(torch.nn.Module):
         view_as: "f32[2, 6, 16]" = ring_moe.view_as(l_x_bsh_);  ring_moe = l_x_bsh_ = None
         return (view_as,)""")
 
+    def check_reference_saving(self, *, golden: bool) -> None:
+        """``save_projections=True``: the region becomes ``relaymoe.ring_moe_saving``, whose first output is the
+        block's; the projections reach nothing else in the graph (aot_autograd saves them for the backward op)."""
+        moe = AllToAllMoE(H, F, E, K, group=dist.group.WORLD, seed=3, use_grouped_mm=False)
+        batches = routed_batches(self.rank, 2, (2, 6, H))
+        want = run_steps(moe, moe, batches, grad_seed=self.rank)
+        backend = RingBackend(options=RingOptions.checked("test", routing="expert", save_projections=True))
+        got = run_steps(compile_with(moe, backend), moe, batches, grad_seed=self.rank)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert_close_rel(self, g, w, {"y": 1e-5, "grad": 1e-5}, f"saving reference step {step}")
+        if not golden:
+            return
+        after = normalize(backend.graphs[0].after)
+        ring = after[after.index("        ring_moe_saving"):]
+        self.assertExpectedInline(ring, """        ring_moe_saving = torch.ops.relaymoe.ring_moe_saving.default(x_TH, ids_TK, topk_scores_TK, [l_self_parameters_w1_, l_self_parameters_w2_, l_self_parameters_w3_], 'fx_region[<digest>]|group=0|E_l=4|scores=after|routing=expert|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0|ring=auto|save_projections=1');  x_TH = ids_TK = topk_scores_TK = l_self_parameters_w1_ = l_self_parameters_w2_ = l_self_parameters_w3_ = None
+        ring_moe: "f32[12, 16]" = ring_moe_saving[0];  ring_moe_saving = None
+        view_as: "f32[2, 6, 16]" = ring_moe.view_as(l_x_bsh_);  ring_moe = l_x_bsh_ = None
+        return (view_as,)""")
+
     # --- Megatron style --------------------------------------------------------------------------------
 
     def check_megatron_layer(self, counts_in_experts: bool = False) -> None:
@@ -448,6 +468,7 @@ class MatchRewriteWorld2(Cases):
     def test_reference_and_megatron_layers_are_rewritten_pinned_by_a_golden_and_equal_to_a2a(self) -> None:
         self.init_pg()
         self.check_reference_layers(layers=1, golden=self.rank == 0)
+        self.check_reference_saving(golden=self.rank == 0)
         self.check_megatron_layer()
         self.check_megatron_layer(counts_in_experts=True)
 
