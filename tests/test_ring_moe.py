@@ -251,6 +251,22 @@ class RingMoEOnOneProcess(TestCase):
                         forward_backward(block, x, ids, scores, weights, 0), strict=True):
             assert_close_rel(g, w, 1e-6)
 
+        def saving(x, ids, scores, w1, w2, w3):  # the saving op traced: its projections go to the backward only
+            return torch.relu(ring_moe(x * 2, ids, scores, w1, w2, w3, save_projections=True)) - x
+
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm.code)
+            return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(saving, backend=capture, fullgraph=True)
+        for g, w in zip(forward_backward(compiled, x, ids, scores, weights, 0),
+                        forward_backward(block, x, ids, scores, weights, 0), strict=True):
+            assert_close_rel(g, w, 1e-6)
+        self.assertIn("relaymoe.ring_moe_saving", graphs[0])
+
     def test_any_expert_function_compiles_with_its_spec_registered_while_tracing(self) -> None:
         # A spec no eager call registered first: registering it as a traced side effect would come only after
         # the compiled graph's first run, which looks it up.

@@ -40,10 +40,11 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
     row = point["row"]
     if row == "a2a eager":
         return a2a_time(shape, cal).total_ms
-    if row in ("ring expert", "ring token"):
-        routing = "expert" if row == "ring expert" else "token"
+    if row in ("ring expert", "ring expert saved", "ring token"):
+        routing = "token" if row == "ring token" else "expert"
         forward, backward = grouped_owners(shape) if routing == "expert" else (1, 1)
-        return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward).total_ms
+        return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward,
+                         saved=row == "ring expert saved").total_ms
     return None
 
 

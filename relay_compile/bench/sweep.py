@@ -10,7 +10,10 @@ of:
 - ``relaymoe backend, dynamic T``: the same with the token count marked dynamic: one graph per EP size, its
   token switch (``runtime.token_switch``) picks the kept or the ring variant per call;
 - ``ring_moe default``: the functional API with default options (the same decision, no compile);
-- ``ring auto`` / ``ring expert`` / ``ring token``: the ring forced (``ring="always"``), each routing.
+- ``ring auto`` / ``ring expert`` / ``ring token``: the ring forced (``ring="always"``), each routing (``ring
+  expert`` recomputing its projections, ``save_projections=False``: the ring the time model was fitted to);
+- ``ring expert saved``: the expert ring forced, reading the projections its forward saved
+  (``save_projections=True``); ``ring auto`` saves where the model grants it, as a user's call would.
 
 Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
 points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
@@ -34,7 +37,7 @@ from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a, compil
 from relay_compile.runtime.cost_model import H200, calibration_for, choose
 
 # Row names as the calibration reads them (``bench.calibrate.predict``).
-RING_ROWS = {"ring expert": "expert", "ring token": "token"}
+RING_ROWS = {"ring expert": "expert", "ring expert saved": "expert", "ring token": "token"}
 
 
 def token_sweep_rows(opts: BenchOptions, only: Sequence[str] | None = None) -> list[RowSpec]:
@@ -58,7 +61,10 @@ def _all_rows(opts: BenchOptions) -> list[RowSpec]:
                 kind="ring", note="the same with the token count marked dynamic (runtime.token_switch)", compiles=True),
         RowSpec(name="ring_moe default", build=ring_builder(), kind="ring", note="ring='auto': the cost model decides"),
         RowSpec(name="ring auto", build=ring_builder(ring="always"), kind="ring", note="ring='always', routing auto"),
-        RowSpec(name="ring expert", build=ring_builder(routing="expert", ring="always"), kind="ring"),
+        RowSpec(name="ring expert", build=ring_builder(routing="expert", ring="always", save_projections=False),
+                kind="ring", note="recomputing its projections per backward hop"),
+        RowSpec(name="ring expert saved", build=ring_builder(routing="expert", ring="always", save_projections=True),
+                kind="ring", note="reading the projections its forward saved"),
         RowSpec(name="ring token", build=ring_builder(routing="token", ring="always"), kind="ring", routing="token",
                 note="stand-in numerics: N x own-expert pairs"),
     ]
@@ -80,7 +86,7 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
         layer = layer_of(cfg)
         shape = shape_of(layer, cfg.ep, cfg.tokens)
         cal = calibration_for(torch.device(cfg.device))
-        choice = choose(shape, routing="auto", ring="auto", cal=cal)
+        choice = choose(shape, routing="auto", ring="auto", cal=cal, saving=1)  # the default options' decision
         decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict()})
         for row in result.rows:
             if row.skipped or row.total_ms is None:
@@ -109,7 +115,7 @@ def table(points: list[dict[str, Any]]) -> str:
     for p in points:
         by_config.setdefault((p["ep"], p["tokens"]), {})[p["row"]] = p
     names = ("relaymoe backend", "relaymoe backend, dynamic T", "ring_moe default", "ring auto", "ring expert",
-             "ring token")
+             "ring expert saved", "ring token")
     lines = ["| EP | tokens/rank | a2a ms | " + " | ".join(f"{n}: time / a2a peak ÷ peak" for n in names) + " |",
              "|---:|---:|---:|" + "---|" * len(names)]
     for (ep, tokens), rows in sorted(by_config.items()):
