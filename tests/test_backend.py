@@ -149,7 +149,8 @@ class BackendOptions(unittest.TestCase):
         # The config module reads RELAYMOE_* once, at import: a fresh interpreter.
         env = {**os.environ, "RELAYMOE_DUMP_DIR": "0", "RELAYMOE_OVERLAP": "FALSE", "RELAYMOE_VERIFY": "1",
                "RELAYMOE_ROUTING": "token", "RELAYMOE_CHUNK_GRAPHS": "auto", "RELAYMOE_RING": "memory",
-               "RELAYMOE_DYNAMIC_KEEP": "false", "RELAYMOE_LINK_GBPS": "50", "OMP_NUM_THREADS": "1"}
+               "RELAYMOE_DYNAMIC_KEEP": "false", "RELAYMOE_LINK_GBPS": "50", "RELAYMOE_SAVE_PROJECTIONS": "true",
+               "OMP_NUM_THREADS": "1"}
         script = (
             "from relay_compile.options import resolve\n"
             "try:\n    resolve()\nexcept ValueError as e:\n    print(e)\n"
@@ -159,7 +160,8 @@ class BackendOptions(unittest.TestCase):
                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.splitlines()
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
         self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows='auto', "
-                      "fp32_accumulation=True, chunk_graphs='auto', ring='memory', fp8=False, link_gbps=50.0)", out[1])
+                      "fp32_accumulation=True, chunk_graphs='auto', ring='memory', fp8=False, link_gbps=50.0, "
+                      "save_projections=True)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
         self.assertIn("dynamic_keep=False", out[1])
 

@@ -97,8 +97,8 @@ def _build(triton: Any, tl: Any) -> Callable:
     """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
     @triton.jit
-    def _kernel(x_ptr, tok_ptr, q_ptr, scale_ptr, width, stride_x, HAS_TOK: tl.constexpr, GATED: tl.constexpr,
-                BLOCK: tl.constexpr):
+    def fp8_quantize_kernel(x_ptr, tok_ptr, q_ptr, scale_ptr, width, stride_x, HAS_TOK: tl.constexpr,
+                            GATED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         if HAS_TOK:
             src = tl.load(tok_ptr + row).to(tl.int64)
@@ -117,7 +117,7 @@ def _build(triton: Any, tl: Any) -> Callable:
         tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
 
-    return _kernel
+    return fp8_quantize_kernel  # named for profiles: every kernel of the package shows as its module
 
 
 _triton_kernel = triton_kernel(_build)

@@ -86,8 +86,9 @@ def _build(triton: Any, tl: Any) -> Callable:
     """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
     @triton.jit
-    def _kernel(dy_ptr, x_ptr, offs_ptr, out_ptr, width_o, width_i, stride_dy, stride_x, stride_oe, stride_oo,
-                ACCUMULATE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_S: tl.constexpr):
+    def grouped_weight_grad_kernel(dy_ptr, x_ptr, offs_ptr, out_ptr, width_o, width_i, stride_dy, stride_x,
+                                   stride_oe, stride_oo, ACCUMULATE: tl.constexpr, BLOCK_O: tl.constexpr,
+                                   BLOCK_I: tl.constexpr, BLOCK_S: tl.constexpr):
         tile = tl.program_id(0)
         expert = tl.program_id(1)
         tiles_i = tl.cdiv(width_i, BLOCK_I)
@@ -111,7 +112,7 @@ def _build(triton: Any, tl: Any) -> Callable:
             acc += tl.load(out, mask=mask, other=0.0)
         tl.store(out, acc, mask=mask)
 
-    return _kernel
+    return grouped_weight_grad_kernel  # named for profiles: every kernel of the package shows as its module
 
 
 _triton_kernel = triton_kernel(_build)

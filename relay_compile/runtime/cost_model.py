@@ -34,9 +34,14 @@ Time of one forward + backward on one rank (``Calibration`` holds the machine's 
 ``choose`` (the ``ring`` option): the ring's routing with the least predicted time; under ``"auto"`` the block
 keeps its all-to-all where that ring is predicted slower than the all-to-all (a model is never made slower);
 under ``"memory"`` only where, besides, the all-to-all's predicted peak is no higher than the ring's (the ring
-then buys nothing). Where the op can save projections (``save_projections``), the expert ring saves them where
-it is predicted slower than the all-to-all without them and its peak with them stays no higher than the
-all-to-all's: memory is traded for time only where the ring would otherwise lose. Where hops are cheap enough the two agree; while a hop costs ~0.5-1 ms of host time they do
+then buys nothing). Where the op can save projections (``save_projections``), an expert ring that runs saves
+them where it is predicted slower than the all-to-all without them and its peak with them stays no higher than
+the all-to-all's: memory is traded for time only where the ring would otherwise lose. They never decide that
+the ring runs: near the point where the ring's host and GPU times meet, ``max(host, gpu)`` underestimates the
+ring (each call's agreement syncs the host with the device), and saving then predicted a ring faster than the
+all-to-all that measured 1.11x of it on the H100 (EP=8, 16384 tokens per rank:
+docs/bench/h100-saved-projections). So under ``ring="auto"`` they apply only where the model mispredicts a ring
+that runs; under ``"memory"`` and ``"always"`` (and a forced ``ring_moe``) wherever the rule grants them. Where hops are cheap enough the two agree; while a hop costs ~0.5-1 ms of host time they do
 not at small token counts (docs/BENCHMARKS.md, "Ring or all-to-all").
 
 Legend: T tokens per rank, H hidden, F expert width, K top-k, E experts, E_l = E / N, N ranks, P = T*K.
@@ -369,20 +374,12 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
                           backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
              for r in routings}
     times["a2a"] = a2a_time(shape, cal)
-    saves = "expert" in times and _saves(shape, times["expert"], times["a2a"], saving, (forward, backward),
-                                         max_hop_rows)
-    if saves:
-        times["expert"] = ring_time(shape, "expert", cal, owners_per_hop=forward, backward_owners=backward,
-                                    max_hop_rows=max_hop_rows, saved=True)
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
-    saves = saves and best == "expert"
-    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1),
-                                 saved=saves)
+    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1))
     ring_ms, a2a_ms = times[best].total_ms, times["a2a"].total_ms
     mib = {k: v / 2**20 for k, v in peaks.items()}
     grouped = best == "expert" and forward * backward > 1
     held = f" ({forward}/{backward} owners per forward/backward hop)" if grouped else ""
-    held += ", projections saved" if saves else ""
     if ring == "never":
         return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks,
                       owners=(forward, backward))
@@ -398,5 +395,14 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
         return Choice(execution="all_to_all", times=times, peaks=peaks, owners=(forward, backward), reason=(
             f"the {best} ring{held} is predicted slower ({ring_ms:.2f} ms against {a2a_ms:.2f} ms; peak "
             f"{mib['ring']:.0f} MiB against {mib['a2a']:.0f} MiB); ring='memory' or 'always' runs it"))
+    # Saved projections speed up a ring that runs; they never decide that it runs (module docstring).
+    saves = best == "expert" and _saves(shape, times["expert"], times["a2a"], saving, (forward, backward),
+                                        max_hop_rows)
+    if saves:
+        times["expert"] = ring_time(shape, "expert", cal, owners_per_hop=forward, backward_owners=backward,
+                                    max_hop_rows=max_hop_rows, saved=True)
+        peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward), saved=True)
+        held += ", projections saved"
+        why += f"; saved, predicted {times['expert'].total_ms:.2f} ms"
     return Choice(execution=best, reason=f"{best} ring{held}: {why}", times=times, peaks=peaks,
                   owners=(forward, backward), saves=saves)

@@ -5,15 +5,17 @@
     relaymoe::ring_moe_backward(grad_y, x, topk_ids, topk_scores, weights[], spec, projections?)
         -> [dx, d_scores, *d_weights]
 
-``spec`` is the key of a registered ``RingSpec`` (``runtime.specs``). ``ring_moe_saving`` also returns every
-pair's first projection ``(T*K, U)`` (the packed first matrix's columns and dtype), in the step's sorted-pair
-order (option ``save_projections``), which
-its backward reads instead of recomputing that GEMM per hop: it holds them from forward to backward, so it is
-emitted only where that memory is granted. Where a call does not run as an expert ring (the agreement chose the
-all-to-all or token routing), the projections are left unwritten and its backward, which decides alike from the
-same agreed values (``agreement._execution`` reads no direction), does not read them. The backward is an op of its own so
-that the ring runs at run time under aot_autograd (a Python ``register_autograd`` backward runs only while
-tracing). Both ops have fake implementations, so they trace under torch.compile without communicating.
+``spec`` is the key of a registered ``RingSpec`` (``runtime.specs``). The backward is an op of its own so that
+the ring runs at run time under aot_autograd (a Python ``register_autograd`` backward runs only while tracing).
+The ops have fake implementations, so they trace under torch.compile without communicating.
+
+``ring_moe_saving`` (option ``save_projections``) also returns every pair's first projection ``(T*K, U)`` (the
+packed first matrix's columns and dtype) in the step's sorted-pair order, which its backward reads instead of
+recomputing that GEMM per hop; it holds them from forward to backward, so it is emitted only where that memory
+is granted (``runtime.saved_projections``). Where a call does not run as a saving expert ring (the agreement
+chose the all-to-all or token routing, or a rank cannot save), the projections are left unwritten and the
+backward, which decides alike from the same agreed values (``agreement._execution`` reads no direction), does
+not read them.
 
 Per call:
 

@@ -54,7 +54,8 @@ for ep in args.ep:
         inp = make_inputs(QWEN3_30B.with_(device="cuda", dtype="bf16", ep=ep, tokens=tokens))
         rows = {
             "a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
-            "ring expert": lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group, ring="always", routing="expert"),
+            "ring expert": lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group, ring="always", routing="expert",
+                                                    save_projections=False),
         }
         if args.options:
             opts = {k: _value(v) for k, v in (o.split("=", 1) for o in args.options)}
