@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from relay_compile import RingInputError, ring_moe, ring_moe_experts
 from relay_compile.experts import GroupedFFN, expert_ffn
@@ -238,6 +239,28 @@ class RingMoEOnOneProcess(TestCase):
                                            scores_applied=scores_applied)
                     for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
                         assert_close_rel(g, w, 1e-5, f"{case} {routing} scores {scores_applied} {name}")
+
+    def test_saved_projections_are_the_only_buffer_of_their_size_forward_and_backward(self) -> None:
+        # The saving op's projections (T*K, 2F) are made once; autograd hands their (non-differentiable) output
+        # no zero gradient of that size in the backward, and the backward makes none either.
+        weights = local_weights(0, 4, 1)
+        x, ids, scores = routed_inputs("random", 0, 1, 4, seed=4)
+        size = ids.numel() * 2 * F
+        made: list[str] = []
+
+        class Allocations(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                made.extend(str(func) for o in (out if isinstance(out, (tuple, list)) else [out])
+                            if isinstance(o, Tensor) and o.numel() == size)
+                return out
+
+        leaves = [t.clone().requires_grad_() for t in (x, scores, *weights)]
+        with Allocations():
+            y = ring_moe(leaves[0], ids, leaves[1], *leaves[2:], routing="expert", save_projections=True,
+                         max_hop_rows=None)
+            y.sum().backward()
+        self.assertEqual(made, ["relaymoe.ring_moe_saving.default"])
 
     def test_compiles_into_one_graph_with_aot_autograd_and_matches_eager(self) -> None:
         weights = local_weights(0, 4, 1)

@@ -276,6 +276,8 @@ def _setup_context(ctx, inputs, output) -> None:
     saved = [output[1]] if isinstance(output, tuple) else []  # ring_moe_saving's projections
     if saved:
         ctx.mark_non_differentiable(saved[0])
+        # Else autograd hands the backward a zero gradient of the projections: a second (T*K, U) buffer.
+        ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, topk_ids, topk_scores, *saved, *weights)
     ctx.saves, ctx.spec = bool(saved), spec
     # The backward runs with this very spec, even if the registry evicted or replaced it meanwhile. (While
@@ -286,6 +288,8 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_y: Tensor, *_grad_projections: Tensor | None):  # projections: not differentiable
     x, topk_ids, topk_scores, *rest = ctx.saved_tensors
     projections, weights = (rest[0], rest[1:]) if ctx.saves else (None, rest)
+    if grad_y is None:  # not materialized (a saving ring): y did not reach the loss
+        grad_y = torch.zeros_like(x)
     with holding(ctx.spec_state) if ctx.spec_state is not None else contextlib.nullcontext():
         dx, d_scores, *d_weights = torch.ops.relaymoe.ring_moe_backward(
             grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec, projections
