@@ -14,7 +14,9 @@ from torch import Tensor
 
 from relay_compile.experts import (
     GATED,
+    GroupedExperts,
     activation_fn,
+    as_grouped,
     expert_ffn,
     expert_ffn_swiglu_vjp,
     ffn_expert_fn,
@@ -180,6 +182,37 @@ class FusedSwiGLUBackward(unittest.TestCase):
                 self.assertGreater(carries_fp32_bits, 0.9, device)  # not bf16 values widened
                 step = got32.abs() * 2**-7 + 1e-30  # one bf16 step at that magnitude
                 self.assertTrue(bool(((got32 - got16.float()).abs() <= step).all()), device)
+
+    def test_saved_projections_replace_the_recompute_bit_for_bit_and_stay_unwritten(self) -> None:
+        # The forward's h13 saved into a slice (save_into), the backward reading it (projections): the same
+        # results as recomputing it, bit for bit on the CPU; the saved rows are read, never overwritten.
+        for activation, weights_of in (("swiglu", lambda w1, w2, w3: [w1, w2, w3]),
+                                       ("gelu", lambda w1, w2, w3: [w1, w2])):
+            fn = ffn_expert_fn(activation)
+            x, counts, w1, w2, w3, dy, score = _case("cpu", torch.float32, [4, 0, 3, 6])
+            packed = fn.pack(weights_of(w1, w2, w3))
+            offsets, rows = torch.cumsum(counts, 0, dtype=torch.int32), counts.tolist()
+            saved = torch.full((x.shape[0] + 2, packed[0].shape[1]), float("nan"))
+            out = fn.forward_rows(x, offsets, rows, packed, save_into=saved[1:-1])
+            torch.testing.assert_close(out, fn.forward_rows(x, offsets, rows, packed), rtol=0, atol=0)
+            self.assertTrue(saved[[0, -1]].isnan().all() and not saved[1:-1].isnan().any(), activation)
+            kept = saved.clone()
+            tok = torch.arange(x.shape[0])
+            got = fn.vjp_rows(x, tok, offsets, rows, packed, dy, score, projections=saved[1:-1])
+            want = fn.vjp_rows(x, tok, offsets, rows, packed, dy, score)
+            for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0, msg=activation)
+            torch.testing.assert_close(saved, kept, rtol=0, atol=0, equal_nan=True, msg=activation)
+
+    def test_grouped_expert_functions_are_told_apart_from_others_as_the_protocol_tells_them(self) -> None:
+        from relay_compile.runtime.fp8_experts import fp8_experts
+
+        fns = [ffn_expert_fn("swiglu"), ffn_expert_fn("gelu"), fp8_experts(ffn_expert_fn("swiglu")),
+               lambda x, counts, splits, weights: x, expert_ffn]
+        for fn in fns:
+            self.assertIs(as_grouped(fn), fn if isinstance(fn, GroupedExperts) else None, fn)
+        self.assertIsNotNone(as_grouped(fns[0]))
+        self.assertIsNone(as_grouped(fns[3]))
 
     def test_the_eager_pointwise_backward_in_blocks_of_rows_equals_the_reference(self) -> None:
         # CPU runs the eager form a block of rows at a time (bounded temporaries): the rows of a partial last

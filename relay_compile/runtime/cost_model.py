@@ -179,11 +179,17 @@ class Calibration:
     link_gbps: float | None = None  # one direction of one link; None: transfers are device copies (stand-in)
 
     def with_link(self, gbps: float | None) -> Calibration:
-        return dataclasses.replace(self, link_gbps=gbps)
+        return self if gbps == self.link_gbps else _linked(self, gbps)
 
     def describe(self) -> str:
         """The model in words, for reports: its name, and the link where transfers cross one."""
         return f"{self.name} model" + ("" if self.link_gbps is None else f", {self.link_gbps:g} GB/s link")
+
+
+@functools.lru_cache(maxsize=64)
+def _linked(cal: Calibration, gbps: float | None) -> Calibration:
+    """``cal`` over another link, made once per pair (every op call asks: ``dataclasses.replace`` costs ~15 us)."""
+    return dataclasses.replace(cal, link_gbps=gbps)
 
 
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from relay_compile.experts import ExpertFn, GroupedExperts
+from relay_compile.experts import ExpertFn, as_grouped
 from relay_compile.runtime.cost_model import (
     CALIBRATED_DEVICES,
     BlockShape,
@@ -38,8 +38,9 @@ def can_save(expert_fn: ExpertFn, options: RingOptions, scores_applied: Literal[
     """Whether the expert ring of these can save: grouped experts whose fused backward takes saved projections
     (``projection_dtype``), scores after the experts, no chunk graphs and no FP8 hops (their expert functions
     are others), and the option not False (``hop_compute.saves_projections`` is the step's side of it)."""
-    return (options.save_projections is not False and isinstance(expert_fn, GroupedExperts)
-            and expert_fn.has_fused_backward and hasattr(expert_fn, "projection_dtype")
+    grouped = as_grouped(expert_fn)
+    return (options.save_projections is not False and grouped is not None
+            and grouped.has_fused_backward and hasattr(grouped, "projection_dtype")
             and scores_applied == "after" and not options.graphs_on(device) and not options.fp8)
 
 

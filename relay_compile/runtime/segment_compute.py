@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts
+from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts, as_grouped
 from relay_compile.routing import Chunk, PairRouting
 from relay_compile.runtime import chunk_graphs
 from relay_compile.runtime.chunk_graphs import PaddedChunks
@@ -73,7 +73,7 @@ class RingStepConfig:
     grouped: GroupedExperts | None = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "grouped", self.expert_fn if isinstance(self.expert_fn, GroupedExperts) else None)
+        object.__setattr__(self, "grouped", as_grouped(self.expert_fn))
 
     @property
     def _paddable(self) -> bool:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from relay_compile.experts import ExpertFn, GroupedExperts
+from relay_compile.experts import ExpertFn, as_grouped
 from relay_compile.runtime.cost_model import Choice, Execution
 from relay_compile.runtime.fn_identity import identity_code
 from relay_compile.runtime.fp8_experts import fp8_experts
@@ -73,7 +73,8 @@ class RingSpec:
     def circulating_weights(self, num_weights: int) -> int:
         """How many weight tensors circulate for ``num_weights`` given ones (the expert function's packing)."""
         fn = self.ring_fn
-        return fn.num_packed(num_weights) if isinstance(fn, GroupedExperts) else num_weights
+        grouped = as_grouped(fn)
+        return grouped.num_packed(num_weights) if grouped is not None else num_weights
 
     def circulating_grads(self, num_weights: int) -> int:
         """How many weight-gradient tensors trail them (``grads_like``: fewer where scales circulate beside
