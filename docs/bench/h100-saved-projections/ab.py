@@ -1,5 +1,5 @@
 """Saved projections A/B (issue 24): a2a eager, the expert ring recomputing its first projections per backward
-hop, the expert ring reading them saved by its forward; per (EP, tokens) wall (median of interleaved repeats),
+hop, the expert ring reading them saved by its forward (``--graphs``: and the ring with chunk graphs); per (EP, tokens) wall (median of interleaved repeats),
 spread, peak above the resident inputs, and the max error of each ring's outputs/gradients against a2a
 relative to a2a's scale. Stand-in group, Qwen3 layer, bf16.
 
@@ -20,6 +20,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
 ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
 ap.add_argument("--repeats", type=int, default=5)
+ap.add_argument("--graphs", action="store_true", help="also the ring with chunk_graphs=True")
 args = ap.parse_args()
 
 print(f"{'EP':>3} {'tokens':>7} {'row':<18} {'ms':>8} {'/a2a':>6} {'spread':>6} {'peak MiB':>9} {'a2a/peak':>8} {'max rel err':>11}")
@@ -33,6 +34,8 @@ for ep in args.ep:
             "ring recompute": lambda x, i, s, *w: ring_moe(x, i, s, *w, save_projections=False, **ring),
             "ring saved": lambda x, i, s, *w: ring_moe(x, i, s, *w, save_projections=True, **ring),
         }
+        if args.graphs:  # chunk graphs (CUDA graphs per chunk shape): less host work, no saved projections
+            rows["ring graphs"] = lambda x, i, s, *w: ring_moe(x, i, s, *w, chunk_graphs=True, **ring)
 
         def step(fn, keep=False):
             inp.clear_grads()

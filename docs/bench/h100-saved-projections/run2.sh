@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24 after run.sh: where the expert ring's GPU time goes at 16384 tokens with the Triton kernels named
 # (kernel_split.py: ring recomputing vs reading saved projections), where its host time goes at EP=8
-# (profile_hop.py: op census and cProfile), and the A/B again at 16384-32768 with 7 rounds.
+# (profile_hop.py: op census and cProfile), and the A/B again at 16384-32768 with 7 rounds, chunk graphs beside.
 # Usage: bash docs/bench/h100-saved-projections/run2.sh "$OUT"
 set -uo pipefail
 OUT=$1
@@ -12,5 +12,5 @@ mkdir -p /tmp/prof
 timeout 90 python docs/bench/h200-hop-host/profile_hop.py /tmp/prof --ep 8 --tokens 16384 > /dev/null 2>&1
 cp /tmp/prof/census-ep8-16384.txt /tmp/prof/profile-ep8-16384-tottime.txt $OUT/ 2>/dev/null
 head -30 $OUT/census-ep8-16384.txt; head -60 $OUT/profile-ep8-16384-tottime.txt | tail -48
-timeout 150 python docs/bench/h100-saved-projections/ab.py --ep 8 64 --tokens 16384 32768 --repeats 7 2>&1 | quiet \
+timeout 200 python docs/bench/h100-saved-projections/ab.py --ep 8 64 --tokens 16384 32768 --repeats 7 --graphs 2>&1 | quiet \
   | tee $OUT/ab.txt
