@@ -9,6 +9,7 @@ other Triton (our fused kernels), elementwise/reduce (the rest). Sums are kernel
 """
 import argparse
 import collections
+import json
 import re
 
 import torch
@@ -33,12 +34,11 @@ def _class(name: str) -> str:
 
 
 def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+    """An option's value as JSON reads it (true, 5, 0.5), else the string itself (expert)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 ap = argparse.ArgumentParser()
