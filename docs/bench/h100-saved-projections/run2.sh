@@ -12,5 +12,8 @@ mkdir -p /tmp/prof
 timeout 90 python docs/bench/h200-hop-host/profile_hop.py /tmp/prof --ep 8 --tokens 16384 > /dev/null 2>&1
 cp /tmp/prof/census-ep8-16384.txt /tmp/prof/profile-ep8-16384-tottime.txt $OUT/ 2>/dev/null
 head -30 $OUT/census-ep8-16384.txt; head -60 $OUT/profile-ep8-16384-tottime.txt | tail -48
+for row in ring a2a; do
+  timeout 60 python docs/bench/h100-saved-projections/gaps.py --ep 8 --tokens 16384 --row $row 2>&1 | quiet
+done | tee $OUT/gaps.txt
 timeout 200 python docs/bench/h100-saved-projections/ab.py --ep 8 64 --tokens 16384 32768 --repeats 7 --graphs 2>&1 | quiet \
   | tee $OUT/ab.txt
