@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-tokens", type=int, default=4096, help="points with fewer tokens per rank are left out")
     p.add_argument("--check", choices=[c.name for c in CALIBRATIONS], default=None,
                    help="no fit: how that calibration predicts the sweeps")
+    p.add_argument("--start", choices=[c.name for c in CALIBRATIONS], default="h200",
+                   help="the calibration the fit starts from")
+    p.add_argument("--overlap-p", type=float, default=None,
+                   help="how host and GPU time combine in the fit (cost_model.Calibration.overlap_p; default: the "
+                        "starting calibration's)")
     args = p.parse_args(argv)
     layer: dict[str, int] = {}
     points: list[dict[str, object]] = []
@@ -103,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         cal = next(c for c in CALIBRATIONS if c.name == args.check)
         print(f"{cal.name} constants, not fitted to these points")
     else:
-        cal = fit(H200, layer, points)
-        print("fitted:", ", ".join(f"{n}={getattr(cal, n):.4g}" for n in FITTED))
+        start = next(c for c in CALIBRATIONS if c.name == args.start)
+        if args.overlap_p is not None:
+            start = dataclasses.replace(start, overlap_p=args.overlap_p)
+        cal = fit(start, layer, points)
+        print(f"fitted (overlap_p={cal.overlap_p}):", ", ".join(f"{n}={getattr(cal, n):.4g}" for n in FITTED))
     ratios = [got / float(q["ms"]) for q in points if (got := predict(cal, layer, q)) is not None]  # type: ignore[arg-type]
     print(f"{sum(abs(math.log(r)) <= math.log(1.25) for r in ratios)} of {len(ratios)} points within 25% "
           f"(predicted/measured {min(ratios):.2f}-{max(ratios):.2f})")
