@@ -106,7 +106,8 @@ class GroupedExperts(Protocol):
 def as_grouped(fn: object) -> GroupedExperts | None:
     """``fn`` where it is ``GroupedExperts``, else None: the Protocol's ``isinstance`` (~45 us: it looks up every
     member on every call, and the ring asks several times per call), with the methods checked once per type."""
-    return fn if _grouped_methods(type(fn)) and hasattr(fn, "has_fused_backward") else None  # type: ignore[return-value]
+    grouped = _grouped_methods(type(fn)) and hasattr(fn, "has_fused_backward")
+    return fn if grouped else None  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """Saved projections A/B (issue 24): a2a eager, the expert ring recomputing its first projections per backward
-hop, the expert ring reading them saved by its forward (``--graphs``: and the ring with chunk graphs); per (EP, tokens) wall (median of interleaved repeats),
-spread, peak above the resident inputs, and the max error of each ring's outputs/gradients against a2a
-relative to a2a's scale. Stand-in group, Qwen3 layer, bf16.
+hop, the expert ring reading them saved by its forward (``--graphs``: and the ring with chunk graphs); per (EP,
+tokens) wall (median of interleaved repeats), spread, peak above the resident inputs, and the max error of each
+ring's outputs/gradients against a2a relative to a2a's scale. Stand-in group, Qwen3 layer, bf16.
 
     python docs/bench/h100-saved-projections/ab.py [--ep 8 64] [--tokens 4096 16384 65536] [--repeats 5]
 """
