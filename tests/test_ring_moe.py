@@ -360,6 +360,19 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
                     self.assert_matches_a2a(case, routing="expert", overlap=overlap)
             self.assert_matches_a2a("random", routing="expert", max_hop_rows=2)
             self.assert_matches_a2a("random", routing="expert", remat=False)
+            # Saved projections under owner stacks (wrapping on rank 2): every chunk reads its rows.
+            given: list[bool] = []
+            real = GroupedFFN.vjp_rows
+
+            def spy(fn, *args, **kw):
+                given.append(kw.get("projections") is not None)
+                return real(fn, *args, **kw)
+
+            with mock.patch.object(GroupedFFN, "vjp_rows", spy):
+                for case in ("random", "one_expert", "uneven"):
+                    self.assert_matches_a2a(case, routing="expert", save_projections=True)
+                    self.assert_matches_a2a(case, routing="expert", save_projections=True, max_hop_rows=2)
+            self.assertTrue(given and all(given))
         self.assertTrue(rule.called and backward_rule.called)
 
     @property

@@ -124,7 +124,7 @@ def _prepare(
         scores_before=spec.scores_applied == "before",
         weights=tuple((w.dtype, tuple(w.shape)) for w in weights), cuda=x.device.type == "cuda",
         machine=calibration_code(calibration_for(x.device)), link_gbps=state.link_gbps,
-        saves=spec.options.saves_code if can_save and saves_projections(cfg) else 0,
+        saves=spec.options.saves_code if can_save and spec.options.remat and saves_projections(cfg) else 0,
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 
@@ -168,7 +168,9 @@ def _run(
         program_dumps.record(key, direction, "all_to_all", reason, tokens_N=agreed.counts.tokens_N)
         a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
                            counts_E=local.counts_E, packed=local.packed)
-        return a2a.forward() if direction == "forward" else a2a.backward()
+        if direction == "backward":
+            return a2a.backward()
+        return a2a.forward() + ((_unwritten(local.packed, topk_ids),) if projections is True else ())
     saving = projections if agreed.saves else False
     owners = hop_owners(direction, agreed.routing, cfg.grouped is not None,
                         _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
@@ -183,7 +185,18 @@ def _run(
                         owners_per_hop=owners, **({} if saving is False else {"projections": saving}))
         out = run_program(program, step, step.initial_circulating())
     remember_status(ring, run.outcome())  # raises this rank's failure, or a peer's where reading it is free
+    if projections is True and saving is False:  # a saving op's call that does not save
+        out = (*out, _unwritten(local.packed, topk_ids))
     return out
+
+
+def _unwritten(packed: Sequence[Tensor], topk_ids: Tensor) -> Tensor:
+    """The projections a saving op returns where its call does not save: ``(T*K, U)`` in the packed first
+    matrix's columns and dtype (as ``hop_compute.ExpertRoutingStep`` allocates them), never written nor read.
+    They are held until the backward like saved ones: that memory is lost where the op was chosen to save and the
+    call did not (another rank cannot, the agreement chose the all-to-all or token routing)."""
+    first = packed[0]
+    return first.new_empty((topk_ids.numel(), first.shape[1]))
 
 
 def _hop_shape(size: int, tokens_N: list[int], topk_ids: Tensor, x: Tensor, packed: Sequence[Tensor]) -> HopShape:
@@ -233,22 +246,15 @@ def ring_moe_saving_op(
 ) -> tuple[Tensor, Tensor]:
     """``ring_moe`` that also returns every pair's first projection for its backward (module docstring)."""
     with torch.no_grad():
-        y, *saved = _run("forward", spec, x, topk_ids, topk_scores, weights, projections=True)
-    if not saved:  # not an expert ring this call: nothing saved, and the backward decides alike
-        return y.contiguous(), _unsaved(spec, topk_ids, weights)
-    return y.contiguous(), saved[0]
-
-
-def _unsaved(spec: str, topk_ids: Tensor, weights: list[Tensor]) -> Tensor:
-    """Where a saving op's projections would go: ``(T*K, U)`` in the packed first matrix's columns and dtype
-    (``hop_compute.ExpertRoutingStep`` allocates them so), unwritten."""
-    first = spec_state(spec).spec.ring_fn.pack(weights)[0]  # type: ignore[attr-defined]
-    return first.new_empty((topk_ids.numel(), first.shape[1]))
+        y, projections = _run("forward", spec, x, topk_ids, topk_scores, weights, projections=True)
+    return y.contiguous(), projections
 
 
 @ring_moe_saving_op.register_fake
 def _(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x, memory_format=_CONTIGUOUS), _unsaved(spec, topk_ids, weights)
+    # The packed layout of fake weights (no memory): the spec is registered before any trace that calls this op.
+    packed = spec_state(spec).spec.ring_fn.pack(weights)  # type: ignore[attr-defined]
+    return torch.empty_like(x, memory_format=_CONTIGUOUS), _unwritten(packed, topk_ids)
 
 
 @torch.library.custom_op("relaymoe::ring_moe_backward", mutates_args=())

@@ -37,9 +37,10 @@ def can_save(expert_fn: ExpertFn, options: RingOptions, scores_applied: Literal[
              device: torch.device) -> bool:
     """Whether the expert ring of these can save: grouped experts whose fused backward takes saved projections
     (``projection_dtype``), scores after the experts, no chunk graphs and no FP8 hops (their expert functions
-    are others), and the option not False (``hop_compute.saves_projections`` is the step's side of it)."""
+    are others), hop-scoped remat (without it the backward replays the block by autograd and reads none), and the
+    option not False (``hop_compute.saves_projections`` and ``ops._prepare`` are the op's side of it)."""
     grouped = as_grouped(expert_fn)
-    return (options.save_projections is not False and grouped is not None
+    return (options.save_projections is not False and options.remat and grouped is not None
             and grouped.has_fused_backward and hasattr(grouped, "projection_dtype")
             and scores_applied == "after" and not options.graphs_on(device) and not options.fp8)
 
@@ -85,10 +86,11 @@ def call_saves(
         return True
     ring = RingGroup.resolve(group_name)
     matrices = [w.shape for w in weights if w.dim() == 3]
-    params = sum(w.numel() for w in weights) // max(1, experts_per_rank)
+    params = sum(w.numel() for w in weights if w.dim() == 3) // max(1, experts_per_rank)  # matrices: no biases
     shape = BlockShape(
         tokens=x.shape[0], hidden=x.shape[1], ffn=min(min(m[1], m[2]) for m in matrices), top_k=topk_ids.shape[1],
         experts_per_rank=experts_per_rank, group_size=ring.size, elem_bytes=x.element_size(),
-        expert_bytes=params * weights[0].element_size(), expert_params=params)
+        expert_bytes=sum(w.numel() * w.element_size() for w in weights) // max(1, experts_per_rank),
+        expert_params=params)
     cal = calibration_for(x.device).with_link(link_gbps(ring.group, options.link_gbps))
     return saving_op(expert_fn, options, scores_applied, x.device, shape, cal, grouped_owners(shape))
