@@ -42,12 +42,13 @@ torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
     step()
     torch.cuda.synchronize()
-launched = []  # (kernel start, kernel end, launching op, its frames)
+# A CPU op's kernels carry a name and a duration only: a device event is matched to its op by both.
+launched: dict[tuple[str, int], tuple[str, list[str]]] = {}
 for e in prof.events():
     if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::") and e.kernels:
         frames = [f for f in (e.stack or []) if "relay_compile" in f][:3]
         for k in e.kernels:
-            launched.append((k.time_range.start, k.time_range.end, e.name, frames))
+            launched[(k.name, round(k.duration))] = (e.name, frames)
 device = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA)
 first, last = device[0][0], max(end for _, end, _ in device)
@@ -59,9 +60,9 @@ for start, end, name in device[1:]:
 idle = sum(g for g, *_ in gaps)
 print(f"EP={args.ep} tokens={args.tokens} {args.row}: span {(last - first) / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms "
       f"in {len(gaps)} gaps ({sum(1 for g in gaps if g[0] > 50)} over 50 us)")
-by_start = {s: (op, frames) for s, _, op, frames in launched}
+ends = {start: end for start, end, _ in device}
 for gap, at, name, start in sorted(gaps, reverse=True)[: args.top]:
-    op, frames = by_start.get(start, ("?", []))
+    op, frames = launched.get((name, round(ends[start] - start)), ("?", []))
     print(f"  {gap / 1e3:6.3f} ms idle at +{at / 1e3:6.2f} ms, then {name[:60]} ({op})")
     for f in frames:
         print(f"        {f}")
