@@ -1,0 +1,77 @@
+"""Host time of a ring call's phases, forward and backward (issue 24): the op's local preparation, the agreement
+(its exchange syncs host and device), the step's planning, the program's hops; median of 10 steps, no profiler
+(stand-in group, Qwen3 layer, bf16, the expert ring forced).
+
+    python docs/bench/h100-saved-projections/phases.py [--ep 8] [--tokens 16384]
+"""
+import argparse
+import collections
+import functools
+import statistics
+import time
+
+import torch
+
+from relay_compile import ring_moe
+from relay_compile.bench.configs import QWEN3_30B
+from relay_compile.bench.inputs import make_inputs
+from relay_compile.bench.standin_group import standin_group
+from relay_compile.runtime import hop_compute, ops
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--ep", type=int, default=8)
+ap.add_argument("--tokens", type=int, default=16384)
+args = ap.parse_args()
+group = standin_group(args.ep)
+inp = make_inputs(QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens))
+spent: dict[str, list[float]] = collections.defaultdict(list)
+direction = ["forward"]
+
+
+def timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[f"{direction[0]} {name}"].append((time.perf_counter() - t) * 1e3)
+    return wrapper
+
+
+real_run = ops._run
+
+
+def run(d, *a, **k):
+    direction[0] = d
+    return timed("op total", real_run)(d, *a, **k)
+
+
+ops._run = run
+ops._prepare = timed("prepare", ops._prepare)
+ops.agree = timed("agreement", ops.agree)
+ops.run_program = timed("hops", ops.run_program)
+init = hop_compute.ExpertRoutingStep.__init__
+hop_compute.ExpertRoutingStep.__init__ = timed("step plan", init)
+
+
+def step():
+    inp.clear_grads()
+    y = ring_moe(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights, group=group, ring="always",
+                 routing="expert")
+    y.backward(inp.grad_y_TH)
+
+
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+spent.clear()
+walls = []
+for _ in range(10):
+    t = time.perf_counter()
+    step()
+    walls.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+print(f"EP={args.ep} tokens={args.tokens}: host per step {statistics.median(walls):.2f} ms (median of 10, no sync)")
+for name, values in spent.items():
+    print(f"  {name:<24} {statistics.median(values):7.3f} ms")
