@@ -71,7 +71,8 @@ def compile_time_level(options: RingOptions, scores_applied: Literal["after", "b
     """``Claims.saves`` as a decision made before the expert function is chosen predicts it (the compile-time
     keep, the report): the option's code where F lowers onto grouped experts (``grouped``: the lowered FFN can
     save where its activation has a fused backward) and nothing else rules saving out, else 0."""
-    possible = grouped and scores_applied == "after" and not options.graphs_on(device) and not options.fp8
+    possible = (grouped and options.remat and scores_applied == "after" and not options.graphs_on(device)
+                and not options.fp8)
     return options.saves_code if possible else 0
 
 
