@@ -47,7 +47,15 @@ from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
 from relay_compile.runtime.compiled_experts import CompiledExpertFn
-from relay_compile.runtime.cost_model import H200, Choice, calibration_for, choose, grouped_owners
+from relay_compile.runtime.cost_model import (
+    H200,
+    BlockShape,
+    Calibration,
+    Choice,
+    calibration_for,
+    choose,
+    grouped_owners,
+)
 from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE, RING_MOE_SAVING
 from relay_compile.runtime.region_fn import RegionExpertFn
@@ -242,11 +250,9 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     x = node_value(region.x)
     if options.ring == "never":
         return choose(region.block_shape(), routing=options.routing, ring="never", cal=H200)
-    static = isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape)
-    if options.ring == "always" or not static or x.device.type not in cost_model.CALIBRATED_DEVICES:
+    shape, cal = _traced_model(region, options)
+    if options.ring == "always" or shape is None or x.device.type not in cost_model.CALIBRATED_DEVICES:
         return None
-    cal = calibration_for(x.device).with_link(group_link_gbps(region.group_name, options.link_gbps))
-    shape = region.block_shape()
     owners = grouped_owners(shape, fp8=options.fp8) if recognized_ffn(region) else (1, 1)
     choice = choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,
                     max_hop_rows=options.max_hop_rows,
@@ -258,12 +264,19 @@ def saves_at_compile_time(region: Region, fn: object, options: RingOptions) -> b
     """Whether ``region``'s ring runs as ``relaymoe::ring_moe_saving`` (``saved_projections.saving_op``): with
     expert function ``fn``, at the traced shapes where they are static (``"auto"``: the device's time model
     predicts that saving pays; True: wherever ``fn`` can)."""
+    shape, cal = _traced_model(region, options)
+    owners = grouped_owners(shape, fp8=options.fp8) if shape is not None and isinstance(fn, LoweredFFN) else (1, 1)
+    device = node_value(region.x).device
+    return saving_op(fn, options, region.scores_applied, device, shape, cal, owners)  # type: ignore[arg-type]
+
+
+def _traced_model(region: Region, options: RingOptions) -> tuple[BlockShape | None, Calibration]:
+    """What a compile-time decision predicts ``region`` with: its sizes where the token count is static (else
+    None), and its device's constants over the link its hops cross."""
     x = node_value(region.x)
     static = isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape)
-    shape = region.block_shape() if static else None
     cal = calibration_for(x.device).with_link(group_link_gbps(region.group_name, options.link_gbps))
-    owners = grouped_owners(shape, fp8=options.fp8) if shape is not None and isinstance(fn, LoweredFFN) else (1, 1)
-    return saving_op(fn, options, region.scores_applied, x.device, shape, cal, owners)  # type: ignore[arg-type]
+    return (region.block_shape() if static else None), cal
 
 
 def keep_all_to_all(gm: fx.GraphModule, region: Region) -> fx.Node:

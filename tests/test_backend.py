@@ -17,11 +17,11 @@ from torch.testing._internal.common_utils import run_tests
 
 import relay_compile
 from relay_compile.backend import _compare_outputs, compiled_reports
-from relay_compile.experts import GroupedFFN
 from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime.dynamo_settings import DYNAMO_SETTINGS, NON_EMPTY_BRANCHES
 from tests.distributed import DistributedTestCase
 from tests.models import variants
+from tests.test_ring_moe import projections_read
 
 H, F, E_L, K, T = 16, 8, 2, 2, 12
 
@@ -305,20 +305,12 @@ class BackendEndToEnd(DistributedTestCase):
         self.init_pg()
         world = dist.get_world_size()
         weights = self.weights(world)
-        given: list[bool] = []
-        real = GroupedFFN.vjp_rows
-
-        def spy(fn, *args, **kw):
-            given.append(kw.get("projections") is not None)
-            return real(fn, *args, **kw)
-
         for inner in ("aot_eager", "inductor"):
             torch._dynamo.reset()
-            given.clear()
             options = {"inner_compiler": inner, "routing": "expert", "save_projections": True}
             seen = len(compiled_reports())
             compiled = torch.compile(block, backend="relaymoe", options=options)
-            with unittest.mock.patch.object(GroupedFFN, "vjp_rows", spy):
+            with projections_read() as given:
                 for step in range(3):
                     x, ids, scores = inputs(self.rank, world, step)
                     got = step_outputs(compiled, x, ids, scores, weights)

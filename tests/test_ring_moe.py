@@ -7,7 +7,9 @@ fp32 cases hold to 1e-5 relative: ring and a2a run the same per-pair math, only 
 
 from __future__ import annotations
 
+import contextlib
 import unittest
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -61,6 +63,20 @@ def plain_ffn(x_SH: Tensor, counts_NL: Tensor, splits_N: list[int], weights) -> 
 
 def ring_with_plain_ffn(x, ids, scores, *weights, **kw) -> Tensor:
     return ring_moe_experts(x, ids, scores, weights, expert_fn=plain_ffn, experts_per_rank=weights[0].shape[0], **kw)
+
+
+@contextlib.contextmanager
+def projections_read() -> Iterator[list[bool]]:
+    """Within: per fused backward chunk (``GroupedFFN.vjp_rows``), whether it was given saved projections."""
+    given: list[bool] = []
+    real = GroupedFFN.vjp_rows
+
+    def spy(fn, *args, **kw):
+        given.append(kw.get("projections") is not None)
+        return real(fn, *args, **kw)
+
+    with mock.patch.object(GroupedFFN, "vjp_rows", spy):
+        yield given
 
 
 def assert_close_rel(got: Tensor, want: Tensor, rel: float, msg: str = "") -> None:
@@ -147,14 +163,7 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
         # (vjp_rows gets them) instead of recomputing it; the same results as a2a. A rank that cannot save (its
         # option False) makes no rank save; token routing has nothing to save.
         self.init_pg()
-        given: list[bool] = []
-        real = GroupedFFN.vjp_rows
-
-        def spy(fn, *args, **kw):
-            given.append(kw.get("projections") is not None)
-            return real(fn, *args, **kw)
-
-        with mock.patch.object(GroupedFFN, "vjp_rows", spy):
+        with projections_read() as given:
             for case in ROUTER_CASES:
                 for overlap in (True, False):
                     self.assert_matches_a2a(case, routing="expert", overlap=overlap, save_projections=True)
@@ -361,14 +370,7 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
             self.assert_matches_a2a("random", routing="expert", max_hop_rows=2)
             self.assert_matches_a2a("random", routing="expert", remat=False)
             # Saved projections under owner stacks (wrapping on rank 2): every chunk reads its rows.
-            given: list[bool] = []
-            real = GroupedFFN.vjp_rows
-
-            def spy(fn, *args, **kw):
-                given.append(kw.get("projections") is not None)
-                return real(fn, *args, **kw)
-
-            with mock.patch.object(GroupedFFN, "vjp_rows", spy):
+            with projections_read() as given:
                 for case in ("random", "one_expert", "uneven"):
                     self.assert_matches_a2a(case, routing="expert", save_projections=True)
                     self.assert_matches_a2a(case, routing="expert", save_projections=True, max_hop_rows=2)

@@ -168,7 +168,7 @@ class ExpertRoutingStep:
     ``counts``: the agreed counts (``runtime.agreement``; None: a ring of one counts its own). ``packed``:
     the weights already in the expert function's packed layout. ``projections``: forward, True saves every
     pair's first projection (``finish`` returns them after ``y``); backward, the forward's saved ones, read
-    instead of recomputing them (``saves_projections`` says where either applies).
+    instead of recomputing them (``saved_projections.can_save`` says where either applies).
     """
 
     def __init__(
@@ -176,7 +176,8 @@ class ExpertRoutingStep:
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
         packed: list[Tensor] | None = None, owners_per_hop: int = 1, projections: Tensor | bool = False,
     ) -> None:
-        assert projections is False or saves_projections(cfg), "ring_moe: this ring cannot save projections"
+        assert projections is False or (cfg.grouped is not None and not cfg.scores_before), (
+            "ring_moe: only grouped experts with scores after them save projections")
         self.projections = projections
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
@@ -489,16 +490,6 @@ class TokenRoutingStep:
 
 
 RingStep = ExpertRoutingStep | TokenRoutingStep
-
-
-def saves_projections(cfg: RingStepConfig) -> bool:
-    """Whether an expert-routing step of ``cfg`` can save the first projections in its forward for its backward
-    (option ``save_projections``): grouped experts with a fused backward that takes them
-    (``projection_dtype``: ``experts.GroupedFFN``, ``lowered_ffn.LoweredFFN``), scores applied after the
-    experts, no chunk graphs."""
-    grouped = cfg.grouped
-    return (grouped is not None and grouped.has_fused_backward and hasattr(grouped, "projection_dtype")
-            and not cfg.scores_before and not cfg.pads_chunks)
 
 
 def clamped_ids(num_experts: int, topk_ids_TK: Tensor) -> tuple[Tensor, Tensor]:

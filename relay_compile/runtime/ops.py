@@ -49,12 +49,12 @@ from relay_compile.runtime.hop_compute import (
     RingStepConfig,
     TokenRoutingStep,
     clamped_ids,
-    saves_projections,
 )
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
 from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
+from relay_compile.runtime.saved_projections import can_save
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
 from relay_compile.runtime.weight_grads import pack_weights
@@ -97,10 +97,10 @@ def _check_grad(x: Tensor, grad_y: Tensor | None) -> None:
 
 def _prepare(
     direction: Direction, state: SpecState, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor, topk_scores: Tensor,
-    weights: Sequence[Tensor], grad_y: Tensor | None, can_save: bool = False,
+    weights: Sequence[Tensor], grad_y: Tensor | None, saving: bool = False,
 ) -> _Local:
-    """Step 1 of the module docstring: this rank's claims; an error becomes its problem. ``can_save``: the op
-    saves (forward) or was given (backward) projections, where the ring can (``Claims.saves``)."""
+    """Step 1 of the module docstring: this rank's claims; an error becomes its problem. ``saving``: the op
+    saves (forward) or was given (backward) projections; claimed where the ring can (``Claims.saves``)."""
     spec = state.spec
     no_counts = torch.zeros(0, dtype=torch.int64, device=x.device)
     try:
@@ -124,7 +124,8 @@ def _prepare(
         scores_before=spec.scores_applied == "before",
         weights=tuple((w.dtype, tuple(w.shape)) for w in weights), cuda=x.device.type == "cuda",
         machine=calibration_code(calibration_for(x.device)), link_gbps=state.link_gbps,
-        saves=spec.options.saves_code if can_save and spec.options.remat and saves_projections(cfg) else 0,
+        saves=spec.options.saves_code if saving and can_save(cfg.expert_fn, spec.options, spec.scores_applied,
+                                                             x.device) else 0,
     )
     return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
 
@@ -135,7 +136,7 @@ def _run(
 ) -> tuple[Tensor, ...]:
     """One call of the ring (the module docstring's steps); ``projections``: the forward saves them (True), the
     backward reads the forward's (a tensor), where the call runs as an expert ring that can
-    (``hop_compute.saves_projections``)."""
+    (``saved_projections.can_save``)."""
     state = spec_state(key)
     ring = RingGroup.resolve(state.spec.group_name)
     if ring != state.ring:

@@ -38,7 +38,7 @@ def can_save(expert_fn: ExpertFn, options: RingOptions, scores_applied: Literal[
     """Whether the expert ring of these can save: grouped experts whose fused backward takes saved projections
     (``projection_dtype``), scores after the experts, no chunk graphs and no FP8 hops (their expert functions
     are others), hop-scoped remat (without it the backward replays the block by autograd and reads none), and the
-    option not False (``hop_compute.saves_projections`` and ``ops._prepare`` are the op's side of it)."""
+    option not False. Before the op (``saving_op``) and in it (``ops._prepare``: what a rank claims)."""
     grouped = as_grouped(expert_fn)
     return (options.save_projections is not False and options.remat and grouped is not None
             and grouped.has_fused_backward and hasattr(grouped, "projection_dtype")
@@ -80,11 +80,10 @@ def call_saves(
     expert_fn: ExpertFn, options: RingOptions, scores_applied: Literal["after", "before"], group_name: str,
     x: torch.Tensor, topk_ids: torch.Tensor, weights: list[torch.Tensor], experts_per_rank: int,
 ) -> bool:
-    """``saving_op`` for one eager call of ``ring_moe``: this rank's shapes, the tokens' device's time model."""
-    if not can_save(expert_fn, options, scores_applied, x.device):
-        return False
-    if options.save_projections is True:
-        return True
+    """``saving_op`` for one eager call of ``ring_moe``: this rank's shapes, the tokens' device's time model
+    (their ``BlockShape`` made only where ``"auto"`` asks the model)."""
+    if options.save_projections != "auto" or x.device.type not in CALIBRATED_DEVICES:
+        return saving_op(expert_fn, options, scores_applied, x.device, None, None)
     ring = RingGroup.resolve(group_name)
     matrices = [w.shape for w in weights if w.dim() == 3]
     params = sum(w.numel() for w in weights if w.dim() == 3) // max(1, experts_per_rank)  # matrices: no biases
