@@ -178,7 +178,6 @@ class ExpertRoutingStep:
     ) -> None:
         assert projections is False or (cfg.grouped is not None and not cfg.scores_before), (
             "ring_moe: only grouped experts with scores after them save projections")
-        self.projections = projections
         self.cfg, self.x_TH, self.given_weights = cfg, x_TH, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
         # What a visiting partition's gradients look like (every partition has the local one's shapes).
@@ -194,14 +193,15 @@ class ExpertRoutingStep:
         self.stack_grads_like = [g.new_zeros(()).expand(owners_per_hop * g.shape[0], *g.shape[1:])
                                  for g in self.grads_like]
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
-        _setup(self, ExpertRoutingStep._plan, topk_ids_TK, topk_scores_TK, counts)
+        _setup(self, ExpertRoutingStep._plan, topk_ids_TK, topk_scores_TK, counts, projections)
 
     def _group_owners(self, group: int) -> list[int]:
         """The owners of stack ``group`` in slot order (ascending, as their experts sort, unless they wrap)."""
         g, n, r = self.owners_per_hop, self.cfg.ring.size, self.cfg.ring.rank
         return [(r - g * group - g + 1 + s) % n for s in range(g)]
 
-    def _plan(self, topk_ids_TK: Tensor, topk_scores_TK: Tensor, counts: StepCounts) -> None:
+    def _plan(self, topk_ids_TK: Tensor, topk_scores_TK: Tensor, counts: StepCounts, projections: Tensor | bool
+              ) -> None:
         cfg, e_l, x_TH, g = self.cfg, self.cfg.experts_per_rank, self.x_TH, self.owners_per_hop
         own = counts.counts_NE[cfg.ring.rank]
         assert own is not None, "ring_moe: the agreement gave no counts of this rank"
@@ -216,20 +216,20 @@ class ExpertRoutingStep:
         chunks = plan_chunks(bounds + groups, [e_l] * len(bounds) + [g * e_l] * len(groups), x_TH.device)
         self.chunks, self.group_chunks = chunks[: len(bounds)], chunks[len(bounds):]
         self.scores_S = torch.index_select(topk_scores_TK.reshape(-1), 0, routing.order_P)
+        self.projections_PU: Tensor | None = None
+        if projections is True:  # in the packed first matrix's columns and dtype (``projection_dtype``)
+            first = self.weights[0]
+            self.projections_PU = first.new_empty((routing.order_P.shape[0], first.shape[1]))
+        elif isinstance(projections, Tensor):
+            self.projections_PU = projections
         # Padded and equal-group chunks are planned for one owner per hop (stacks run their chunks as they are),
         # and not beside saved projections (their rows are the pairs', unpadded).
-        saved = self.projections is not False
+        saved = self.projections_PU is not None
         graphs = g == 1 and not saved and cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
         self.equal = (EqualGroups.plan(self.chunks, routing.tokens_P, self.scores_S)
                       if g == 1 and not saved and self.backward and self.padded is None and cfg.pads_equal_groups
                       else None)
-        self.projections_PU: Tensor | None = None
-        if self.projections is True:  # in the packed first matrix's columns and dtype (``projection_dtype``)
-            first = self.weights[0]
-            self.projections_PU = first.new_empty((routing.order_P.shape[0], first.shape[1]))
-        elif isinstance(self.projections, Tensor):
-            self.projections_PU = self.projections
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
