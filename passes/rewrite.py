@@ -3,8 +3,8 @@
 Contract:
     Consumes a graph and one of its ``MoERegion`` records from ``find_moe_regions`` (the graph unchanged
     since, apart from the rewrite of other regions of the same graph). Guarantees: the region's output is
-    computed by ``torch.ops.relaymoe.ring_moe.default(x, topk_ids, topk_scores, [weights], key)``, the autograd
-    boundary of the ring; every node of ``region.nodes`` is gone (both token all-to-alls, F, the counts
+    computed by ``torch.ops.relaymoe.ring_moe.default(x, topk_ids, topk_scores, [weights], key)[0]`` (or
+    ``ring_moe_saving``'s), the autograd boundary of the ring; every node of ``region.nodes`` is gone (both token all-to-alls, F, the counts
     exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), and so are pure nodes that
     only the region read (shared size arithmetic dies with the last region reading it); nothing else is
     touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
@@ -110,20 +110,15 @@ def _check_record(gm: fx.GraphModule, region: Region) -> None:
             )
 
 
-def _fake_output(region: Region, saving: object = None, args: tuple = ()) -> object:
-    """The ring's fake value: what its fake kernel returns, ``empty_like(x)``, in ``x``'s fake mode; ``saving``:
-    the saving op, whose fake kernel runs on the fake values of ``args`` (``(y, projections)``)."""
-    x = node_value(region.x)
-    fake_mode = getattr(x, "fake_mode", None)
-    if saving is not None:
-        assert fake_mode is not None, "rewrite: a saving ring needs the graph's fake values"
-        values = fx.node.map_arg(args, node_value)
-        with fake_mode:
-            return saving(*values)  # type: ignore[operator]
+def _fake_output(region: Region, op: object, args: tuple) -> object:
+    """The ring's fake value: what ``op``'s fake kernel returns on the fake values of ``args``, in ``x``'s fake
+    mode (``(y, [projections,] counts_E)``); a graph without fake values keeps the region's output as ``y``'s."""
+    fake_mode = getattr(node_value(region.x), "fake_mode", None)
     if fake_mode is None:
-        return node_value(region.output)
+        return None
+    values = fx.node.map_arg(args, node_value)
     with fake_mode:
-        return torch.empty_like(x)
+        return op(*values)  # type: ignore[operator]
 
 
 def rewrite_moe_region(
@@ -155,9 +150,10 @@ def rewrite_moe_region(
     After::
 
         x_TH = ...; ids_TK = ...; scores_TK = ...
-        y_TH = torch.ops.relaymoe.ring_moe.default(
+        ring_moe_call = torch.ops.relaymoe.ring_moe.default(
             x_TH, ids_TK, scores_TK, [w1_local, w2_local, w3_local],
             "fx_region[<digest>]|group=g|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0|ring=auto")
+        y_TH = ring_moe_call[0]  # [1]: the agreed counts_E, for the backward (runtime.ops)
 
     Args:
         options: the ring's options (``runtime.ring_options.RingOptions``: validated where they are made).
@@ -185,20 +181,21 @@ def rewrite_moe_region(
     key = register_spec(spec, region_fn_name(region, fn), identity=region_fn_identity(region, fn))
 
     # Step 3: the ring call, right before the output (every input of the ring is upstream of the output); the
-    # saving op's first output is ``y``.
+    # op's first output is ``y`` (the others are for its backward).
     saves = saves_at_compile_time(region, fn, options)
+    op = RING_MOE_SAVING if saves else RING_MOE
     graph = gm.graph
     with graph.inserting_before(region.output):
         topk_ids, topk_scores = region.insert_pairs()  # capacity regions derive them from their masks
         args = (region.x, topk_ids, topk_scores, list(region.weights), key)
-        ring = graph.create_node("call_function", RING_MOE_SAVING if saves else RING_MOE, args,
-                                 name="ring_moe_saving" if saves else "ring_moe")
-        y = graph.create_node("call_function", operator.getitem, (ring, 0), name="ring_moe") if saves else ring
+        ring = graph.create_node("call_function", op, args, name="ring_moe_saving" if saves else "ring_moe_call")
+        y = graph.create_node("call_function", operator.getitem, (ring, 0), name="ring_moe")
     ring.meta["relaymoe_experts"] = path
     ring.meta["relaymoe_fp8"] = "on" if options.fp8 else (f"refused: {fp8_refused}" if fp8_refused else "")
-    ring.meta["example_value"] = ring.meta["val"] = _fake_output(region, RING_MOE_SAVING if saves else None, args)
-    if saves:
-        y.meta["example_value"] = y.meta["val"] = ring.meta["val"][0]
+    fake = _fake_output(region, op, args)
+    if fake is not None:
+        ring.meta["example_value"] = ring.meta["val"] = fake
+    y.meta["example_value"] = y.meta["val"] = fake[0] if fake is not None else node_value(region.output)
     for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if k in region.output.meta:
             ring.meta[k] = y.meta[k] = region.output.meta[k]

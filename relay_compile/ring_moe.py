@@ -161,7 +161,7 @@ def ring_moe_experts(
                             topk_ids, list(weights), experts_per_rank))
     if saves:
         return ring_moe_saving_op(x, topk_ids, topk_scores, list(weights), key)[0]
-    return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)
+    return ring_moe_op(x, topk_ids, topk_scores, list(weights), key)[0]
 
 
 @torch.compiler.assume_constant_result

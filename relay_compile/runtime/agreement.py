@@ -19,6 +19,11 @@ Contract:
     failed raises its own error. ``routing="auto"`` is resolved from the table at every call (the same on
     every rank).
 
+A backward's row is the same as from the device but built on the host, from the counts its forward agreed on
+(``ops``: the forward op's ``counts_E`` output), and gathered beside the compute stream: its exchange waits for
+no work queued since the forward. A previous ring's status travels in it only once computed (else in a later
+exchange; the table decides what every rank raises, so late is still alike).
+
 Pair counts travel in the same row when they fit the group's counts capacity (the largest expert count an
 agreed call of this group has had, shared state that grows identically on every rank); the first call of a
 group (or of a larger expert count) sends none, and then token routing runs a second all-gather of the
@@ -46,7 +51,14 @@ from torch import Tensor
 from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
 from relay_compile.runtime.cost_model import CALIBRATIONS, H200, BlockShape, Calibration, Choice, Execution, choose
 from relay_compile.runtime.ring_options import RINGS, MaxHopRows, RingOptions
-from relay_compile.runtime.transport import RingGroup, RingPeerError, all_gather_rows, peer_failure
+from relay_compile.runtime.transport import (
+    RingGroup,
+    RingPeerError,
+    all_gather_rows,
+    beside_compute,
+    peer_failure,
+    recorded_event,
+)
 
 Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 
@@ -241,13 +253,32 @@ class BlockSizes:
 @dataclass(kw_only=True)
 class _GroupState:
     counts_cap: int = 0  # counts travel in the row when the group's expert count fits (same on every rank)
-    unread_status: Tensor | None = None  # the previous ring's failure status, where it was not read at once
+    # The failure status of the group's previous rings, where it was not read at once, and an event recorded
+    # after it (accelerators): an exchange that does not wait for the compute stream sends it only once done.
+    unread_status: Tensor | None = None
+    unread_done: torch.cuda.Event | None = None
+
+    def take_status(self, waiting: bool) -> Tensor | None:
+        """The unread status for this exchange (None: nothing to send), or, where the exchange does not wait
+        for the compute stream (``waiting`` False) and the status is not computed yet, None and keep it for a
+        later exchange: the table decides what every rank raises, so a status sent late is raised late but alike."""
+        status = self.unread_status
+        if status is None or not (waiting or self.unread_done is None or self.unread_done.query()):
+            return None
+        self.unread_status = self.unread_done = None
+        return status
 
 
 def remember_status(ring: RingGroup, status: Tensor | None) -> None:
-    """Keep a ring's unread failure status (``transport.RingRun.outcome``) for the group's next exchange."""
-    if status is not None and ring.group is not None:
-        _group_state(ring).unread_status = status
+    """Keep a ring's unread failure status (``transport.RingRun.outcome``) for the group's next exchange,
+    merged with one still unread (statuses never decrease: the highest failing rank heard of)."""
+    if status is None or ring.group is None:
+        return
+    state = _group_state(ring)
+    if state.unread_status is not None:
+        status = torch.maximum(state.unread_status.to(status.device), status)
+    state.unread_status = status
+    state.unread_done = recorded_event(status.device)
 
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -259,7 +290,7 @@ def _group_state(ring: RingGroup) -> _GroupState:
 
 def agree(
     ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, weight_bytes: int, elem_bytes: int,
-    grad_bytes: int, sum_elem_bytes: int, sizes: BlockSizes | None = None,
+    grad_bytes: int, sum_elem_bytes: int, sizes: BlockSizes | None = None, agreed_counts_E: Tensor | None = None,
 ) -> Agreement:
     """The exchange of one op call; raises ``RingInputError`` (or this rank's own problem) on every rank.
 
@@ -267,9 +298,12 @@ def agree(
     ``weight_bytes``, ``elem_bytes``: this rank's weight bytes and token element size; ``grad_bytes``,
     ``sum_elem_bytes``: the same for the sums that travel (``routing.per_hop_bytes``), for ``routing="auto"``.
     ``sizes``: for the cost model (``_execution``; None: routing by bytes, and the ring, as without a model).
+    ``agreed_counts_E``: the same counts on the host, as an earlier agreement on these routing arguments read
+    them (a backward's, from its forward): the row then holds nothing the device computes, and the exchange does
+    not wait for the compute stream (``_exchange``). The table is the same either way.
     """
     state = _group_state(ring)
-    table = _exchange(ring, claims, bad_ids, counts_E, state)
+    table = _exchange(ring, claims, bad_ids, counts_E, state, agreed_counts_E)
     _check(ring, claims, table)
     e = len(counts_E)
     counts_NE: list[list[int] | None] = [row[COUNTS : COUNTS + e] if row[_AT["counts_len"]] else None for row in table]
@@ -354,20 +388,38 @@ def fail_together(ring: RingGroup, problem: Exception, device: torch.device) -> 
 
 
 def _exchange(
-    ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, state: _GroupState
+    ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, state: _GroupState,
+    agreed_counts_E: Tensor | None = None,
 ) -> list[list[int]]:
     """All-gather ``[header, bad flag, unread status, counts padded to the cap]`` (counts only when they
-    fit); the table on the host. Consumes the group's unread status."""
+    fit); the table on the host. Consumes the group's unread status.
+
+    With ``agreed_counts_E`` (host counts an earlier agreement checked: no bad ids) that fit the row (they do once
+    that agreement ran: the cap only grows) the row is built on the host and gathered beside the compute stream
+    (``transport.beside_compute``): reading the table then waits for the exchange only, not for the work queued
+    before it (a backward's exchange would otherwise wait for the rest of the forward, the loss and the later
+    layers' backward, and the device would idle while this rank plans its hops). The unread status goes with it
+    only where it is computed already (``_GroupState.take_status``). Same row, same table as from the device.
+    """
     cap, device = state.counts_cap, counts_E.device
     fits = 0 < len(counts_E) <= cap
-    header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=device)
-    status, state.unread_status = state.unread_status, None
-    status = counts_E.new_zeros(1) if status is None else status.to(device)
-    counts = counts_E if fits else counts_E.new_zeros(0)
-    row = torch.cat([header, bad_ids.to(torch.int64).reshape(1), status, counts, counts_E.new_zeros(cap - len(counts))])
-    # NOTE: device-to-host sync, once per op call: the table sizes every hop on the host.
-    return all_gather_rows(ring, row).tolist()
-
+    if agreed_counts_E is None or not fits:
+        header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=device)
+        status = state.take_status(waiting=True)
+        status = counts_E.new_zeros(1) if status is None else status.to(device)
+        counts = counts_E if fits else counts_E.new_zeros(0)
+        row = torch.cat([header, bad_ids.to(torch.int64).reshape(1), status, counts,
+                         counts_E.new_zeros(cap - len(counts))])
+        # NOTE: device-to-host sync, once per op call: the table sizes every hop on the host.
+        return all_gather_rows(ring, row).tolist()
+    counts = agreed_counts_E.tolist()
+    host = torch.tensor([*claims.header(len(counts)), 0, 0, *counts, *[0] * (cap - len(counts))], dtype=torch.int64)
+    status = state.take_status(waiting=False)
+    with beside_compute(device):
+        row = host.to(device)
+        if status is not None:
+            row[PEER_FAILURE : PEER_FAILURE + 1].copy_(status)
+        return all_gather_rows(ring, row).tolist()  # NOTE: waits for this exchange only
 
 
 # The columns that are fine as zeros on every rank, and those every rank must hold alike: one comparison

@@ -1,13 +1,18 @@
 """The ``relaymoe`` custom ops: the autograd boundary of a ring, and the trampolines into ring programs.
 
-    relaymoe::ring_moe(x, topk_ids, topk_scores, weights[], spec) -> y
-    relaymoe::ring_moe_saving(x, topk_ids, topk_scores, weights[], spec) -> (y, projections)
-    relaymoe::ring_moe_backward(grad_y, x, topk_ids, topk_scores, weights[], spec, projections?)
+    relaymoe::ring_moe(x, topk_ids, topk_scores, weights[], spec) -> (y, counts_E)
+    relaymoe::ring_moe_saving(x, topk_ids, topk_scores, weights[], spec) -> (y, projections, counts_E)
+    relaymoe::ring_moe_backward(grad_y, x, topk_ids, topk_scores, weights[], spec, projections?, counts_E?)
         -> [dx, d_scores, *d_weights]
 
 ``spec`` is the key of a registered ``RingSpec`` (``runtime.specs``). The backward is an op of its own so that
 the ring runs at run time under aot_autograd (a Python ``register_autograd`` backward runs only while tracing).
 The ops have fake implementations, so they trace under torch.compile without communicating.
+
+``counts_E`` (int64, on the host, not differentiable): this rank's pairs per expert as the forward's agreement
+read them, handed to the backward so that its agreement needs nothing the device computes: its exchange then runs
+beside the compute stream (``agreement._exchange``) instead of waiting there for everything queued since the
+forward (the rest of the forward, the loss, the later layers' backward) while the device idles.
 
 ``ring_moe_saving`` (option ``save_projections``) also returns every pair's first projection ``(T*K, U)`` (the
 packed first matrix's columns and dtype) in the step's sorted-pair order, which its backward reads instead of
@@ -70,6 +75,7 @@ class _Local:
     bad_ids: Tensor
     counts_E: Tensor
     packed: list[Tensor] | None = None
+    agreed_counts_E: Tensor | None = None  # the forward's host counts, in a backward given them
 
 
 def check_routing_args(x: Tensor, topk_ids: Tensor, topk_scores: Tensor) -> None:
@@ -97,15 +103,17 @@ def _check_grad(x: Tensor, grad_y: Tensor | None) -> None:
 
 def _prepare(
     direction: Direction, state: SpecState, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor, topk_scores: Tensor,
-    weights: Sequence[Tensor], grad_y: Tensor | None, saving: bool = False,
+    weights: Sequence[Tensor], grad_y: Tensor | None, saving: bool = False, agreed_counts_E: Tensor | None = None,
 ) -> _Local:
     """Step 1 of the module docstring: this rank's claims; an error becomes its problem. ``saving``: the op
-    saves (forward) or was given (backward) projections; claimed where the ring can (``Claims.saves``)."""
+    saves (forward) or was given (backward) projections; claimed where the ring can (``Claims.saves``).
+    ``agreed_counts_E``: the forward's host counts (backward)."""
     spec = state.spec
     no_counts = torch.zeros(0, dtype=torch.int64, device=x.device)
     try:
         check_routing_args(x, topk_ids, topk_scores)
         _check_grad(x, grad_y)
+        _check_agreed_counts(agreed_counts_E, cfg.num_experts)
         ids_TK, bad = clamped_ids(cfg.num_experts, topk_ids)
         counts_E = PairRouting.counts(ids_TK, cfg.num_experts)
         packed = pack_weights(cfg.grouped, weights)
@@ -127,16 +135,25 @@ def _prepare(
         saves=spec.options.saves_code if saving and can_save(cfg.expert_fn, spec.options, spec.scores_applied,
                                                              x.device) else 0,
     )
-    return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed)
+    return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed, agreed_counts_E=agreed_counts_E)
+
+
+def _check_agreed_counts(counts_E: Tensor | None, num_experts: int) -> None:
+    if counts_E is not None and (counts_E.shape != (num_experts,) or counts_E.dtype != torch.int64
+                                 or counts_E.device.type != "cpu"):
+        raise BadArgument("the call", (
+            f"ring_moe_backward: counts_E must be the forward's (E,) = ({num_experts},) int64 host counts, got "
+            f"{tuple(counts_E.shape)} {counts_E.dtype} on {counts_E.device}"))
 
 
 def _run(
     direction: Direction, key: str, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor],
-    grad_y: Tensor | None = None, projections: Tensor | bool = False,
-) -> tuple[Tensor, ...]:
-    """One call of the ring (the module docstring's steps); ``projections``: the forward saves them (True), the
-    backward reads the forward's (a tensor), where the call runs as an expert ring that can
-    (``saved_projections.can_save``)."""
+    grad_y: Tensor | None = None, projections: Tensor | bool = False, agreed_counts_E: Tensor | None = None,
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """One call of the ring (the module docstring's steps): its outputs, and this rank's agreed counts on the
+    host (``counts_E``). ``projections``: the forward saves them (True), the backward reads the forward's (a
+    tensor), where the call runs as an expert ring that can (``saved_projections.can_save``);
+    ``agreed_counts_E``: the forward's counts (backward)."""
     state = spec_state(key)
     ring = RingGroup.resolve(state.spec.group_name)
     if ring != state.ring:
@@ -149,7 +166,8 @@ def _run(
         scores_before=spec.scores_applied == "before", chunk_graphs=spec.options.graphs_on(x.device),
         equal_groups=equal_groups.applies(x.device),
     )
-    local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y, projections is not False)
+    local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y, projections is not False,
+                     agreed_counts_E)
     fp32 = spec.options.fp32_accumulation
     agreed = agree(ring, local.claims, local.bad_ids, local.counts_E,
                    # What circulates: the packed weights (FP8 hops: half the bytes), else the given ones.
@@ -157,7 +175,8 @@ def _run(
                    elem_bytes=x.element_size(),
                    grad_bytes=sum(w.numel() * summed_bytes(w.element_size(), fp32) for w in weights),
                    sum_elem_bytes=summed_bytes(x.element_size(), fp32),
-                   sizes=_block_sizes(spec.options.max_hop_rows, cfg, x, topk_ids, local.packed))
+                   sizes=_block_sizes(spec.options.max_hop_rows, cfg, x, topk_ids, local.packed),
+                   agreed_counts_E=local.agreed_counts_E)
     if agreed.execution != state.resolved:
         log.info("ring_moe: runs as %s (routing asked %s, ring %s): %s; per-hop bytes %s", agreed.execution,
                  spec.options.routing, spec.options.ring, agreed.choice.reason if agreed.choice else "no cost model",
@@ -165,13 +184,16 @@ def _run(
     state.resolved, state.volumes, state.choice = agreed.execution, agreed.volumes, agreed.choice
     assert local.packed is not None, "ring_moe: an agreed call has its weights packed"
     reason = agreed.choice.reason if agreed.choice else f"routing {spec.options.routing}"
+    own_counts = agreed.counts.counts_NE[ring.rank]
+    assert own_counts is not None, "ring_moe: an agreement always reads this rank's own counts"
+    counts_E = torch.tensor(own_counts, dtype=torch.int64)
     if agreed.execution == "all_to_all":
         program_dumps.record(key, direction, "all_to_all", reason, tokens_N=agreed.counts.tokens_N)
         a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
                            counts_E=local.counts_E, packed=local.packed)
         if direction == "backward":
-            return a2a.backward()
-        return a2a.forward() + ((_unwritten(local.packed, topk_ids),) if projections is True else ())
+            return a2a.backward(), counts_E
+        return a2a.forward() + ((_unwritten(local.packed, topk_ids),) if projections is True else ()), counts_E
     saving = projections if agreed.saves else False
     owners = hop_owners(direction, agreed.routing, cfg.grouped is not None,
                         _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
@@ -188,7 +210,7 @@ def _run(
     remember_status(ring, run.outcome())  # raises this rank's failure, or a peer's where reading it is free
     if projections is True and saving is False:  # a saving op's call that does not save
         out = (*out, _unwritten(local.packed, topk_ids))
-    return out
+    return out, counts_E
 
 
 def _unwritten(packed: Sequence[Tensor], topk_ids: Tensor) -> Tensor:
@@ -224,11 +246,14 @@ def _block_sizes(max_hop_rows: MaxHopRows, cfg: RingStepConfig, x: Tensor, topk_
 
 
 @torch.library.custom_op("relaymoe::ring_moe", mutates_args=())
-def ring_moe_op(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> Tensor:
+def ring_moe_op(
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
+) -> tuple[Tensor, Tensor]:
     """``y[t] = sum_k scores[t, k] * F_{ids[t, k]}(x[t])`` (or ``F_{ids[t, k]}(scores[t, k] * x[t])``, the
-    spec's ``scores_applied``) by a ring over the spec's EP group."""
+    spec's ``scores_applied``) by a ring over the spec's EP group; and the agreed ``counts_E`` (module docstring)."""
     with torch.no_grad():
-        return _run("forward", spec, x, topk_ids, topk_scores, weights)[0].contiguous()
+        (y,), counts_E = _run("forward", spec, x, topk_ids, topk_scores, weights)
+    return y.contiguous(), counts_E
 
 
 # The fakes promise contiguous results whatever the inputs' strides (transposed scores, as a capacity region's
@@ -236,70 +261,80 @@ def ring_moe_op(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[
 _CONTIGUOUS = torch.contiguous_format
 
 
+def _fake_counts(spec: str) -> Tensor:
+    """``counts_E``'s fake: ``(E,)`` int64 on the host, E from the spec and its group (registered before any
+    trace that calls these ops)."""
+    state = spec_state(spec)
+    return torch.empty(state.spec.experts_per_rank * state.ring.size, dtype=torch.int64, device="cpu")
+
+
 @ring_moe_op.register_fake
-def _(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> Tensor:
-    return torch.empty_like(x, memory_format=_CONTIGUOUS)
+def _(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x, memory_format=_CONTIGUOUS), _fake_counts(spec)
 
 
 @torch.library.custom_op("relaymoe::ring_moe_saving", mutates_args=())
 def ring_moe_saving_op(
     x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """``ring_moe`` that also returns every pair's first projection for its backward (module docstring)."""
     with torch.no_grad():
-        y, projections = _run("forward", spec, x, topk_ids, topk_scores, weights, projections=True)
-    return y.contiguous(), projections
+        (y, projections), counts_E = _run("forward", spec, x, topk_ids, topk_scores, weights, projections=True)
+    return y.contiguous(), projections, counts_E
 
 
 @ring_moe_saving_op.register_fake
-def _(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str) -> tuple[Tensor, Tensor]:
+def _(
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str
+) -> tuple[Tensor, Tensor, Tensor]:
     # The packed layout of fake weights (no memory): the spec is registered before any trace that calls this op.
     packed = spec_state(spec).spec.ring_fn.pack(weights)  # type: ignore[attr-defined]
-    return torch.empty_like(x, memory_format=_CONTIGUOUS), _unwritten(packed, topk_ids)
+    return torch.empty_like(x, memory_format=_CONTIGUOUS), _unwritten(packed, topk_ids), _fake_counts(spec)
 
 
 @torch.library.custom_op("relaymoe::ring_moe_backward", mutates_args=())
 def ring_moe_backward_op(
     grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str,
-    projections: Tensor | None = None,
+    projections: Tensor | None = None, counts_E: Tensor | None = None,
 ) -> list[Tensor]:
     """``[dx, d_scores, *d_weights]`` of ``ring_moe``: the backward ring (recompute per hop, or read the
-    forward's ``projections``)."""
+    forward's ``projections``), agreed with the forward's host ``counts_E`` where given."""
     saved: Tensor | bool = False if projections is None else projections
-    return [g.contiguous() for g in _run("backward", spec, x, topk_ids, topk_scores, weights, grad_y.contiguous(),
-                                         projections=saved)]
+    grads, _ = _run("backward", spec, x, topk_ids, topk_scores, weights, grad_y.contiguous(), projections=saved,
+                    agreed_counts_E=counts_E)
+    return [g.contiguous() for g in grads]
 
 
 @ring_moe_backward_op.register_fake
 def _(
     grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor], spec: str,
-    projections: Tensor | None = None,
+    projections: Tensor | None = None, counts_E: Tensor | None = None,
 ) -> list[Tensor]:
     return [torch.empty_like(t, memory_format=_CONTIGUOUS) for t in (x, topk_scores, *weights)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
     x, topk_ids, topk_scores, weights, spec, *_ = inputs
-    saved = [output[1]] if isinstance(output, tuple) else []  # ring_moe_saving's projections
-    if saved:
-        ctx.mark_non_differentiable(saved[0])
-        # Else autograd hands the backward a zero gradient of the projections: a second (T*K, U) buffer.
-        ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, topk_ids, topk_scores, *saved, *weights)
+    *_, counts_E = output
+    saved = [output[1]] if len(output) == 3 else []  # ring_moe_saving's projections
+    ctx.mark_non_differentiable(*saved, counts_E)
+    # Else autograd hands the backward zero gradients of them: for the projections, a second (T*K, U) buffer.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, topk_ids, topk_scores, counts_E, *saved, *weights)
     ctx.saves, ctx.spec = bool(saved), spec
     # The backward runs with this very spec, even if the registry evicted or replaced it meanwhile. (While
     # Dynamo traces, the spec's registration is a side effect it applies later: none to hold yet.)
     ctx.spec_state = spec_held(spec)
 
 
-def _backward(ctx, grad_y: Tensor, *_grad_projections: Tensor | None):  # projections: not differentiable
-    x, topk_ids, topk_scores, *rest = ctx.saved_tensors
+def _backward(ctx, grad_y: Tensor | None, *_not_differentiable: Tensor | None):
+    x, topk_ids, topk_scores, counts_E, *rest = ctx.saved_tensors
     projections, weights = (rest[0], rest[1:]) if ctx.saves else (None, rest)
-    if grad_y is None:  # not materialized (a saving ring): y did not reach the loss
+    if grad_y is None:  # not materialized: y did not reach the loss
         grad_y = torch.zeros_like(x)
     with holding(ctx.spec_state) if ctx.spec_state is not None else contextlib.nullcontext():
         dx, d_scores, *d_weights = torch.ops.relaymoe.ring_moe_backward(
-            grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec, projections
+            grad_y, x, topk_ids, topk_scores, list(weights), ctx.spec, projections, counts_E
         )
     return dx, None, d_scores, d_weights, None
 

@@ -30,7 +30,8 @@ A program runs inside a ``RingRun`` (one op call), which
   failure (its results may depend on the missing hops) raises ``RingPeerError`` naming the failing rank:
   at the end of the op where the status is a CPU tensor (gloo), and otherwise at its next call on the group,
   where the agreement's exchange carries the status (``runtime.agreement``) and every rank raises alike:
-  reading it at the end of the op would add a device-to-host sync to every ring. A rank that received
+  reading it at the end of the op would add a device-to-host sync to every ring. (A backward's exchange, which
+  does not wait for the compute stream, carries it only once computed: else a later call raises.) A rank that received
   nothing sent after the failure returns normally: its results do not depend on the failed hops.
 
 Timeouts: a transfer waits as long as the process group's timeout (``init_process_group(timeout=...)``).
@@ -41,11 +42,12 @@ waiting until then, or until the backend notices (gloo reports a closed connecti
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -197,6 +199,35 @@ class RingRun:
 def status_read_at_once(device: torch.device) -> bool:
     """Whether a run's failure status is read at the end of the op: only where that is no device sync."""
     return device.type == "cpu"
+
+
+def recorded_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on ``device``'s current stream now (None off CUDA): whether what was queued before it
+    is done (``query``), without a sync."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+@functools.cache
+def _exchange_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def beside_compute(device: torch.device) -> Iterator[None]:
+    """Run a small exchange of host values on a stream of its own (CUDA; elsewhere as it is): its collective then
+    waits for nothing queued on the compute stream (NCCL's stream waits for the current one), and reading its
+    result syncs that stream only. The group's collectives stay in the order they were issued (NCCL runs them on
+    its own stream). The tensors it reads must be ready without the compute stream: host values, or device ones
+    whose event is done."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(_exchange_stream(device)):
+        yield
 
 
 def peer_failure(failed: int, rank: int, where: str) -> str:

@@ -317,7 +317,8 @@ class GraphModule(torch.nn.Module):
         sum_1: "f32[12, 1]" = scores_TK.sum(dim = -1, keepdim = True)
         scores_TK_1: "f32[12, 2]" = scores_TK / sum_1;  scores_TK = sum_1 = None
         topk_scores_TK: "f32[12, 2]" = scores_TK_1.to(torch.float32);  scores_TK_1 = None
-        ring_moe: "f32[12, 16]" = torch.ops.relaymoe.ring_moe.default(x_TH, ids_TK, topk_scores_TK, [l_self_parameters_w1_, l_self_parameters_w2_, l_self_parameters_w3_], 'fx_region[<digest>]|group=0|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0|ring=auto');  x_TH = ids_TK = topk_scores_TK = l_self_parameters_w1_ = l_self_parameters_w2_ = l_self_parameters_w3_ = None
+        ring_moe_call = torch.ops.relaymoe.ring_moe.default(x_TH, ids_TK, topk_scores_TK, [l_self_parameters_w1_, l_self_parameters_w2_, l_self_parameters_w3_], 'fx_region[<digest>]|group=0|E_l=4|scores=after|routing=auto|overlap=1|remat=1|max_hop_rows=auto|fp32_accumulation=1|chunk_graphs=0|ring=auto');  x_TH = ids_TK = topk_scores_TK = l_self_parameters_w1_ = l_self_parameters_w2_ = l_self_parameters_w3_ = None
+        ring_moe: "f32[12, 16]" = ring_moe_call[0];  ring_moe_call = None
         view_as: "f32[2, 6, 16]" = ring_moe.view_as(l_x_bsh_);  ring_moe = l_x_bsh_ = None
         return (view_as,)""")
 

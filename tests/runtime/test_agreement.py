@@ -9,11 +9,12 @@ barrier, then a ring call against the all-to-all reference. The exchange's row l
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import time
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -23,7 +24,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from relay_compile import RingInputError, ring_moe, ring_moe_experts
 from relay_compile.reference import a2a_moe, moe_weights
-from relay_compile.runtime import agreement, transport
+from relay_compile.runtime import agreement, specs, transport
 from relay_compile.runtime.agreement import MESSAGE_WORDS, Claims, _decode, _encode
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import RingPeerError
@@ -328,6 +329,92 @@ class FailuresInsideTheRing(ShortTimeoutCase):
             )
             self.same_on_every_rank(message)
             self.assert_group_usable()
+
+
+@contextlib.contextmanager
+def exchanges() -> Iterator[list[tuple[str, bool, list[list[int]]]]]:
+    """Within: per agreement exchange of an op call, its direction, whether it was built from counts an earlier
+    agreement read (``agreed_counts_E``: no device data) and the table it gathered."""
+    seen: list[tuple[str, bool, list[list[int]]]] = []
+    real = agreement._exchange
+
+    def spy(ring, claims, bad_ids, counts_E, state, agreed_counts_E=None):
+        table = real(ring, claims, bad_ids, counts_E, state, agreed_counts_E)
+        seen.append((claims.direction, agreed_counts_E is not None, table))
+        return table
+
+    with mock.patch.object(agreement, "_exchange", spy):
+        yield seen
+
+
+class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
+    def test_the_backward_exchange_is_built_from_the_forwards_counts_into_the_same_table(self) -> None:
+        # The backward's row comes from the counts its forward agreed on (runtime.ops: counts_E, a host output
+        # of the forward op), not from the device: the same table, so the same decisions and gradients as a2a.
+        self.init_pg()
+        world = dist.get_world_size()
+        compiled = torch.compile(ring_moe, backend="aot_eager", fullgraph=True)
+        calls = [(ring_moe, {"routing": "expert"}), (ring_moe, {"routing": "token"}),
+                 (ring_moe, {"routing": "expert", "save_projections": True}), (compiled, {"routing": "expert"})]
+        for fn, kw in calls:
+            for case in ("random", "one_rank", "uneven"):
+                x, ids, scores = routed_inputs(case, self.rank, world, self.e_l * world, seed=3)
+                weights = local_weights(self.rank, self.e_l, world)
+                want = forward_backward(a2a_moe, x, ids, scores, weights, self.rank)
+                with exchanges() as seen:
+                    got = forward_backward(fn, x, ids, scores, weights, self.rank, **kw)
+                for g, w in zip(got, want, strict=True):
+                    assert_close_rel(g, w, 1e-5, f"{case} {kw}")
+                (fwd, fwd_host, fwd_table), (bwd, bwd_host, bwd_table) = seen
+                self.assertEqual((fwd, fwd_host, bwd, bwd_host), ("forward", False, "backward", True), f"{case} {kw}")
+                want_NE = [torch.zeros(self.e_l * world, dtype=torch.int64) for _ in range(world)]
+                dist.all_gather(want_NE, torch.bincount(ids.flatten(), minlength=self.e_l * world))
+                counts = slice(agreement.COUNTS, None)
+                self.assertEqual([r[counts] for r in bwd_table], [c.tolist() for c in want_NE], f"{case} {kw}")
+                if fwd_table[0][counts]:  # the group's first call sends none in the forward (the cap grows after)
+                    self.assertEqual([r[counts] for r in fwd_table], [r[counts] for r in bwd_table], f"{case} {kw}")
+
+    def test_a_backward_given_counts_of_another_shape_raises_on_every_rank(self) -> None:
+        self.init_pg()
+        x, ids, scores, weights = self.inputs()
+        y = ring_moe(x, ids, scores, *weights)
+        key = next(reversed(specs._FUNCTIONAL))  # the spec that call registered (the latest used)
+        bad = torch.zeros(3, dtype=torch.int64) if self.rank == 1 else None
+        call = functools.partial(torch.ops.relaymoe.ring_moe_backward, torch.ones_like(y), x, ids, scores, weights,
+                                 key, None, bad)
+        self.raises_promptly(call, ValueError, "counts_E must be the forward's")  # rank 1's own, or naming rank 1
+        self.assert_group_usable()
+
+
+class UnreadStatus(unittest.TestCase):
+    """A ring's failure status that an exchange beside the compute stream may send only once computed."""
+
+    class _Event:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+    def test_a_status_not_computed_yet_waits_for_a_later_exchange_and_merges_with_the_next(self) -> None:
+        state = agreement._GroupState()
+        state.unread_status, state.unread_done = torch.tensor([2]), self._Event(False)
+        self.assertIsNone(state.take_status(waiting=False))  # beside the compute stream: not yet
+        self.assertEqual(state.unread_status.tolist(), [2])  # kept
+        state.unread_done.done = True
+        self.assertEqual(state.take_status(waiting=False).tolist(), [2])
+        self.assertIsNone(state.unread_status)
+        state.unread_status, state.unread_done = torch.tensor([3]), self._Event(False)
+        self.assertEqual(state.take_status(waiting=True).tolist(), [3])  # an exchange on the compute stream
+        self.assertIsNone(state.take_status(waiting=True))
+
+    def test_remembered_statuses_merge_to_the_highest_failing_rank(self) -> None:
+        group = object()
+        ring = transport.RingGroup(group=group, rank=0, size=2, next_global=1, prev_global=1)  # type: ignore[arg-type]
+        with mock.patch.object(agreement, "_GROUPS", {}):
+            agreement.remember_status(ring, torch.tensor([3]))
+            agreement.remember_status(ring, torch.tensor([0]))  # a later ring that heard of no failure
+            self.assertEqual(agreement._group_state(ring).take_status(waiting=False).tolist(), [3])
 
 
 class RowLayout(unittest.TestCase):

@@ -6,7 +6,9 @@ ring's outputs/gradients against a2a relative to a2a's scale. Stand-in group, Qw
     python docs/bench/h100-saved-projections/ab.py [--ep 8 64] [--tokens 4096 16384 65536] [--repeats 5]
 """
 import argparse
+import contextlib
 import statistics
+from unittest import mock
 
 import torch
 
@@ -15,13 +17,25 @@ from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.reference import a2a_moe
+from relay_compile.runtime import agreement
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
 ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
 ap.add_argument("--repeats", type=int, default=5)
 ap.add_argument("--graphs", action="store_true", help="also the ring with chunk_graphs=True")
+ap.add_argument("--device-exchange", action="store_true",
+                help="also the saved ring whose backward agreement reads its counts from the device (as before "
+                     "the forward handed them over: its exchange waits for the compute stream)")
 args = ap.parse_args()
+
+
+@contextlib.contextmanager
+def device_exchange():
+    """The backward's exchange as before: from the device's counts, on the compute stream."""
+    real = agreement._exchange
+    with mock.patch.object(agreement, "_exchange", lambda *a, **kw: real(*a[:5])):
+        yield
 
 print(f"{'EP':>3} {'tokens':>7} {'row':<18} {'ms':>8} {'/a2a':>6} {'spread':>6} {'peak MiB':>9} {'a2a/peak':>8} {'max rel err':>11}")
 for ep in args.ep:
@@ -34,16 +48,20 @@ for ep in args.ep:
             "ring recompute": lambda x, i, s, *w: ring_moe(x, i, s, *w, save_projections=False, **ring),
             "ring saved": lambda x, i, s, *w: ring_moe(x, i, s, *w, save_projections=True, **ring),
         }
+        if args.device_exchange:  # step() runs its forward and backward under device_exchange()
+            rows["ring saved dev-xchg"] = rows["ring saved"]
         if args.graphs:  # chunk graphs (CUDA graphs per chunk shape): less host work, no saved projections
             rows["ring graphs"] = lambda x, i, s, *w: ring_moe(x, i, s, *w, chunk_graphs=True, **ring)
 
-        def step(fn, keep=False):
+        def step(name, keep=False):
+            fn = rows[name]
             inp.clear_grads()
             leaves = [t.detach().requires_grad_() for t in (inp.x_TH, inp.topk_scores_TK)]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            y = fn(leaves[0], inp.topk_ids_TK, leaves[1], *inp.weights)
-            y.backward(inp.grad_y_TH)
+            with device_exchange() if name.endswith("dev-xchg") else contextlib.nullcontext():
+                y = fn(leaves[0], inp.topk_ids_TK, leaves[1], *inp.weights)
+                y.backward(inp.grad_y_TH)
             end.record()
             end.synchronize()
             out = [y.detach(), leaves[0].grad, leaves[1].grad, *[w.grad for w in inp.weights]] if keep else None
@@ -52,16 +70,16 @@ for ep in args.ep:
         walls = {k: [] for k in rows}
         for _ in range(2):
             for k in rows:
-                step(rows[k])
+                step(k)
         for _ in range(args.repeats):
             for k in rows:
-                walls[k].append(step(rows[k])[0])
+                walls[k].append(step(k)[0])
         results, peak = {}, {}
         for k in rows:
             torch.cuda.synchronize()
             resident = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            _, results[k] = step(rows[k], keep=True)
+            _, results[k] = step(k, keep=True)
             peak[k] = (torch.cuda.max_memory_allocated() - resident) / 2**20
         base = statistics.median(walls["a2a eager"])
         for k in rows:
