@@ -217,14 +217,15 @@ H200 = Calibration(
     copy_gbps=1256.0,
 )
 # Fitted to H100 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
-# rank, 2026-12-06, commit b79b867: grouped owners, gathered first stacks): docs/bench/h200-sweep-2/raw-1-h100/, with
-# host and GPU time combined by ``overlap_p=4`` (rms log error 0.073, 36 of 36 points within 25%, 0.86-1.15x; on
-# raw-4-h100, not fitted to: 0.091, 35 of 36). Redo: ``python -m relay_compile.bench.calibrate A B --start h100
-# --overlap-p 4``; ``--check h100`` reports how they predict another sweep.
+# rank, 2026-12-06, after the backward's agreement moved beside the compute stream):
+# docs/bench/h100-backward-agreement/raw-2-h100/, host and GPU time combined by ``overlap_p=4`` (rms log error
+# 0.078, 48 of 48 points within 25%, 0.83-1.17x, saved-projection rows included). Redo: ``python -m
+# relay_compile.bench.calibrate A B --start h100 --overlap-p 4``; ``--check h100`` reports how they predict another
+# sweep. (The previous fit, to docs/bench/h200-sweep-2/raw-1-h100/, predicted this sweep's rings up to 1.38x slow.)
 H100 = dataclasses.replace(
-    H200, name="h100", host_hop_us=314.5, host_hop_expert_us=36.42, host_chunk_us=179.4, host_token_hop_us=602.8,
-    host_token_expert_us=26.05, host_a2a_us=6450.0, host_a2a_peer_us=94.25, gemm_tflops=407.8, gemm_half_rows=0.0,
-    ring_row_bytes=0.0, a2a_row_bytes=51.68, gpu_hop_us=0.0, token_hop_pair_ns=0.2052, copy_gbps=658.1,
+    H200, name="h100", host_hop_us=247.2, host_hop_expert_us=24.9, host_chunk_us=206.2, host_token_hop_us=580.3,
+    host_token_expert_us=16.72, host_a2a_us=5334.0, host_a2a_peer_us=90.73, gemm_tflops=392.6, gemm_half_rows=0.0,
+    ring_row_bytes=0.0, a2a_row_bytes=49.13, gpu_hop_us=0.0, token_hop_pair_ns=0.3583, copy_gbps=728.3,
     overlap_p=4.0,
 )
 # Every calibration, by the code the agreement header carries (``calibration_code``).
