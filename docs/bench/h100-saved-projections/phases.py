@@ -16,11 +16,14 @@ from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.standin_group import standin_group
+from relay_compile.reference import a2a_moe
 from relay_compile.runtime import hop_compute, ops
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ep", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=16384)
+ap.add_argument("--backend", action="store_true",
+                help="the compiled reference layer (torch.compile(a2a_moe, backend='relaymoe')) instead of ring_moe")
 args = ap.parse_args()
 group = standin_group(args.ep)
 inp = make_inputs(QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens))
@@ -48,17 +51,34 @@ def run(d, *a, **k):
 
 
 ops._run = run
-ops._prepare = timed("prepare", ops._prepare)
 ops.agree = timed("agreement", ops.agree)
 ops.run_program = timed("hops", ops.run_program)
 init = hop_compute.ExpertRoutingStep.__init__
 hop_compute.ExpertRoutingStep.__init__ = timed("step plan", init)
 
 
+compiled = torch.compile(lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group.group_name), backend="relaymoe",
+                         fullgraph=True)
+given = collections.Counter()
+prepare = ops._prepare
+
+
+def spy_prepare(d, *a, **k):
+    given[f"{d} given forward counts"] += (a[-1] if len(a) >= 9 else k.get("agreed_counts_E")) is not None
+    return prepare(d, *a, **k)
+
+
+ops._prepare = timed("prepare", spy_prepare)
+
+
 def step():
     inp.clear_grads()
-    y = ring_moe(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights, group=group, ring="always",
-                 routing="expert")
+    x = inp.x_TH.detach().requires_grad_()
+    if args.backend:
+        y = compiled(x, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights)
+    else:
+        y = ring_moe(x, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights, group=group, ring="always",
+                     routing="expert")
     y.backward(inp.grad_y_TH)
 
 
@@ -66,12 +86,15 @@ for _ in range(3):
     step()
 torch.cuda.synchronize()
 spent.clear()
-walls = []
+walls, synced = [], []
 for _ in range(10):
     t = time.perf_counter()
     step()
     walls.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
-print(f"EP={args.ep} tokens={args.tokens}: host per step {statistics.median(walls):.2f} ms (median of 10, no sync)")
+    synced.append((time.perf_counter() - t) * 1e3)
+print(f"EP={args.ep} tokens={args.tokens}{' backend' if args.backend else ''}: host per step "
+      f"{statistics.median(walls):.2f} ms (median of 10, no sync), to the device's end {statistics.median(synced):.2f} ms")
 for name, values in spent.items():
     print(f"  {name:<24} {statistics.median(values):7.3f} ms")
+print(f"  calls given their forward's counts: {dict(given)}")
