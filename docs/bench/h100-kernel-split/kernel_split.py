@@ -1,7 +1,7 @@
 """Where the GPU time of one forward+backward goes, a2a eager beside the ring forced (issue 24): kernel time by
 class and the heaviest kernels, one profiled step after warm-ups (stand-in group, Qwen3 layer, bf16).
 
-    python docs/bench/h100-kernel-split/kernel_split.py [--ep 8 64] [--tokens 16384] [--options k=v ...]
+    python docs/bench/h100-kernel-split/kernel_split.py [--ep 8 64] [--tokens 16384] [--options k=v ...] [--backend]
 
 Classes (by kernel name): gemm (cuBLAS/CUTLASS/nvjet/grouped mm), copy (memcpy and copy kernels: under the
 stand-in group, every transfer is one), gather/scatter (index, scatter, gather, our Triton scatter-add),
@@ -46,6 +46,7 @@ ap.add_argument("--ep", type=int, nargs="+", default=[8, 64])
 ap.add_argument("--tokens", type=int, nargs="+", default=[16384])
 ap.add_argument("--options", nargs="*", default=[], help="ring_moe options for a second ring row, k=v")
 ap.add_argument("--top", type=int, default=12)
+ap.add_argument("--backend", action="store_true", help="also torch.compile(a2a_moe, backend='relaymoe')")
 args = ap.parse_args()
 
 for ep in args.ep:
@@ -61,6 +62,9 @@ for ep in args.ep:
             opts = {k: _value(v) for k, v in (o.split("=", 1) for o in args.options)}
             rows["ring " + " ".join(args.options)] = lambda x, i, s, *w: ring_moe(
                 x, i, s, *w, group=group, ring="always", routing="expert", **opts)
+        if args.backend:
+            rows["relaymoe backend"] = torch.compile(
+                lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group.group_name), backend="relaymoe", fullgraph=True)
         for name, fn in rows.items():
             def step():
                 inp.clear_grads()
