@@ -373,6 +373,20 @@ class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
                 self.assertEqual([r[counts] for r in bwd_table], [c.tolist() for c in want_NE], f"{case} {kw}")
                 if fwd_table[0][counts]:  # the group's first call sends none in the forward (the cap grows after)
                     self.assertEqual([r[counts] for r in fwd_table], [r[counts] for r in bwd_table], f"{case} {kw}")
+        self.check_host_and_device_rows_are_one_table()
+
+    def check_host_and_device_rows_are_one_table(self) -> None:
+        """The same claims and counts, from the device and from the host: the same table, column for column."""
+        ring = transport.RingGroup.resolve(dist.group.WORLD.group_name)
+        state = agreement._group_state(ring)
+        claims = Claims(direction="backward", tokens=5 + self.rank, hidden=16, top_k=2, experts_per_rank=self.e_l,
+                        dtypes=(torch.float32, torch.int64, torch.float32, torch.float32))
+        counts_E = torch.arange(self.e_l * dist.get_world_size()) * (self.rank + 1)
+        no_bad = torch.zeros(1, dtype=torch.int64)
+        from_device = agreement._exchange(ring, claims, no_bad, counts_E, state)
+        from_host = agreement._exchange(ring, claims, no_bad, counts_E, state, agreed_counts_E=counts_E.clone())
+        self.assertEqual(from_host, from_device)
+        self.assertEqual(from_host[1][agreement.COUNTS:], (counts_E // (self.rank + 1) * 2).tolist())
 
     def test_a_backward_given_counts_of_another_shape_raises_on_every_rank(self) -> None:
         self.init_pg()
