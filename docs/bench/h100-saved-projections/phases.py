@@ -24,6 +24,7 @@ ap.add_argument("--ep", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=16384)
 ap.add_argument("--backend", action="store_true",
                 help="the compiled reference layer (torch.compile(a2a_moe, backend='relaymoe')) instead of ring_moe")
+ap.add_argument("--inner", default="inductor", help="the backend's inner_compiler (inductor, aot_eager)")
 args = ap.parse_args()
 group = standin_group(args.ep)
 inp = make_inputs(QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens))
@@ -58,7 +59,7 @@ hop_compute.ExpertRoutingStep.__init__ = timed("step plan", init)
 
 
 compiled = torch.compile(lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group.group_name), backend="relaymoe",
-                         fullgraph=True)
+                         fullgraph=True, options={"inner_compiler": args.inner})
 given = collections.Counter()
 prepare = ops._prepare
 
@@ -93,7 +94,7 @@ for _ in range(10):
     walls.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
     synced.append((time.perf_counter() - t) * 1e3)
-print(f"EP={args.ep} tokens={args.tokens}{' backend' if args.backend else ''}: host per step "
+print(f"EP={args.ep} tokens={args.tokens}{f' backend ({args.inner})' if args.backend else ''}: host per step "
       f"{statistics.median(walls):.2f} ms (median of 10, no sync), to the device's end {statistics.median(synced):.2f} ms")
 for name, values in spent.items():
     print(f"  {name:<24} {statistics.median(values):7.3f} ms")
