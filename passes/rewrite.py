@@ -4,10 +4,10 @@ Contract:
     Consumes a graph and one of its ``MoERegion`` records from ``find_moe_regions`` (the graph unchanged
     since, apart from the rewrite of other regions of the same graph). Guarantees: the region's output is
     computed by ``torch.ops.relaymoe.ring_moe.default(x, topk_ids, topk_scores, [weights], key)[0]`` (or
-    ``ring_moe_saving``'s), the autograd boundary of the ring; every node of ``region.nodes`` is gone (both token all-to-alls, F, the counts
-    exchange, its waits, ``.item()`` host syncs and ``_assert_scalar`` checks), and so are pure nodes that
-    only the region read (shared size arithmetic dies with the last region reading it); nothing else is
-    touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
+    ``ring_moe_saving``'s), the autograd boundary of the ring; every node of ``region.nodes`` is gone (both
+    token all-to-alls, F, the counts exchange, its waits, ``.item()`` host syncs and ``_assert_scalar``
+    checks), and so are pure nodes that only the region read (shared size arithmetic dies with the last region
+    reading it); nothing else is touched; the graph lints and is recompiled. ``key`` names a ``RingSpec`` registered in this process
     whose expert function is F recognized and lowered onto grouped experts (``runtime.lowered_ffn.LoweredFFN``),
     or else a copy of the region's F compiled by ``inner_compiler`` (``runtime.compiled_experts``), or run
     eagerly at every hop (``runtime.region_fn.RegionExpertFn``) where it does not compile; the ring node's

@@ -290,20 +290,21 @@ def _group_state(ring: RingGroup) -> _GroupState:
 
 def agree(
     ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, weight_bytes: int, elem_bytes: int,
-    grad_bytes: int, sum_elem_bytes: int, sizes: BlockSizes | None = None, agreed_counts_E: Tensor | None = None,
+    grad_bytes: int, sum_elem_bytes: int, sizes: BlockSizes | None = None, counts_agreed: bool = False,
 ) -> Agreement:
     """The exchange of one op call; raises ``RingInputError`` (or this rank's own problem) on every rank.
 
-    ``bad_ids``: ``(1,)`` int64 flag of ids outside ``[0, E)``; ``counts_E``: int64 pairs per expert (device).
+    ``bad_ids``: ``(1,)`` int64 flag of ids outside ``[0, E)`` (on the group's device); ``counts_E``: int64 pairs
+    per expert (device).
     ``weight_bytes``, ``elem_bytes``: this rank's weight bytes and token element size; ``grad_bytes``,
     ``sum_elem_bytes``: the same for the sums that travel (``routing.per_hop_bytes``), for ``routing="auto"``.
     ``sizes``: for the cost model (``_execution``; None: routing by bytes, and the ring, as without a model).
-    ``agreed_counts_E``: the same counts on the host, as an earlier agreement on these routing arguments read
-    them (a backward's, from its forward): the row then holds nothing the device computes, and the exchange does
-    not wait for the compute stream (``_exchange``). The table is the same either way.
+    ``counts_agreed``: ``counts_E`` are on the host, as an earlier agreement on these routing arguments read them
+    (a backward's, from its forward): the row then holds nothing the device computes, and the exchange does not
+    wait for the compute stream (``_exchange``). The table is the same either way.
     """
     state = _group_state(ring)
-    table = _exchange(ring, claims, bad_ids, counts_E, state, agreed_counts_E)
+    table = _exchange(ring, claims, bad_ids, counts_E, state, counts_agreed)
     _check(ring, claims, table)
     e = len(counts_E)
     counts_NE: list[list[int] | None] = [row[COUNTS : COUNTS + e] if row[_AT["counts_len"]] else None for row in table]
@@ -321,7 +322,8 @@ def agree(
                                    volume_args, tokens_N, ring.size, sizes, cal, saving)
     if counts_NE[ring.rank] is None:
         # NOTE: the group's first call with this many experts: counts did not fit the row.
-        counts_NE = all_gather_rows(ring, counts_E).tolist() if execution == "token" else _own(ring, counts_E)
+        counts_NE = (all_gather_rows(ring, counts_E.to(bad_ids.device)).tolist() if execution == "token"
+                     else _own(ring, counts_E))
     state.counts_cap = max(state.counts_cap, e)
     return Agreement(
         routing="expert" if execution == "all_to_all" else execution, execution=execution, choice=choice,
@@ -389,30 +391,30 @@ def fail_together(ring: RingGroup, problem: Exception, device: torch.device) -> 
 
 def _exchange(
     ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, state: _GroupState,
-    agreed_counts_E: Tensor | None = None,
+    counts_agreed: bool = False,
 ) -> list[list[int]]:
     """All-gather ``[header, bad flag, unread status, counts padded to the cap]`` (counts only when they
     fit); the table on the host. Consumes the group's unread status.
 
-    With ``agreed_counts_E`` (host counts an earlier agreement checked: no bad ids) that fit the row (they do once
-    that agreement ran: the cap only grows) the row is built on the host and gathered beside the compute stream
+    With ``counts_agreed`` (``counts_E`` on the host, as an earlier agreement checked them: no bad ids) that fit the
+    row (they do once that agreement ran: the cap only grows) the row is built on the host and gathered beside the compute stream
     (``transport.beside_compute``): reading the table then waits for the exchange only, not for the work queued
     before it (a backward's exchange would otherwise wait for the rest of the forward, the loss and the later
     layers' backward, and the device would idle while this rank plans its hops). The unread status goes with it
     only where it is computed already (``_GroupState.take_status``). Same row, same table as from the device.
     """
-    cap, device = state.counts_cap, counts_E.device
+    cap, device = state.counts_cap, bad_ids.device
     fits = 0 < len(counts_E) <= cap
-    if agreed_counts_E is None or not fits:
+    if not counts_agreed or not fits:
         header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=device)
         status = state.take_status(waiting=True)
-        status = counts_E.new_zeros(1) if status is None else status.to(device)
-        counts = counts_E if fits else counts_E.new_zeros(0)
+        status = header.new_zeros(1) if status is None else status.to(device)
+        counts = counts_E.to(device) if fits else header.new_zeros(0)
         row = torch.cat([header, bad_ids.to(torch.int64).reshape(1), status, counts,
-                         counts_E.new_zeros(cap - len(counts))])
+                         header.new_zeros(cap - len(counts))])
         # NOTE: device-to-host sync, once per op call: the table sizes every hop on the host.
         return all_gather_rows(ring, row).tolist()
-    counts = agreed_counts_E.tolist()
+    counts = counts_E.tolist()
     host = torch.tensor([*claims.header(len(counts)), 0, 0, *counts, *[0] * (cap - len(counts))], dtype=torch.int64)
     status = state.take_status(waiting=False)
     with beside_compute(device):

@@ -46,7 +46,15 @@ from torch import Tensor
 
 from relay_compile.routing import PairRouting, summed_bytes
 from relay_compile.runtime import equal_groups, program_dumps
-from relay_compile.runtime.agreement import BadArgument, BlockSizes, Claims, agree, agree_kept, remember_status
+from relay_compile.runtime.agreement import (
+    Agreement,
+    BadArgument,
+    BlockSizes,
+    Claims,
+    agree,
+    agree_kept,
+    remember_status,
+)
 from relay_compile.runtime.cost_model import calibration_code, calibration_for
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
@@ -72,10 +80,10 @@ class _Local:
     """What a rank prepares before the agreement: its claims, and what the step reuses."""
 
     claims: Claims
-    bad_ids: Tensor
-    counts_E: Tensor
+    bad_ids: Tensor  # on the tokens' device
+    counts_E: Tensor  # on the tokens' device; in a backward given the forward's, those (on the host)
     packed: list[Tensor] | None = None
-    agreed_counts_E: Tensor | None = None  # the forward's host counts, in a backward given them
+    agreed: bool = False  # counts_E are the forward's, which its agreement checked
 
 
 def check_routing_args(x: Tensor, topk_ids: Tensor, topk_scores: Tensor) -> None:
@@ -114,8 +122,11 @@ def _prepare(
         check_routing_args(x, topk_ids, topk_scores)
         _check_grad(x, grad_y)
         _check_agreed_counts(agreed_counts_E, cfg.num_experts)
-        ids_TK, bad = clamped_ids(cfg.num_experts, topk_ids)
-        counts_E = PairRouting.counts(ids_TK, cfg.num_experts)
+        if agreed_counts_E is None:
+            ids_TK, bad = clamped_ids(cfg.num_experts, topk_ids)
+            counts_E = PairRouting.counts(ids_TK, cfg.num_experts)
+        else:  # the forward's, checked by its agreement (no bad ids): not counted again on the device
+            bad, counts_E = no_counts.new_zeros(1), agreed_counts_E
         packed = pack_weights(cfg.grouped, weights)
         circulating = len(packed)
         assert circulating == spec.circulating_weights(len(weights)), (
@@ -135,7 +146,7 @@ def _prepare(
         saves=spec.options.saves_code if saving and can_save(cfg.expert_fn, spec.options, spec.scores_applied,
                                                              x.device) else 0,
     )
-    return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed, agreed_counts_E=agreed_counts_E)
+    return _Local(claims=claims, bad_ids=bad, counts_E=counts_E, packed=packed, agreed=agreed_counts_E is not None)
 
 
 def _check_agreed_counts(counts_E: Tensor | None, num_experts: int) -> None:
@@ -149,9 +160,9 @@ def _check_agreed_counts(counts_E: Tensor | None, num_experts: int) -> None:
 def _run(
     direction: Direction, key: str, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, weights: list[Tensor],
     grad_y: Tensor | None = None, projections: Tensor | bool = False, agreed_counts_E: Tensor | None = None,
-) -> tuple[tuple[Tensor, ...], Tensor]:
-    """One call of the ring (the module docstring's steps): its outputs, and this rank's agreed counts on the
-    host (``counts_E``). ``projections``: the forward saves them (True), the backward reads the forward's (a
+) -> tuple[tuple[Tensor, ...], Tensor | None]:
+    """One call of the ring (the module docstring's steps): its outputs, and (forward) this rank's agreed counts
+    on the host (``counts_E``). ``projections``: the forward saves them (True), the backward reads the forward's (a
     tensor), where the call runs as an expert ring that can (``saved_projections.can_save``);
     ``agreed_counts_E``: the forward's counts (backward)."""
     state = spec_state(key)
@@ -176,7 +187,7 @@ def _run(
                    grad_bytes=sum(w.numel() * summed_bytes(w.element_size(), fp32) for w in weights),
                    sum_elem_bytes=summed_bytes(x.element_size(), fp32),
                    sizes=_block_sizes(spec.options.max_hop_rows, cfg, x, topk_ids, local.packed),
-                   agreed_counts_E=local.agreed_counts_E)
+                   counts_agreed=local.agreed)
     if agreed.execution != state.resolved:
         log.info("ring_moe: runs as %s (routing asked %s, ring %s): %s; per-hop bytes %s", agreed.execution,
                  spec.options.routing, spec.options.ring, agreed.choice.reason if agreed.choice else "no cost model",
@@ -184,13 +195,11 @@ def _run(
     state.resolved, state.volumes, state.choice = agreed.execution, agreed.volumes, agreed.choice
     assert local.packed is not None, "ring_moe: an agreed call has its weights packed"
     reason = agreed.choice.reason if agreed.choice else f"routing {spec.options.routing}"
-    own_counts = agreed.counts.counts_NE[ring.rank]
-    assert own_counts is not None, "ring_moe: an agreement always reads this rank's own counts"
-    counts_E = torch.tensor(own_counts, dtype=torch.int64)
+    counts_E = _own_counts(agreed, ring.rank) if direction == "forward" else None
     if agreed.execution == "all_to_all":
         program_dumps.record(key, direction, "all_to_all", reason, tokens_N=agreed.counts.tokens_N)
         a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
-                           counts_E=local.counts_E, packed=local.packed)
+                           counts_E=local.counts_E.to(x.device), packed=local.packed)
         if direction == "backward":
             return a2a.backward(), counts_E
         return a2a.forward() + ((_unwritten(local.packed, topk_ids),) if projections is True else ()), counts_E
@@ -211,6 +220,13 @@ def _run(
     if projections is True and saving is False:  # a saving op's call that does not save
         out = (*out, _unwritten(local.packed, topk_ids))
     return out, counts_E
+
+
+def _own_counts(agreed: Agreement, rank: int) -> Tensor:
+    """This rank's agreed pairs per expert on the host: the forward op's ``counts_E`` (module docstring)."""
+    own = agreed.counts.counts_NE[rank]
+    assert own is not None, "ring_moe: an agreement always reads this rank's own counts"
+    return torch.tensor(own, dtype=torch.int64)
 
 
 def _unwritten(packed: Sequence[Tensor], topk_ids: Tensor) -> Tensor:
@@ -253,6 +269,7 @@ def ring_moe_op(
     spec's ``scores_applied``) by a ring over the spec's EP group; and the agreed ``counts_E`` (module docstring)."""
     with torch.no_grad():
         (y,), counts_E = _run("forward", spec, x, topk_ids, topk_scores, weights)
+    assert counts_E is not None
     return y.contiguous(), counts_E
 
 
@@ -280,6 +297,7 @@ def ring_moe_saving_op(
     """``ring_moe`` that also returns every pair's first projection for its backward (module docstring)."""
     with torch.no_grad():
         (y, projections), counts_E = _run("forward", spec, x, topk_ids, topk_scores, weights, projections=True)
+    assert counts_E is not None
     return y.contiguous(), projections, counts_E
 
 

@@ -334,13 +334,13 @@ class FailuresInsideTheRing(ShortTimeoutCase):
 @contextlib.contextmanager
 def exchanges() -> Iterator[list[tuple[str, bool, list[list[int]]]]]:
     """Within: per agreement exchange of an op call, its direction, whether it was built from counts an earlier
-    agreement read (``agreed_counts_E``: no device data) and the table it gathered."""
+    agreement read (``counts_agreed``: no device data) and the table it gathered."""
     seen: list[tuple[str, bool, list[list[int]]]] = []
     real = agreement._exchange
 
-    def spy(ring, claims, bad_ids, counts_E, state, agreed_counts_E=None):
-        table = real(ring, claims, bad_ids, counts_E, state, agreed_counts_E)
-        seen.append((claims.direction, agreed_counts_E is not None, table))
+    def spy(ring, claims, bad_ids, counts_E, state, counts_agreed=False):
+        table = real(ring, claims, bad_ids, counts_E, state, counts_agreed)
+        seen.append((claims.direction, counts_agreed, table))
         return table
 
     with mock.patch.object(agreement, "_exchange", spy):
@@ -384,7 +384,7 @@ class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
         counts_E = torch.arange(self.e_l * dist.get_world_size()) * (self.rank + 1)
         no_bad = torch.zeros(1, dtype=torch.int64)
         from_device = agreement._exchange(ring, claims, no_bad, counts_E, state)
-        from_host = agreement._exchange(ring, claims, no_bad, counts_E, state, agreed_counts_E=counts_E.clone())
+        from_host = agreement._exchange(ring, claims, no_bad, counts_E.clone(), state, counts_agreed=True)
         self.assertEqual(from_host, from_device)
         self.assertEqual(from_host[1][agreement.COUNTS:], (counts_E // (self.rank + 1) * 2).tolist())
 
@@ -403,22 +403,19 @@ class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
 class UnreadStatus(unittest.TestCase):
     """A ring's failure status that an exchange beside the compute stream may send only once computed."""
 
-    class _Event:
-        def __init__(self, done: bool) -> None:
-            self.done = done
-
-        def query(self) -> bool:
-            return self.done
+    @staticmethod
+    def _event(done: bool) -> mock.Mock:
+        return mock.Mock(**{"query.return_value": done})
 
     def test_a_status_not_computed_yet_waits_for_a_later_exchange_and_merges_with_the_next(self) -> None:
         state = agreement._GroupState()
-        state.unread_status, state.unread_done = torch.tensor([2]), self._Event(False)
+        state.unread_status, state.unread_done = torch.tensor([2]), self._event(False)
         self.assertIsNone(state.take_status(waiting=False))  # beside the compute stream: not yet
         self.assertEqual(state.unread_status.tolist(), [2])  # kept
-        state.unread_done.done = True
+        state.unread_done.query.return_value = True
         self.assertEqual(state.take_status(waiting=False).tolist(), [2])
         self.assertIsNone(state.unread_status)
-        state.unread_status, state.unread_done = torch.tensor([3]), self._Event(False)
+        state.unread_status, state.unread_done = torch.tensor([3]), self._event(False)
         self.assertEqual(state.take_status(waiting=True).tolist(), [3])  # an exchange on the compute stream
         self.assertIsNone(state.take_status(waiting=True))
 

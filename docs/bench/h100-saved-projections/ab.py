@@ -25,8 +25,8 @@ ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 327
 ap.add_argument("--repeats", type=int, default=5)
 ap.add_argument("--graphs", action="store_true", help="also the ring with chunk_graphs=True")
 ap.add_argument("--device-exchange", action="store_true",
-                help="also the saved ring whose backward agreement reads its counts from the device (as before "
-                     "the forward handed them over: its exchange waits for the compute stream)")
+                help="also the saved ring whose backward exchange runs on the compute stream (as before "
+                     "this change: it waits for the work queued there)")
 args = ap.parse_args()
 
 
