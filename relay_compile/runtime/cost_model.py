@@ -40,14 +40,14 @@ Time of one forward + backward on one rank (``Calibration`` holds the machine's 
 keeps its all-to-all where that ring is predicted slower than the all-to-all (a model is never made slower);
 under ``"memory"`` only where, besides, the all-to-all's predicted peak is no higher than the ring's (the ring
 then buys nothing). Where the op can save projections (``save_projections``), an expert ring that runs saves
-them where it is predicted slower than the all-to-all without them and its peak with them stays no higher than
-the all-to-all's: memory is traded for time only where the ring would otherwise lose. They never decide that
-the ring runs: near the point where the ring's host and GPU times meet, ``max(host, gpu)`` underestimates the
-ring (each call's agreement syncs the host with the device), and saving then predicted a ring faster than the
-all-to-all that measured 1.11x of it on the H100 (EP=8, 16384 tokens per rank:
-docs/bench/h100-saved-projections). So under ``ring="auto"`` they apply only where the model mispredicts a ring
-that runs; under ``"memory"`` and ``"always"`` (and a forced ``ring_moe``) wherever the rule grants them. Where hops are cheap enough the two agree; while a hop costs ~0.5-1 ms of host time they do
-not at small token counts (docs/BENCHMARKS.md, "Ring or all-to-all").
+them where it is predicted slower than the all-to-all without them, or faster by less than the model's error
+(``SAVE_MARGIN``), and its peak with them stays no higher than the all-to-all's: memory is traded for time only
+where the ring would otherwise lose, or might. They never decide that the ring runs: near the point where the
+ring's host and GPU times meet the model underestimates the ring (each call's agreement syncs the host with the
+device), and saving then predicted a ring faster than the all-to-all that measured 1.11x of it on the H100 (EP=8,
+16384 tokens per rank: docs/bench/h100-saved-projections). So under ``ring="auto"`` they apply to a ring that
+runs anyway and is predicted within ``SAVE_MARGIN`` of the all-to-all; under ``"memory"`` and ``"always"`` (and a
+forced ``ring_moe``) wherever the rule grants them.
 
 Legend: T tokens per rank, H hidden, F expert width, K top-k, E experts, E_l = E / N, N ranks, P = T*K.
 """
@@ -367,15 +367,23 @@ class Choice:
                 "predicted_ms": {k: t.as_dict() for k, t in self.times.items()}, "predicted_peak_bytes": self.peaks}
 
 
+# How close to the all-to-all a ring predicted without saved projections may come before ``"auto"`` saves them:
+# the time model's error on sweeps it was not fitted to (rms log error 0.09-0.10 on the H100, docs/BENCHMARKS.md,
+# "Saved projections"). A ring predicted 0.98x measured 1.06x (EP=64, 16384 tokens, H100) and 0.98x with them;
+# rings predicted 0.85x or less won without them, and at 65536 tokens they bought no time for 2-4x the ring's peak.
+SAVE_MARGIN = 0.10
+
+
 def _saves(shape: BlockShape, unsaved: TimeEstimate, a2a: TimeEstimate, saving: int, owners: tuple[int, int],
            max_hop_rows: MaxHopRows) -> bool:
     """Whether the expert ring saves its projections: wherever the op can and the option says True
-    (``saving`` 2); under ``"auto"`` (1) where, without them, it is predicted slower than the all-to-all and,
-    with them, its peak is no higher than the all-to-all's."""
+    (``saving`` 2); under ``"auto"`` (1) where, without them, it is predicted slower than the all-to-all or
+    faster by less than ``SAVE_MARGIN`` (the model cannot tell it from the all-to-all) and, with them, its peak is
+    no higher than the all-to-all's."""
     if saving != 1:
         return saving == 2
     peaks = predicted_peak_bytes(shape, max_hop_rows, owners=owners, saved=True)
-    return unsaved.total_ms > a2a.total_ms and peaks["ring"] <= peaks["a2a"]
+    return unsaved.total_ms > (1.0 - SAVE_MARGIN) * a2a.total_ms and peaks["ring"] <= peaks["a2a"]
 
 
 def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners: tuple[int, int] | None = None,
