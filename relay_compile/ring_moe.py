@@ -238,9 +238,10 @@ def ring_moe(
             few percent more GPU work; ``"auto"``: on CUDA. Off by default (docs/BENCHMARKS.md, "Chunk
             graphs"). A per-rank knob: it may differ across ranks.
         ring: ``"auto"`` runs the block as a ring where the cost model predicts it no slower than the
-            all-to-all (``runtime.cost_model``; on CUDA, else always the ring); ``"memory"`` also where it is
-            slower but the all-to-all's predicted peak is higher; ``"always"``; ``"never"``: the block's
-            all-to-all (``runtime.all_to_all``). Decided per call from the shapes every rank agreed on.
+            all-to-all the call would run instead, the op's own path (``runtime.all_to_all``, which recomputes
+            its experts in backward: ``cost_model.Calibration.op_a2a_ratio``; on CUDA, else always the ring);
+            ``"memory"`` also where it is slower but the all-to-all's predicted peak is higher; ``"always"``;
+            ``"never"``: that all-to-all. Decided per call from the shapes every rank agreed on.
         fp8: FP8 hops (``runtime.fp8_experts``): the experts' weights circulate in E4M3 with one scale per
             expert matrix (half the bytes per hop) and the products by the weights run as FP8 grouped GEMMs
             (``torch._scaled_grouped_mm`` on CUDA; an exact fp32 emulation elsewhere); weight gradients and
@@ -256,8 +257,9 @@ def ring_moe(
             FFN_{topk_ids[t, k]}(topk_scores[t, k] * x[t])`` (DeepSpeed, Megatron's ``moe_apply_probs_on_input``).
         save_projections: the expert ring's forward keeps every pair's first projection (``T*K`` rows of
             ``2F``) until the backward, which then does not recompute it per hop (two of the ring's eleven GEMM
-            passes). ``"auto"``: where the cost model predicts the ring slower than the all-to-all without them
-            and its peak with them no higher than the all-to-all's (CUDA, eager calls); True: wherever the ring
+            passes). ``"auto"``: where the cost model predicts the ring without them slower than the all-to-all,
+            or faster by less than its error (``cost_model.SAVE_MARGIN``), and its peak with them no higher than
+            the all-to-all's (CUDA, eager calls); True: wherever the ring
             runs in expert routing (scores after the experts, no chunk graphs or FP8 hops); False: never. A
             per-rank knob: a call saves where every rank's call can.
 

@@ -135,8 +135,8 @@ class Summary(unittest.TestCase):
             # 256 / 24 = 10.67
             "  region 2 at all_to_all_single_5: matched, EP=4, routing token -> token, predicted peak a2a "
             "256.0 MiB, ring 24.0 MiB (10.7x)",
-            "    runs as all_to_all: the token ring is predicted slower (24.63 ms against 6.04 ms; peak 24 MiB against "
-            "256 MiB); ring='memory' or 'always' runs it (h200 model: on CUDA)",
+            "    runs as all_to_all: the token ring is predicted slower (24.63 ms against the all-to-all's 6.04 ms; "
+            "peak 24 MiB against 256 MiB); ring='memory' or 'always' runs it (h200 model: on CUDA)",
         ])
 
     def test_a_graph_without_regions_is_one_line(self) -> None:

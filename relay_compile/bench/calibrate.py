@@ -3,7 +3,8 @@
 Reads the measured times of a sweep (``python -m relay_compile.bench --preset sweep``: ``sweep.json``, rows
 ``a2a eager``, ``ring expert``, ``ring token``; or the same format by hand), fits ``runtime.cost_model``'s
 ``Calibration`` by coordinate descent on the squared log error of every (EP, tokens, row) point, and prints the
-fitted constants (paste them into the GPU kind's ``Calibration`` in ``runtime.cost_model``: ``H200``, ``H100``;
+fitted constants, the op's all-to-all path's ratio to a2a eager (``op_a2a_ratio``, from the ``ring_moe default``
+rows where a call keeps it) (paste them into the GPU kind's ``Calibration`` in ``runtime.cost_model``: ``H200``, ``H100``;
 ``calibration_for`` picks one by the device's name) and a table of predicted against measured.
 
 The layer's shape comes from the file's ``layer`` entry (hidden, ffn, experts, top_k, elem_bytes; swiglu:
@@ -19,7 +20,16 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from relay_compile.runtime.cost_model import CALIBRATIONS, H200, BlockShape, Calibration, a2a_time, grouped_owners, ring_time
+from relay_compile.runtime.cost_model import (
+    CALIBRATIONS,
+    H200,
+    BlockShape,
+    Calibration,
+    a2a_time,
+    choose,
+    grouped_owners,
+    ring_time,
+)
 
 # The constants fitted (the link stays out: the stand-in has none), and how far one move scales them.
 FITTED = ("host_hop_us", "host_hop_expert_us", "host_a2a_us", "host_a2a_peer_us", "gemm_tflops", "gemm_half_rows",
@@ -46,6 +56,21 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
         return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward,
                          saved=row == "ring expert saved").total_ms
     return None
+
+
+def op_a2a_ratios(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]]) -> list[float]:
+    """``ring_moe default`` / ``a2a eager`` at the points where a call under ``cal`` keeps the op's own all-to-all
+    path (``choose(kept="op")``): what ``Calibration.op_a2a_ratio`` is the geometric mean of."""
+    a2a = {(p["ep"], p["tokens"]): float(p["ms"]) for p in points if p["row"] == "a2a eager"}  # type: ignore[arg-type]
+    ratios = []
+    for p in points:
+        key = (p["ep"], p["tokens"])
+        if p["row"] != "ring_moe default" or key not in a2a:
+            continue
+        shape = shape_of(layer, int(p["ep"]), int(p["tokens"]))  # type: ignore[arg-type]
+        if choose(shape, routing="auto", ring="auto", cal=cal, kept="op").execution == "all_to_all":
+            ratios.append(float(p["ms"]) / a2a[key])  # type: ignore[arg-type]
+    return ratios
 
 
 def loss(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]]) -> float:
@@ -117,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{sum(abs(math.log(r)) <= math.log(1.25) for r in ratios)} of {len(ratios)} points within 25% "
           f"(predicted/measured {min(ratios):.2f}-{max(ratios):.2f})")
     print(f"rms log error {math.sqrt(loss(cal, layer, points) / max(1, len(ratios))):.3f} over the points it predicts")
+    kept = op_a2a_ratios(cal, layer, points)
+    if kept:
+        mean = math.exp(sum(map(math.log, kept)) / len(kept))
+        print(f"op_a2a_ratio {mean:.2f} (ring_moe default / a2a eager where a call keeps the op's all-to-all path: "
+              f"{len(kept)} points, {min(kept):.2f}-{max(kept):.2f}; {cal.name} has {cal.op_a2a_ratio:.2f})")
     print(table(cal, layer, points))
     return 0
 

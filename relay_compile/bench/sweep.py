@@ -9,7 +9,8 @@ of:
   ring or all-to-all as the cost model decides);
 - ``relaymoe backend, dynamic T``: the same with the token count marked dynamic: one graph per EP size, its
   token switch (``runtime.token_switch``) picks the kept or the ring variant per call;
-- ``ring_moe default``: the functional API with default options (the same decision, no compile);
+- ``ring_moe default``: the functional API with default options (no compile: each call decides, weighing the
+  ring against the op's own all-to-all path, ``cost_model.choose(kept="op")``; a decision's ``call``);
 - ``ring auto`` / ``ring expert`` / ``ring token``: the ring forced (``ring="always"``), each routing (``ring
   expert`` recomputing its projections, ``save_projections=False``: the ring the time model was fitted to);
 - ``ring expert saved``: the expert ring forced, reading the projections its forward saved
@@ -87,7 +88,9 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
         shape = shape_of(layer, cfg.ep, cfg.tokens)
         cal = calibration_for(torch.device(cfg.device))
         choice = choose(shape, routing="auto", ring="auto", cal=cal, saving=1)  # the default options' decision
-        decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict()})
+        call = choose(shape, routing="auto", ring="auto", cal=cal, saving=1, kept="op")  # ring_moe default's call
+        decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict(),
+                          "call": {"execution": call.execution, "saves_projections": call.saves}})
         for row in result.rows:
             if row.skipped or row.total_ms is None:
                 continue

@@ -359,8 +359,9 @@ def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], t
             tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
             experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
             expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
+        # The all-to-all a call keeps is the op's own path: the ring runs wherever it beats that.
         choice = choose(shape, routing=asked, ring=ring, cal=cal, owners=sizes.owners(tokens_N),
-                        max_hop_rows=sizes.max_hop_rows, saving=saving)
+                        max_hop_rows=sizes.max_hop_rows, saving=saving, kept="op")
         return choice.execution, choice
     if ring == "never":
         return "all_to_all", None

@@ -49,6 +49,13 @@ device), and saving then predicted a ring faster than the all-to-all that measur
 runs anyway and is predicted within ``SAVE_MARGIN`` of the all-to-all; under ``"memory"`` and ``"always"`` (and a
 forced ``ring_moe``) wherever the rule grants them.
 
+Which all-to-all is kept (``Kept``): a region the backend keeps at compile time runs the all-to-all traced from
+the model, at its own time; a call of the ring op that does not run the ring runs the op's own path
+(``runtime.all_to_all``), which recomputes its experts in backward and dispatches the rows twice: 1.30-1.85x the
+traced all-to-all on every sweep point measured (``Calibration.op_a2a_ratio``). A call (``agreement``) therefore
+weighs the ring against that path, not against an all-to-all it cannot run: at EP=8 and 16384 tokens per rank the
+ring measured 1.02-1.11x a2a eager where the op's path measured 1.45-1.50x.
+
 Legend: T tokens per rank, H hidden, F expert width, K top-k, E experts, E_l = E / N, N ranks, P = T*K.
 """
 
@@ -72,6 +79,9 @@ from relay_compile.runtime.ring_options import (
 )
 
 Execution = Literal["expert", "token", "all_to_all"]
+# Which all-to-all a block keeps: the one traced from the model (a region the backend keeps as it is), or the
+# ring op's own path (``runtime.all_to_all``: a call of ``relaymoe::ring_moe`` that does not run the ring).
+Kept = Literal["traced", "op"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +193,9 @@ class Calibration:
     copy_gbps: float  # the stand-in's transfers: device copies at this bandwidth
     link_gbps: float | None = None  # one direction of one link; None: transfers are device copies (stand-in)
     overlap_p: float | None = None  # how host and GPU time combine (module docstring); None: their max
+    # The op's own all-to-all path (``runtime.all_to_all``: experts recomputed in backward, the rows dispatched
+    # twice, ten exchanges) against the traced all-to-all: its measured time ratio (``Kept``).
+    op_a2a_ratio: float = 1.0
 
     def combined(self, host_ms: float, gpu_ms: float) -> float:
         """A step's time from its host and GPU times (module docstring: ``overlap_p``)."""
@@ -214,7 +227,7 @@ H200 = Calibration(
     name="h200", host_hop_us=238.0, host_hop_expert_us=40.3, host_chunk_us=276.0, host_token_hop_us=729.0,
     host_token_expert_us=35.3, host_a2a_us=5611.0, host_a2a_peer_us=107.0, gemm_tflops=413.0, gemm_half_rows=0.0,
     hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=42.2, gpu_hop_us=0.0, token_hop_pair_ns=0.61,
-    copy_gbps=1256.0,
+    copy_gbps=1256.0, op_a2a_ratio=1.46,
 )
 # Fitted to H100 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-06, after the backward's agreement moved beside the compute stream):
@@ -226,8 +239,11 @@ H100 = dataclasses.replace(
     H200, name="h100", host_hop_us=247.2, host_hop_expert_us=24.9, host_chunk_us=206.2, host_token_hop_us=580.3,
     host_token_expert_us=16.72, host_a2a_us=5334.0, host_a2a_peer_us=90.73, gemm_tflops=392.6, gemm_half_rows=0.0,
     ring_row_bytes=0.0, a2a_row_bytes=49.13, gpu_hop_us=0.0, token_hop_pair_ns=0.3583, copy_gbps=728.3,
-    overlap_p=4.0,
+    overlap_p=4.0, op_a2a_ratio=1.50,
 )
+# ``op_a2a_ratio``: the geometric mean of ``ring_moe default`` / a2a eager over the sweeps' points where the op kept
+# its all-to-all (docs/BENCHMARKS.md, "The op's own all-to-all path"): H200 1.46 (16 points, 1.30-1.85x), H100
+# 1.50 (21 points, 1.35-1.80x). ``python -m relay_compile.bench.calibrate`` prints it for the sweeps it reads.
 # Every calibration, by the code the agreement header carries (``calibration_code``).
 CALIBRATIONS = (H200, H100)
 
@@ -350,13 +366,18 @@ def a2a_time(shape: BlockShape, cal: Calibration) -> TimeEstimate:
     return TimeEstimate(host_ms=host, gpu_ms=gpu, link_ms=link, total_ms=cal.combined(host, gpu) + link)
 
 
+def _scaled(t: TimeEstimate, ratio: float) -> TimeEstimate:
+    return TimeEstimate(host_ms=t.host_ms * ratio, gpu_ms=t.gpu_ms * ratio, link_ms=t.link_ms * ratio,
+                        total_ms=t.total_ms * ratio, hops=t.hops)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Choice:
     """What a block runs as, and the predictions behind it."""
 
     execution: Execution
     reason: str
-    times: dict[str, TimeEstimate]  # "expert", "token" (the ring's routings considered), "a2a"
+    times: dict[str, TimeEstimate]  # "expert", "token" (the ring's routings considered), "a2a", "op_a2a" (kept="op")
     peaks: dict[str, int]  # predicted_peak_bytes
     owners: tuple[int, int] = (1, 1)  # the expert ring's owners per forward and per backward hop, predicted with
     saves: bool = False  # the expert ring saves its first projections (``times["expert"]``, ``peaks`` with them)
@@ -387,7 +408,7 @@ def _saves(shape: BlockShape, unsaved: TimeEstimate, a2a: TimeEstimate, saving: 
 
 
 def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners: tuple[int, int] | None = None,
-           max_hop_rows: MaxHopRows = "auto", saving: int = 0) -> Choice:
+           max_hop_rows: MaxHopRows = "auto", saving: int = 0, kept: Kept = "traced") -> Choice:
     """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
 
     ``owners``: owners per forward and per backward hop of the expert ring (``(1, 1)``: an expert function
@@ -396,7 +417,10 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
 
     ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also
     where it is slower but the all-to-all's predicted peak is higher (the ring buys memory with time);
-    ``"always"``; ``"never"``.
+    ``"always"``; ``"never"``. ``kept``: the all-to-all the block runs where it does not run the ring: the traced
+    one (``times["a2a"]``), or the op's own path (``"op"``, a call's decision: ``times["op_a2a"]``, the traced
+    one's time times ``cal.op_a2a_ratio``). Saved projections are weighed against the traced all-to-all either way:
+    it is the time a model without the backend takes.
     """
     routings: tuple[Routing, ...] = ("expert", "token") if routing == "auto" else (routing,)  # type: ignore[assignment]
     forward, backward = grouped_owners(shape) if owners is None else owners
@@ -404,9 +428,14 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
                           backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
              for r in routings}
     times["a2a"] = a2a_time(shape, cal)
+    alternative = "a2a"
+    if kept == "op":
+        alternative = "op_a2a"
+        times[alternative] = _scaled(times["a2a"], cal.op_a2a_ratio)
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
     peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1))
-    ring_ms, a2a_ms = times[best].total_ms, times["a2a"].total_ms
+    ring_ms, a2a_ms = times[best].total_ms, times[alternative].total_ms
+    against = "the all-to-all's" if kept == "traced" else "the op's all-to-all path's"
     mib = {k: v / 2**20 for k, v in peaks.items()}
     grouped = best == "expert" and forward * backward > 1
     held = f" ({forward}/{backward} owners per forward/backward hop)" if grouped else ""
@@ -415,15 +444,15 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
                       owners=(forward, backward))
     faster = ring_ms <= a2a_ms
     if faster:
-        why = f"predicted {ring_ms:.2f} ms against the all-to-all's {a2a_ms:.2f} ms"
+        why = f"predicted {ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms"
     elif ring == "memory" and peaks["a2a"] > peaks["ring"]:
         why = (f"ring='memory': predicted peak {mib['ring']:.0f} MiB against the all-to-all's {mib['a2a']:.0f} MiB, "
-               f"for {ring_ms:.2f} ms against {a2a_ms:.2f} ms")
+               f"for {ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms")
     elif ring == "always":
-        why = f"option ring='always' (predicted {ring_ms:.2f} ms against the all-to-all's {a2a_ms:.2f} ms)"
+        why = f"option ring='always' (predicted {ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms)"
     else:
         return Choice(execution="all_to_all", times=times, peaks=peaks, owners=(forward, backward), reason=(
-            f"the {best} ring{held} is predicted slower ({ring_ms:.2f} ms against {a2a_ms:.2f} ms; peak "
+            f"the {best} ring{held} is predicted slower ({ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms; peak "
             f"{mib['ring']:.0f} MiB against {mib['a2a']:.0f} MiB); ring='memory' or 'always' runs it"))
     # Saved projections speed up a ring that runs; they never decide that it runs (module docstring).
     saves = best == "expert" and _saves(shape, times["expert"], times["a2a"], saving, (forward, backward),

@@ -63,7 +63,7 @@ def saving_op(
     if shape is None or cal is None or device.type not in CALIBRATED_DEVICES:
         return False
     return choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,
-                  max_hop_rows=options.max_hop_rows, saving=1).saves
+                  max_hop_rows=options.max_hop_rows, saving=1, kept="op").saves  # as the op's call decides
 
 
 def compile_time_level(options: RingOptions, scores_applied: Literal["after", "before"], device: torch.device,

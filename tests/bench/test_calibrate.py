@@ -10,7 +10,7 @@ import dataclasses
 import math
 import unittest
 
-from relay_compile.bench.calibrate import fit, loss, predict
+from relay_compile.bench.calibrate import fit, loss, op_a2a_ratios, predict
 from relay_compile.bench.measure import LayerResult, RowResult
 from relay_compile.bench.sweep import sweep_points, table
 from relay_compile.runtime.cost_model import H200
@@ -40,6 +40,14 @@ class Calibration(unittest.TestCase):
             if p["row"] == "ring expert saved":
                 unsaved = predict(truth, LAYER, {**p, "row": "ring expert"})
                 self.assertLessEqual(p["ms"], unsaved)
+
+    def test_the_ops_all_to_all_ratio_is_read_where_a_call_keeps_that_path(self) -> None:
+        # EP=8: at 4096 tokens a call keeps the op's path (ring_moe default 1.6x a2a eager); at 131072 it runs the
+        # ring, whose ring_moe default row says nothing of that path.
+        points = [{"ep": 8, "tokens": t, "row": row, "ms": ms}
+                  for t, row, ms in ((4096, "a2a eager", 10.0), (4096, "ring_moe default", 16.0),
+                                     (131072, "a2a eager", 100.0), (131072, "ring_moe default", 70.0))]
+        self.assertEqual(op_a2a_ratios(H200, LAYER, points), [1.6])
 
     def test_the_sweep_records_predictions_and_decisions_beside_the_measured_rows(self) -> None:
         config = {"name": "qwen3", "hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8, "tokens": 4096, "ep": 64}

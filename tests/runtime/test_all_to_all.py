@@ -231,6 +231,27 @@ class Decision(unittest.TestCase):
         self.assertLess(clear.times["expert"].total_ms, (1.0 - SAVE_MARGIN) * clear.times["a2a"].total_ms)
         self.assertEqual((clear.execution, clear.saves), ("expert", False), clear.reason)
 
+    def test_a_call_weighs_the_ring_against_the_ops_own_all_to_all_path(self) -> None:
+        # H100, EP=8, 16384 tokens: the ring is predicted slower than the traced all-to-all (the backend keeps
+        # that region as traced) but faster than the op's own path (measured 1.45-1.50x a2a eager there, the ring
+        # 1.02-1.11x): a call runs the ring, and saves its projections (predicted slower than a2a without them).
+        # At 4096 tokens the ring loses to both: kept either way.
+        shape = qwen3(16384, 8)
+        traced = choose(shape, routing="auto", ring="auto", cal=H100, saving=1)
+        call = choose(shape, routing="auto", ring="auto", cal=H100, saving=1, kept="op")
+        self.assertEqual(traced.execution, "all_to_all", traced.reason)
+        self.assertNotIn("op_a2a", traced.times)
+        self.assertEqual((call.execution, call.saves), ("expert", True), call.reason)
+        self.assertIn("the op's all-to-all path", call.reason)
+        self.assertAlmostEqual(call.times["op_a2a"].total_ms, H100.op_a2a_ratio * call.times["a2a"].total_ms)
+        self.assertLess(call.times["expert"].total_ms, call.times["op_a2a"].total_ms)
+        small = choose(qwen3(4096, 8), routing="auto", ring="auto", cal=H100, saving=1, kept="op")
+        self.assertEqual(small.execution, "all_to_all", small.reason)
+        self.assertGreater(small.times["expert"].total_ms, small.times["op_a2a"].total_ms)
+        # Without the measured ratio (1.0) a call decides as the compile-time keep does.
+        even = dataclasses.replace(H100, op_a2a_ratio=1.0)
+        self.assertEqual(choose(shape, routing="auto", ring="auto", cal=even, kept="op").execution, "all_to_all")
+
     def test_auto_routing_takes_the_faster_ring_not_the_smaller_volume(self) -> None:
         # Bytes per hop would take token routing here (paper Table 2); it is the slower ring on the H200.
         shape = qwen3(8192, 8)
@@ -329,8 +350,9 @@ class AllToAllPath(DistributedTestCase):
         def threshold_choose(shape: BlockShape, **kw) -> Choice:
             # All costs zero but the GEMMs and the all-to-all's fixed host time, set between the ring's times at
             # 12 and 17 tokens: the ring (4 GEMM passes) wins below it, the all-to-all (3 passes) above.
+            # (The op weighs the ring against its own all-to-all path: here at the traced one's time.)
             gemms = dataclasses.replace(H200, **{f: 0.0 for f in ZEROED}, gemm_tflops=1e-6, hbm_gbps=1e12,
-                                        copy_gbps=1e12)
+                                        copy_gbps=1e12, op_a2a_ratio=1.0)
             at = [ring_time(dataclasses.replace(shape, tokens=t), "expert", gemms).total_ms for t in (12, 17)]
             cal = dataclasses.replace(gemms, host_a2a_us=500.0 * sum(at))
             kw["cal"] = cal
@@ -358,10 +380,11 @@ class AllToAllPath(DistributedTestCase):
         # Links are not checked alike: rank 1 crosses a 50 GB/s network the others do not see (gloo: no link), and
         # every rank decides with the slowest link (agreement.agreed_link), forward and backward. Nor are GPU kinds:
         # rank 0 has an H100, the others not; every rank decides with rank 0's constants (agreed_calibration).
-        used: list[tuple[str, float | None]] = []
+        # A call keeps the op's own all-to-all path, and weighs the ring against it (kept="op").
+        used: list[tuple[str, float | None, str]] = []
 
         def recording_choose(shape: BlockShape, **kw) -> Choice:
-            used.append((kw["cal"].name, kw["cal"].link_gbps))
+            used.append((kw["cal"].name, kw["cal"].link_gbps, kw["kept"]))
             return real_choose(shape, **kw)
 
         # Neither is a disagreement: the table's one-comparison check passes (the field-by-field checks never run).
@@ -370,7 +393,7 @@ class AllToAllPath(DistributedTestCase):
                 mock.patch.object(ops, "calibration_for", lambda device: H100 if self.rank == 0 else H200), \
                 mock.patch.object(agreement, "_check_problems", wraps=agreement._check_problems) as slow_check:
             forward_backward(ring_moe, x, ids, scores, weights, self.rank, link_gbps=50 if self.rank == 1 else "auto")
-        self.assertEqual(used, [("h100", 50.0), ("h100", 50.0)])
+        self.assertEqual(used, [("h100", 50.0, "op"), ("h100", 50.0, "op")])
         self.assertEqual(slow_check.call_count, 0)
 
     def check_the_backend_keeps_the_region_and_every_rank_must(self) -> None:
