@@ -219,15 +219,18 @@ def _linked(cal: Calibration, gbps: float | None) -> Calibration:
 
 
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
-# rank, 2026-12-02; rms log error 0.058, every point within 0.82-1.19x): docs/bench/h200-time-model/. Redo with
-# ``python -m relay_compile.bench --preset sweep --ep 8 --out A`` (and ``--ep 64 --out B``) on the device, then
-# ``python -m relay_compile.bench.calibrate A/sweep.json B/sweep.json``. That sweep measured the ring before grouped
-# owners per hop (64 hops at EP=64), which today's model no longer describes: the H200 ring of today is unmeasured.
+# rank, 2026-12-06, today's ring: grouped owners per hop, saved projections, the backward's agreement beside the
+# compute stream): docs/bench/backend-saving/raw-1-h200/, host and GPU time combined by ``overlap_p=4`` (rms log
+# error 0.070, 48 of 48 points within 25%, 0.86-1.16x; the constants of 2026-12-02, fitted to the ring before
+# grouped owners, predicted it up to 1.86x slow, 33 of 48 within 25%). Redo on the device with ``bash
+# docs/bench/backend-saving/run.sh OUT``, then ``python -m relay_compile.bench.calibrate OUT/sweep-ep8.json
+# OUT/sweep-ep64.json --start h200 --overlap-p 4``. ``op_a2a_ratio``: 16 points of earlier sweeps (1.46); that
+# sweep's 4 kept points read 1.54-1.68 (the lower value keeps a call's decision conservative).
 H200 = Calibration(
-    name="h200", host_hop_us=238.0, host_hop_expert_us=40.3, host_chunk_us=276.0, host_token_hop_us=729.0,
-    host_token_expert_us=35.3, host_a2a_us=5611.0, host_a2a_peer_us=107.0, gemm_tflops=413.0, gemm_half_rows=0.0,
-    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=42.2, gpu_hop_us=0.0, token_hop_pair_ns=0.61,
-    copy_gbps=1256.0, op_a2a_ratio=1.46,
+    name="h200", host_hop_us=148.9, host_hop_expert_us=27.56, host_chunk_us=184.0, host_token_hop_us=372.5,
+    host_token_expert_us=26.04, host_a2a_us=5200.0, host_a2a_peer_us=53.98, gemm_tflops=418.3, gemm_half_rows=0.0,
+    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=41.67, gpu_hop_us=0.0, token_hop_pair_ns=0.4388,
+    copy_gbps=1093.0, overlap_p=4.0, op_a2a_ratio=1.46,
 )
 # Fitted to H100 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-06, after the backward's agreement moved beside the compute stream):

@@ -117,10 +117,10 @@ class Decision(unittest.TestCase):
                 hop = HopShape.of(ep, [tokens] * ep, 8, fp8, h, elem)
                 self.assertEqual(grouped_owners(shape, fp8=True), (owners_per_hop(hop), backward_owners_per_hop(hop)),
                                  ("fp8", ep, tokens))
-        # Qwen3 at EP=64: the grouped ring at 65536 tokens (2 / 1 owners) is predicted faster than the all-to-all,
+        # Qwen3 at EP=64: the grouped ring at 32768 tokens (4 / 2 owners) is predicted faster than the all-to-all,
         # one owner per hop is not: the compile-time keep used to assume one and kept what the op runs as a ring.
-        shape = qwen3(65536, 64)
-        self.assertEqual(grouped_owners(shape), (2, 1))
+        shape = qwen3(32768, 64)
+        self.assertEqual(grouped_owners(shape), (4, 2))
         self.assertEqual(choose(shape, routing="auto", ring="auto", cal=H200).execution, "expert")
         self.assertEqual(choose(shape, routing="auto", ring="auto", cal=H200, owners=(1, 1)).execution, "all_to_all")
 
@@ -149,11 +149,12 @@ class Decision(unittest.TestCase):
         nvlink = choose(qwen3(16384, 8), routing="auto", ring="auto", cal=H200.with_link(NVLINK_GBPS))
         self.assertEqual((copies.execution, nvlink.execution), ("all_to_all", "expert"), (copies.reason, nvlink.reason))
         self.assertGreater(nvlink.times["a2a"].total_ms, copies.times["a2a"].total_ms)
-        # EP=64 over an inter-node network (50 GB/s per GPU): the ring from 16384 tokens, not with NVLink.
-        self.assertEqual(choose(qwen3(16384, 64), routing="auto", ring="auto",
-                                cal=H200.with_link(NVLINK_GBPS)).execution, "all_to_all")
-        self.assertEqual(choose(qwen3(16384, 64), routing="auto", ring="auto", cal=H200.with_link(50)).execution,
-                         "expert")
+        # EP=16 over an inter-node network (50 GB/s per GPU) at 16384 tokens: the ring's weights no longer hide
+        # behind its hops, the all-to-all is kept; over NVLink the ring runs.
+        self.assertEqual(choose(qwen3(16384, 16), routing="auto", ring="auto",
+                                cal=H200.with_link(NVLINK_GBPS)).execution, "expert")
+        self.assertEqual(choose(qwen3(16384, 16), routing="auto", ring="auto", cal=H200.with_link(50)).execution,
+                         "all_to_all")
         self.assertEqual(H200.with_link(50).describe(), "h200 model, 50 GB/s link")
 
     def test_the_device_picks_its_calibration_and_the_group_decides_with_rank_0s(self) -> None:
@@ -167,10 +168,10 @@ class Decision(unittest.TestCase):
         for cal in cost_model.CALIBRATIONS:
             self.assertIs(agreed_calibration(cost_model.calibration_code(cal)), cal)
         self.assertIs(agreed_calibration(0), H200)
-        # Measured on the H100 (docs/bench/h200-sweep-2/raw-1-h100): the ring at EP=64, 32768 tokens 0.95x a2a eager;
-        # its constants run it there, the H200's (fitted before the gathered stacks) keep the all-to-all.
-        self.assertEqual(choose(qwen3(32768, 64), routing="auto", ring="auto", cal=H100).execution, "expert")
-        self.assertEqual(choose(qwen3(32768, 64), routing="auto", ring="auto", cal=H200).execution, "all_to_all")
+        # The constants decide: at EP=64, 26624 tokens the H200's (cheaper hops) run the ring, the H100's keep the
+        # all-to-all.
+        self.assertEqual(choose(qwen3(26624, 64), routing="auto", ring="auto", cal=H100).execution, "all_to_all")
+        self.assertEqual(choose(qwen3(26624, 64), routing="auto", ring="auto", cal=H200).execution, "expert")
 
     def test_auto_keeps_the_all_to_all_where_the_ring_is_slower_and_runs_the_ring_where_it_is_faster(self) -> None:
         small, large = choose(qwen3(4096, 64), routing="auto", ring="auto", cal=H200), choose(
