@@ -8,6 +8,7 @@ fp32 cases hold to 1e-5 relative: ring and a2a run the same per-pair math, only 
 from __future__ import annotations
 
 import contextlib
+import functools
 import unittest
 from collections.abc import Iterator
 from unittest import mock
@@ -176,6 +177,25 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
             self.assertFalse(any(given), "projections read where not every rank saved them")
             self.check_sgd_steps_track_a2a(save_projections=True)
         self.assertTrue(any(given), "the expert ring's steps read no saved projections")
+        self.check_every_rank_that_chose_to_save_saves()
+
+    def check_every_rank_that_chose_to_save_saves(self) -> None:
+        # save_projections="auto": each rank decides before the call (saving_op at its own shapes, here: patched to
+        # save) and holds the buffer; the group's agreement (the cost model on "CUDA") then saves wherever the
+        # expert ring runs, although at these tiny shapes the model itself would not (the saved ring's peak is above
+        # the all-to-all's): deciding again could only leave every rank's buffer unused.
+        from relay_compile.runtime import agreement
+
+        real_execution = agreement._execution
+
+        def on_cuda(asked, ring, cuda, *args):
+            return real_execution(asked, ring, True, *args)
+
+        with projections_read() as given, mock.patch("relay_compile.ring_moe.call_saves", return_value=True), \
+                mock.patch.object(agreement, "_execution", on_cuda):
+            forced = functools.partial(ring_moe, ring="always")
+            self.assert_matches_a2a("random", forced, routing="expert", save_projections="auto")
+        self.assertTrue(given and all(given), "a rank's saving op was not given its projections back")
 
     def check_sgd_steps_track_a2a(self, **ring_kw) -> None:
         # Weights updated from the ring's gradients stay with those updated from a2a's, step after step.

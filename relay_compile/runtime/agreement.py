@@ -155,8 +155,9 @@ class Claims:
     # twice chooses its kept or its ring variant (``agree_tokens``)
     kept: int = 0
     # The op can save the expert ring's first projections (``ops.ring_moe_saving``): 1 where the cost model
-    # decides (``save_projections="auto"``), 2 where the option says True; 0: it cannot. The call saves only where
-    # every rank can (``Agreement.saves``): a rank-local knob, not checked alike.
+    # decided so before the call (``save_projections="auto"``), 2 where the option says True; 0: it cannot. The
+    # call saves where every rank can and the expert ring runs (``Agreement.saves``): a rank-local knob, not
+    # checked alike.
     saves: int = 0
 
     def header(self, counts_len: int) -> list[int]:
@@ -317,7 +318,10 @@ def agree(
     )
     tokens_N = [row[_AT["tokens"]] for row in table]
     cal = agreed_calibration(head[_AT["machine"]]).with_link(agreed_link([row[_AT["link"]] for row in table]))
-    saving = min(row[_AT["saves"]] for row in table)
+    # Every rank runs a saving op (each claims 1 or 2): each decided before the call that this call saves and
+    # holds the projections' buffer already, so the group saves wherever the expert ring runs (as under True);
+    # deciding again from the group's largest T could only waste that buffer.
+    saving = 2 if min(row[_AT["saves"]] for row in table) else 0
     execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
                                    volume_args, tokens_N, ring.size, sizes, cal, saving)
     if counts_NE[ring.rank] is None:
@@ -352,8 +356,8 @@ def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], t
                sizes: BlockSizes | None, cal: Calibration = H200, saving: int = 0) -> tuple[Execution, Choice | None]:
     """The options ``routing`` and ``ring`` resolved from agreed values only (the same on every rank): by the
     cost model where it is calibrated (CUDA: ``cal``, rank 0's device's constants, with transfers over the
-    group's slowest link or as device copies), else routing by bytes and the ring. ``saving``: the least
-    ``Claims.saves`` of the group (the model also decides whether the expert ring saves projections)."""
+    group's slowest link or as device copies), else routing by bytes and the ring. ``saving``: 2 where every rank
+    runs a saving op (the expert ring saves wherever it runs), else 0."""
     if cuda and sizes is not None and (asked == "auto" or ring != "always" or saving):
         shape = BlockShape(
             tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],

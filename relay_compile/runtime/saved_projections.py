@@ -8,8 +8,9 @@ forward to backward.
 
 The op's outputs have static shapes, so whether a call *can* save is decided before the op runs (``saving_op``:
 by ``ring_moe`` per call, by the rewrite pass per region at compile time). The op then claims it in the
-agreement (``Claims.saves``), and the call saves only where every rank can and the cost model grants it
-(``cost_model.choose``): the same decision in forward and backward.
+agreement (``Claims.saves``), and the call saves wherever every rank's op is a saving one and the expert ring
+runs: each rank decided already (its buffer is allocated), so the group does not decide again from its largest
+token count. The same decision in forward and backward.
 
 Legend: T tokens, K top-k, F expert width, U the first projection's width (2F gated, F otherwise).
 """
