@@ -13,8 +13,10 @@ Contract:
     at least one region is ``switchable`` and every switchable region reads the same T, which can be computed
     from the graph's inputs (a SymInt input or a dimension of an input tensor). Otherwise it returns the
     reason there is none. The plan reads T from a call's arguments and says whether the cost model keeps every
-    switchable region at a given agreed T. The rule is ``choose`` with the largest T of the group, the same rule
-    the op applies per call and the compile-time keep applies to a static T. Nothing in the graph changes.
+    switchable region at a given agreed T. The rule is ``choose`` with the largest T of the group, the rule the
+    compile-time keep applies to a static T: the ring against the traced all-to-all the kept variant runs (the
+    ring variant's op then weighs the ring against its own all-to-all path, ``kept="op"``, which keeps less).
+    Nothing in the graph changes.
 
 Legend: T tokens per rank.
 """

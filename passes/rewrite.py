@@ -241,8 +241,10 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
     (``cost_model.grouped_owners`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
     otherwise; FP8 hops' weight bytes under ``fp8``) and the link it will take a hop to cross
-    (``transport.group_link_gbps``), so a region is kept where the op would keep it at this T, up to what only a
-    call knows (the other ranks' token counts and links, the probe's verdict on F).
+    (``transport.group_link_gbps``), against the traced all-to-all the kept region runs. The op weighs a call's
+    ring against its own all-to-all path instead (``cost_model.choose(kept="op")``, ~1.5x the traced one), so a
+    region kept here is one the op would keep or run as a ring between 1.0x and that ratio of the traced time;
+    up to what only a call knows (the other ranks' token counts and links, the probe's verdict on F).
     """
     x = node_value(region.x)
     if options.ring == "never":

@@ -58,19 +58,29 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
     return None
 
 
-def op_a2a_ratios(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]]) -> list[float]:
-    """``ring_moe default`` / ``a2a eager`` at the points where a call under ``cal`` keeps the op's own all-to-all
-    path (``choose(kept="op")``): what ``Calibration.op_a2a_ratio`` is the geometric mean of."""
+def op_a2a_ratios(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]],
+                  calls: dict[tuple[int, int], str] | None = None) -> list[float]:
+    """``ring_moe default`` / ``a2a eager`` at the points (of one sweep) where the call kept the op's own all-to-all
+    path: what ``Calibration.op_a2a_ratio`` is the geometric mean of. ``calls``: what each (EP, tokens) call ran, as
+    the sweep recorded it (``decisions[].call``); a point without one is judged by ``choose(kept="op")`` under
+    ``cal`` (whose own ratio then takes part)."""
     a2a = {(p["ep"], p["tokens"]): float(p["ms"]) for p in points if p["row"] == "a2a eager"}  # type: ignore[arg-type]
     ratios = []
     for p in points:
-        key = (p["ep"], p["tokens"])
+        key = (int(p["ep"]), int(p["tokens"]))  # type: ignore[arg-type]
         if p["row"] != "ring_moe default" or key not in a2a:
             continue
-        shape = shape_of(layer, int(p["ep"]), int(p["tokens"]))  # type: ignore[arg-type]
-        if choose(shape, routing="auto", ring="auto", cal=cal, kept="op").execution == "all_to_all":
+        ran = (calls or {}).get(key) or choose(shape_of(layer, *key), routing="auto", ring="auto", cal=cal,
+                                                kept="op").execution
+        if ran == "all_to_all":
             ratios.append(float(p["ms"]) / a2a[key])  # type: ignore[arg-type]
     return ratios
+
+
+def recorded_calls(sweep: dict[str, object]) -> dict[tuple[int, int], str]:
+    """What each (EP, tokens) call of ``ring_moe default`` ran, where the sweep recorded it."""
+    return {(int(d["ep"]), int(d["tokens"])): d["call"]["execution"]  # type: ignore[index]
+            for d in sweep.get("decisions", ()) if "call" in d}  # type: ignore[union-attr]
 
 
 def loss(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]]) -> float:
@@ -125,10 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     layer: dict[str, int] = {}
     points: list[dict[str, object]] = []
+    sweeps = []
     for path in args.sweeps:
         data = json.loads(path.read_text())
         layer = data["layer"]
-        points += [r for r in data["rows"] if int(r["tokens"]) >= args.min_tokens]
+        rows = [r for r in data["rows"] if int(r["tokens"]) >= args.min_tokens]
+        points += rows
+        sweeps.append((rows, recorded_calls(data)))
     if args.check is not None:
         cal = next(c for c in CALIBRATIONS if c.name == args.check)
         print(f"{cal.name} constants, not fitted to these points")
@@ -142,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{sum(abs(math.log(r)) <= math.log(1.25) for r in ratios)} of {len(ratios)} points within 25% "
           f"(predicted/measured {min(ratios):.2f}-{max(ratios):.2f})")
     print(f"rms log error {math.sqrt(loss(cal, layer, points) / max(1, len(ratios))):.3f} over the points it predicts")
-    kept = op_a2a_ratios(cal, layer, points)
+    kept = [r for rows, calls in sweeps for r in op_a2a_ratios(cal, layer, rows, calls)]  # per sweep: its a2a rows
     if kept:
         mean = math.exp(sum(map(math.log, kept)) / len(kept))
         print(f"op_a2a_ratio {mean:.2f} (ring_moe default / a2a eager where a call keeps the op's all-to-all path: "

@@ -1,10 +1,11 @@
 """``AllToAllStep``: one call of a block run as its all-to-all would run it, where the ring would not pay.
 
 The cost model (``runtime.cost_model.choose``) keeps a block's all-to-all where the ring is predicted slower
-(small token counts). Where the token count is dynamic (or ``ring_moe`` is called directly) the region is still
-one ``relaymoe::ring_moe`` call (the decision is
-made per call from the agreed table, so a changing token count may cross it, on every rank alike); this step
-is what the op then runs, with the region's own expert function:
+(small token counts): a call of the op, where the ring is predicted slower than this step itself
+(``kept="op"``: ``Calibration.op_a2a_ratio`` times the traced all-to-all). Where the token count is dynamic (or
+``ring_moe`` is called directly) the region is still one ``relaymoe::ring_moe`` call (the decision is made per
+call from the agreed table, so a changing token count may cross it, on every rank alike); this step is what
+the op then runs, with the region's own expert function:
 
     forward:   pairs sorted by expert; their rows dispatched to the experts' owners (one all-to-all, and one
                of their scores); the owner computes its experts on every row it received at once (the

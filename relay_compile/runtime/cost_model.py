@@ -448,7 +448,7 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
     faster = ring_ms <= a2a_ms
     if faster:
         why = f"predicted {ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms"
-    elif ring == "memory" and peaks["a2a"] > peaks["ring"]:
+    elif ring == "memory" and peaks["a2a"] > peaks["ring"]:  # (the op's own path: peaks of the traced one)
         why = (f"ring='memory': predicted peak {mib['ring']:.0f} MiB against the all-to-all's {mib['a2a']:.0f} MiB, "
                f"for {ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms")
     elif ring == "always":

@@ -200,7 +200,8 @@ class RingOptions:
       a fifth (docs/BENCHMARKS.md, "Chunk graphs"). A per-rank knob like ``max_hop_rows``: nothing that
       travels depends on it.
     - ``ring``: ``"auto"`` runs the block as a ring where the cost model predicts it no slower than the
-      all-to-all (``runtime.cost_model.choose``, calibrated on CUDA; on other devices the ring always runs);
+      all-to-all it would run instead (``runtime.cost_model.choose``, calibrated on CUDA; on other devices the
+      ring always runs): a call, the op's own path (``kept="op"``); a compile-time keep, the traced one;
       ``"memory"`` also where it is slower but the all-to-all's predicted peak is higher; ``"always"``;
       ``"never"`` runs the block's all-to-all (``runtime.all_to_all``). Decided per call from the agreed
       shapes, the same on every rank.
@@ -217,10 +218,10 @@ class RingOptions:
     - ``save_projections``: the expert ring's forward keeps every pair's first projection (``T*K`` rows of
       ``2F`` for SwiGLU) until the backward, whose hops then skip recomputing that GEMM (a sixth of the
       ring's GEMM flops). True wherever the ring runs in expert routing with grouped FFN experts (scores
-      after them, no chunk graphs); ``"auto"``: where the cost model predicts the ring slower than the
-      all-to-all without them and its peak with them still no higher than the all-to-all's (CUDA; never
-      elsewhere); False: never. A per-rank knob: a call saves only where every rank's op can
-      (``agreement``).
+      after them, no chunk graphs); ``"auto"``: where the cost model predicts the ring without them slower
+      than the all-to-all, or faster by less than its error (``cost_model.SAVE_MARGIN``), and its peak with
+      them still no higher than the all-to-all's (CUDA; never elsewhere); False: never. Decided before the op,
+      per rank; a call saves where every rank's op does and the expert ring runs (``agreement``).
     """
 
     routing: str = "auto"

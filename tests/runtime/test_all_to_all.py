@@ -44,7 +44,8 @@ from relay_compile.runtime.cost_model import (
     predicted_peak_bytes,
     ring_time,
 )
-from relay_compile.runtime.ring_options import HopShape, backward_owners_per_hop, owners_per_hop
+from relay_compile.runtime.ring_options import HopShape, RingOptions, backward_owners_per_hop, owners_per_hop
+from relay_compile.runtime.saved_projections import saving_op
 from relay_compile.runtime.transport import RingPeerError, link_gbps, spans_nodes
 from tests import distributed
 from tests.distributed import DistributedTestCase
@@ -245,7 +246,14 @@ class Decision(unittest.TestCase):
         self.assertEqual((call.execution, call.saves), ("expert", True), call.reason)
         self.assertIn("the op's all-to-all path", call.reason)
         self.assertAlmostEqual(call.times["op_a2a"].total_ms, H100.op_a2a_ratio * call.times["a2a"].total_ms)
-        self.assertLess(call.times["expert"].total_ms, call.times["op_a2a"].total_ms)
+        unsaved = choose(shape, routing="auto", ring="auto", cal=H100, kept="op")  # what decides that it runs
+        self.assertEqual(unsaved.execution, "expert", unsaved.reason)
+        self.assertGreater(unsaved.times["expert"].total_ms, unsaved.times["a2a"].total_ms)
+        self.assertLess(unsaved.times["expert"].total_ms, unsaved.times["op_a2a"].total_ms)
+        # The decision before the op (which op a call runs) is the call's: the saving one.
+        grouped = GroupedFFN("swiglu")
+        self.assertTrue(saving_op(grouped, RingOptions(), "after", torch.device("cuda"), shape, H100,
+                                  grouped_owners(shape)))
         small = choose(qwen3(4096, 8), routing="auto", ring="auto", cal=H100, saving=1, kept="op")
         self.assertEqual(small.execution, "all_to_all", small.reason)
         self.assertGreater(small.times["expert"].total_ms, small.times["op_a2a"].total_ms)
