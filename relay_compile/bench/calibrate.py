@@ -3,9 +3,10 @@
 Reads the measured times of a sweep (``python -m relay_compile.bench --preset sweep``: ``sweep.json``, rows
 ``a2a eager``, ``ring expert``, ``ring token``; or the same format by hand), fits ``runtime.cost_model``'s
 ``Calibration`` by coordinate descent on the squared log error of every (EP, tokens, row) point, and prints the
-fitted constants, the op's all-to-all path's ratio to a2a eager (``op_a2a_ratio``, from the ``ring_moe default``
-rows where a call keeps it) (paste them into the GPU kind's ``Calibration`` in ``runtime.cost_model``: ``H200``, ``H100``;
-``calibration_for`` picks one by the device's name) and a table of predicted against measured.
+fitted constants (paste them into the GPU kind's ``Calibration`` in ``runtime.cost_model``: ``H200``, ``H100``;
+``calibration_for`` picks one by the device's name), the op's own all-to-all path's ratio to a2a eager
+(``op_a2a_ratio``, from the ``ring_moe default`` rows where a call kept that path) and a table of predicted
+against measured.
 
 The layer's shape comes from the file's ``layer`` entry (hidden, ffn, experts, top_k, elem_bytes; swiglu:
 three ``(F, H)`` matrices per expert).
@@ -64,7 +65,8 @@ def op_a2a_ratios(cal: Calibration, layer: dict[str, int], points: Sequence[dict
     path: what ``Calibration.op_a2a_ratio`` is the geometric mean of. ``calls``: what each (EP, tokens) call ran, as
     the sweep recorded it (``decisions[].call``); a point without one is judged by ``choose(kept="op")`` under
     ``cal`` (whose own ratio then takes part)."""
-    a2a = {(p["ep"], p["tokens"]): float(p["ms"]) for p in points if p["row"] == "a2a eager"}  # type: ignore[arg-type]
+    a2a = {(int(p["ep"]), int(p["tokens"])): float(p["ms"])  # type: ignore[arg-type]
+           for p in points if p["row"] == "a2a eager"}
     ratios = []
     for p in points:
         key = (int(p["ep"]), int(p["tokens"]))  # type: ignore[arg-type]
