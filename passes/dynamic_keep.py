@@ -38,7 +38,7 @@ from relay_compile.passes.expert_lowering import recognized_ffn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
-from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, calibration_for, choose, grouped_owners
+from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, calibration_for, choose, owner_options
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import group_link_gbps
 
@@ -68,8 +68,9 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = Tr
                      cal: Calibration = H200) -> int | None:
     """The smallest T, equal on every rank, from which the cost model runs ``shape`` as a ring (None: at no T up
     to ``_MAX_TOKENS``): the first T of a geometric grid (``_GRID``) that runs a ring, refined by bisection from
-    the grid point below it. The choice need not stay a ring above it: the owners per hop step down as hops grow
-    (``cost_model.grouped_owners``), so a region may be kept again at larger T; ``SwitchPlan.keeps`` decides every
+    the grid point below it. The choice need not stay a ring above it: the rules' owners per hop step down as hops
+    grow (``cost_model.owner_options``; under ``"auto"`` a larger stack takes over where memory allows, not
+    always), so a region may be kept again at larger T; ``SwitchPlan.keeps`` decides every
     T itself, this is what the report states and whether a switch is worth compiling. ``grouped``: F lowers onto
     grouped experts (else one owner per hop); ``cal``: the device's constants with the link a hop crosses
     (``cost_model.calibration_for``, ``transport.link_gbps``)."""
@@ -89,7 +90,7 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = Tr
 def _choice(shape: BlockShape, options: RingOptions, tokens: int, grouped: bool, cal: Calibration) -> str:
     """What ``cost_model.choose`` runs ``shape`` as at ``tokens`` per rank (the compile-time keep's rule)."""
     shape = dataclasses.replace(shape, tokens=tokens)
-    owners = grouped_owners(shape, fp8=options.fp8) if grouped else (1, 1)
+    owners = owner_options(shape, fp8=options.fp8) if grouped else (1, 1)
     return choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,
                   max_hop_rows=options.max_hop_rows).execution
 

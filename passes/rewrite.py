@@ -54,7 +54,7 @@ from relay_compile.runtime.cost_model import (
     Choice,
     calibration_for,
     choose,
-    grouped_owners,
+    owner_options,
 )
 from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE, RING_MOE_SAVING
@@ -239,7 +239,7 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     on CUDA (where the model is calibrated) and ``cost_model.choose`` picks the all-to-all. Kept, the region runs
     as the original graph computes it, at its time and memory exactly (the ring op's own all-to-all path
     recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
-    (``cost_model.grouped_owners`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
+    (``cost_model.owner_options`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
     otherwise; FP8 hops' weight bytes under ``fp8``) and the link it will take a hop to cross
     (``transport.group_link_gbps``), against the traced all-to-all the kept region runs. The op weighs a call's
     ring against its own all-to-all path instead (``cost_model.choose(kept="op")``, ~1.5x the traced one), so a
@@ -252,7 +252,7 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     shape, cal = _traced_model(region, options)
     if options.ring == "always" or shape is None or x.device.type not in cost_model.CALIBRATED_DEVICES:
         return None
-    owners = grouped_owners(shape, fp8=options.fp8) if recognized_ffn(region) else (1, 1)
+    owners = owner_options(shape, fp8=options.fp8) if recognized_ffn(region) else (1, 1)
     choice = choose(shape, routing=options.routing, ring=options.ring, cal=cal, owners=owners,
                     max_hop_rows=options.max_hop_rows,
                     saving=compile_time_level(options, region.scores_applied, x.device, recognized_ffn(region)))
@@ -264,7 +264,7 @@ def saves_at_compile_time(region: Region, fn: object, options: RingOptions) -> b
     expert function ``fn``, at the traced shapes where they are static (``"auto"``: the device's time model
     predicts that saving pays; True: wherever ``fn`` can)."""
     shape, cal = _traced_model(region, options)
-    owners = grouped_owners(shape, fp8=options.fp8) if shape is not None and isinstance(fn, LoweredFFN) else (1, 1)
+    owners = owner_options(shape, fp8=options.fp8) if shape is not None and isinstance(fn, LoweredFFN) else (1, 1)
     device = node_value(region.x).device
     return saving_op(fn, options, region.scores_applied, device, shape, cal, owners)  # type: ignore[arg-type]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
-from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, choose, grouped_owners, predicted_peak_bytes
+from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, choose, owner_options, predicted_peak_bytes
 from relay_compile.runtime.ring_options import MaxHopRows
 
 __all__ = ["BlockShape", "GraphDump", "GraphReport", "RegionReport", "predicted_peak_bytes"]
@@ -87,13 +87,13 @@ class RegionReport:
 def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool,
               cal: Calibration, fp8: bool, saving: int = 0) -> dict[str, Any]:
     """The report's view of ``cost_model.choose``, with the owners per hop the op will hold (``grouped``: F lowers
-    onto grouped experts, ``cost_model.grouped_owners``; else one), by the device's constants with the link its
+    onto grouped experts, ``cost_model.owner_options``; else one), by the device's constants with the link its
     hops cross (``cal``: ``cost_model.calibration_for``, ``transport.link_gbps``)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)",
                 "predicted_peak_bytes": predicted_peak_bytes(shape, max_hop_rows)}
     choice = choose(shape, routing=routing, ring=ring, cal=cal,
-                    owners=grouped_owners(shape, fp8=fp8) if grouped else (1, 1), max_hop_rows=max_hop_rows,
+                    owners=owner_options(shape, fp8=fp8) if grouped else (1, 1), max_hop_rows=max_hop_rows,
                     saving=saving)
     return {"execution_predicted": choice.execution, "decision": f"{choice.reason} ({cal.describe()}: on CUDA)",
             "predicted_ms": {k: t.as_dict() for k, t in choice.times.items()}, "owners_per_hop": list(choice.owners),

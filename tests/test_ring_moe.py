@@ -8,6 +8,7 @@ fp32 cases hold to 1e-5 relative: ring and a2a run the same per-pair math, only 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import unittest
 from collections.abc import Iterator
@@ -396,6 +397,33 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
                     self.assert_matches_a2a(case, routing="expert", save_projections=True, max_hop_rows=2)
             self.assertTrue(given and all(given))
         self.assertTrue(rule.called and backward_rule.called)
+        self.check_a_call_holds_the_owners_its_decision_chose()
+
+    def check_a_call_holds_the_owners_its_decision_chose(self) -> None:
+        # Where the rules' ring would lose, the cost model may choose a larger stack (cost_model.choose, "beyond
+        # the rules'"); the op then holds the choice's owners per hop, not the rules' (one at these shapes). The
+        # decision (the model on "CUDA") is patched to choose two per forward and per backward hop.
+        from relay_compile.runtime import agreement, ops
+
+        real_choose, real_execution, real_program_for = agreement.choose, agreement._execution, ops.program_for
+        held: list[tuple[str, int]] = []
+
+        def widened(shape, **kw):
+            return dataclasses.replace(real_choose(shape, **{**kw, "ring": "always", "routing": "expert"}),
+                                       owners=(2, 2))
+
+        def on_cuda(asked, ring, cuda, *args):
+            return real_execution(asked, ring, True, *args)
+
+        def program_for(spec, direction, routing, size, num_weights, owners=1):
+            held.append((direction, owners))
+            return real_program_for(spec, direction, routing, size, num_weights, owners)
+
+        with mock.patch.object(agreement, "_execution", on_cuda), mock.patch.object(agreement, "choose", widened), \
+                mock.patch.object(ops, "program_for", program_for):
+            for case in ROUTER_CASES:
+                self.assert_matches_a2a(case, routing="expert")
+        self.assertEqual(sorted(set(held)), [("backward", 2), ("forward", 2)])
 
     @property
     def world_size(self) -> int:

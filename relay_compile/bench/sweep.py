@@ -90,7 +90,8 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
         choice = choose(shape, routing="auto", ring="auto", cal=cal, saving=1)  # the default options' decision
         call = choose(shape, routing="auto", ring="auto", cal=cal, saving=1, kept="op")  # ring_moe default's call
         decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict(),
-                          "call": {"execution": call.execution, "saves_projections": call.saves}})
+                          "call": {"execution": call.execution, "saves_projections": call.saves,
+                                   "owners_per_hop": list(call.owners)}})
         for row in result.rows:
             if row.skipped or row.total_ms is None:
                 continue

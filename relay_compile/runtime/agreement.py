@@ -49,7 +49,16 @@ import torch
 from torch import Tensor
 
 from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
-from relay_compile.runtime.cost_model import CALIBRATIONS, H200, BlockShape, Calibration, Choice, Execution, choose
+from relay_compile.runtime.cost_model import (
+    CALIBRATIONS,
+    H200,
+    BlockShape,
+    Calibration,
+    Choice,
+    Execution,
+    OwnerOptions,
+    choose,
+)
 from relay_compile.runtime.ring_options import RINGS, MaxHopRows, RingOptions
 from relay_compile.runtime.transport import (
     RingGroup,
@@ -242,13 +251,13 @@ class Agreement:
 @dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """What the cost model needs besides the agreed token counts (``runtime.cost_model.BlockShape``): the same
-    on every rank once the claims agree. ``owners``: owners per forward and per backward hop of expert routing,
-    for token counts."""
+    on every rank once the claims agree. ``owners``: owners per forward and per backward hop of expert routing
+    the ring may hold, for token counts (the rules', and larger stacks for grouped experts)."""
 
     ffn: int
     expert_params: int
     max_hop_rows: MaxHopRows
-    owners: Callable[[list[int]], tuple[int, int]]
+    owners: Callable[[list[int]], tuple[int, int] | OwnerOptions]
 
 
 @dataclass(kw_only=True)

@@ -37,7 +37,10 @@ Time of one forward + backward on one rank (``Calibration`` holds the machine's 
   group (``bench.standin_group``) transfers are device copies: ``link_gbps=None`` counts them as row traffic.
 
 ``choose`` (the ``ring`` option): the ring's routing with the least predicted time; under ``"auto"`` the block
-keeps its all-to-all where that ring is predicted slower than the all-to-all (a model is never made slower);
+keeps its all-to-all where that ring is predicted slower than the all-to-all (a model is never made slower),
+after trying the expert ring with larger owner stacks than the rules' where memory allows them (``OwnerOptions``:
+the rules stop a stack at a row count, and where they step down, EP=64 20480 tokens per rank, the ring they
+give would lose where a larger one wins);
 under ``"memory"`` only where, besides, the all-to-all's predicted peak is no higher than the ring's (the ring
 then buys nothing). Where the op can save projections (``save_projections``), an expert ring that runs saves
 them where it is predicted slower than the all-to-all without them, or faster by less than the model's error
@@ -75,6 +78,7 @@ from relay_compile.runtime.ring_options import (
     backward_owners_per_hop,
     grouped_extra_bytes,
     hop_row_bound,
+    larger_owners,
     owners_per_hop,
 )
 
@@ -121,6 +125,23 @@ def grouped_owners(shape: BlockShape, min_tokens: int | None = None, *, fp8: boo
     """
     hop = _hop_shape(shape, min_tokens, fp8)
     return owners_per_hop(hop), backward_owners_per_hop(hop)
+
+
+@dataclass(frozen=True)
+class OwnerOptions:
+    """What a grouped expert ring may hold per forward and per backward hop: the rules' owners, and the larger
+    stacks memory allows (``ring_options.larger_owners``) that ``choose`` weighs where the rules' ring would lose
+    to the all-to-all."""
+
+    rules: tuple[int, int]
+    larger: tuple[tuple[int, int], ...] = ()
+
+
+def owner_options(shape: BlockShape, min_tokens: int | None = None, *, fp8: bool = False) -> OwnerOptions:
+    """``grouped_owners`` and the larger stacks beside them, from the block's sizes (as ``grouped_owners``)."""
+    hop = _hop_shape(shape, min_tokens, fp8)
+    rules = (owners_per_hop(hop), backward_owners_per_hop(hop))
+    return OwnerOptions(rules, tuple(larger_owners(hop, rules)))
 
 
 def _hop_shape(shape: BlockShape, min_tokens: int | None = None, fp8: bool = False) -> HopShape:
@@ -410,13 +431,28 @@ def _saves(shape: BlockShape, unsaved: TimeEstimate, a2a: TimeEstimate, saving: 
     return unsaved.total_ms > (1.0 - SAVE_MARGIN) * a2a.total_ms and peaks["ring"] <= peaks["a2a"]
 
 
-def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owners: tuple[int, int] | None = None,
-           max_hop_rows: MaxHopRows = "auto", saving: int = 0, kept: Kept = "traced") -> Choice:
+def _fastest_larger_stack(shape: BlockShape, cal: Calibration, larger: tuple[tuple[int, int], ...],
+                       max_hop_rows: MaxHopRows) -> tuple[TimeEstimate, tuple[int, int]] | None:
+    """The fastest expert ring among the ``larger`` owner stacks, and its owners (None: none given)."""
+    rings = [(ring_time(shape, "expert", cal, owners_per_hop=f, backward_owners=b, max_hop_rows=max_hop_rows),
+              (f, b)) for f, b in larger]
+    return min(rings, key=lambda r: r[0].total_ms, default=None)
+
+
+def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
+           owners: tuple[int, int] | OwnerOptions | None = None, max_hop_rows: MaxHopRows = "auto", saving: int = 0,
+           kept: Kept = "traced") -> Choice:
     """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
 
     ``owners``: owners per forward and per backward hop of the expert ring (``(1, 1)``: an expert function
-    without grouped entry points); None: those of grouped experts (``grouped_owners``). ``saving``: the op can
-    save the expert ring's projections (``agreement.Claims.saves``: 1 the model decides, 2 the option says so).
+    without grouped entry points); ``OwnerOptions``: the rules' owners and larger stacks; None: those of grouped
+    experts (``owner_options``). Under ``ring="auto"``, where every ring with the rules' owners is predicted
+    slower than the traced all-to-all, the expert ring is predicted with the fastest of the larger stacks instead
+    (where that is faster): a ring that then wins runs where the block would otherwise keep an all-to-all that
+    holds several times its memory. The traced all-to-all decides this whatever ``kept``, so a region's
+    compile-time prediction and its calls hold the same owners (``Choice.owners``: what the op holds).
+    ``"memory"`` and ``"always"`` keep the rules' owners: memory first. ``saving``: the op can save the expert
+    ring's projections (``agreement.Claims.saves``: 1 the model decides, 2 the option says so).
 
     ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also
     where it is slower but the all-to-all's predicted peak is higher (the ring buys memory with time);
@@ -426,7 +462,9 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
     it is the time a model without the backend takes.
     """
     routings: tuple[Routing, ...] = ("expert", "token") if routing == "auto" else (routing,)  # type: ignore[assignment]
-    forward, backward = grouped_owners(shape) if owners is None else owners
+    stacks = (owner_options(shape) if owners is None else owners if isinstance(owners, OwnerOptions)
+              else OwnerOptions(owners))
+    forward, backward = stacks.rules
     times = {r: ring_time(shape, r, cal, owners_per_hop=forward if r == "expert" else 1,
                           backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
              for r in routings}
@@ -435,13 +473,20 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration, owne
     if kept == "op":
         alternative = "op_a2a"
         times[alternative] = _scaled(times["a2a"], cal.op_a2a_ratio)
+    widened = ""
+    if ring == "auto" and "expert" in routings and min(times[r].total_ms for r in routings) > times["a2a"].total_ms:
+        wider = _fastest_larger_stack(shape, cal, stacks.larger, max_hop_rows)
+        if wider is not None and wider[0].total_ms < times["expert"].total_ms:
+            widened = (f", beyond the rules' {forward}/{backward}, with which it is predicted "
+                       f"{times['expert'].total_ms:.2f} ms")
+            times["expert"], (forward, backward) = wider
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
     peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1))
     ring_ms, a2a_ms = times[best].total_ms, times[alternative].total_ms
     against = "the all-to-all's" if kept == "traced" else "the op's all-to-all path's"
     mib = {k: v / 2**20 for k, v in peaks.items()}
     grouped = best == "expert" and forward * backward > 1
-    held = f" ({forward}/{backward} owners per forward/backward hop)" if grouped else ""
+    held = f" ({forward}/{backward} owners per forward/backward hop{widened})" if grouped else ""
     if ring == "never":
         return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks,
                       owners=(forward, backward))

@@ -55,7 +55,7 @@ from relay_compile.runtime.agreement import (
     agree_kept,
     remember_status,
 )
-from relay_compile.runtime.cost_model import calibration_code, calibration_for
+from relay_compile.runtime.cost_model import OwnerOptions, calibration_code, calibration_for
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,
@@ -66,7 +66,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
-from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
+from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound, larger_owners
 from relay_compile.runtime.saved_projections import can_save
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
@@ -204,8 +204,7 @@ def _run(
             return a2a.backward(), counts_E
         return a2a.forward() + ((_unwritten(local.packed, topk_ids),) if projections is True else ()), counts_E
     saving = projections if agreed.saves else False
-    owners = hop_owners(direction, agreed.routing, cfg.grouped is not None,
-                        _hop_shape(ring.size, agreed.counts.tokens_N, topk_ids, x, local.packed))
+    owners = _owners(agreed, direction, cfg, x, topk_ids, local.packed)
     program = program_for(spec, direction, agreed.routing, ring.size, len(weights), owners)
     program_dumps.record(key, direction, agreed.routing, reason, tokens_N=agreed.counts.tokens_N, program=program,
                          owners=owners)
@@ -220,6 +219,16 @@ def _run(
     if projections is True and saving is False:  # a saving op's call that does not save
         out = (*out, _unwritten(local.packed, topk_ids))
     return out, counts_E
+
+
+def _owners(agreed: Agreement, direction: Direction, cfg: RingStepConfig, x: Tensor, topk_ids: Tensor,
+            packed: Sequence[Tensor]) -> int:
+    """Owners per hop of this call's ring: the cost model's (``Choice.owners``: the rules', or a larger stack where
+    the rules' ring would lose to the all-to-all) where it decided, else the rules' (``hop_owners``)."""
+    if agreed.choice is not None and agreed.routing == "expert" and cfg.grouped is not None:
+        return agreed.choice.owners[0 if direction == "forward" else 1]
+    return hop_owners(direction, agreed.routing, cfg.grouped is not None,
+                      _hop_shape(cfg.ring.size, agreed.counts.tokens_N, topk_ids, x, packed))
 
 
 def _own_counts(agreed: Agreement, rank: int) -> Tensor:
@@ -255,10 +264,17 @@ def _block_sizes(max_hop_rows: MaxHopRows, cfg: RingStepConfig, x: Tensor, topk_
     return BlockSizes(
         ffn=min(min(m[1], m[2]) for m in matrices), expert_params=sum(m[1] * m[2] for m in matrices),
         max_hop_rows=max_hop_rows,
-        owners=lambda tokens_N: tuple(  # type: ignore[return-value]
-            hop_owners(direction, "expert", cfg.grouped is not None, _hop_shape(size, tokens_N, topk_ids, x, packed or ()))
-            for direction in ("forward", "backward")),
+        owners=lambda tokens_N: _owner_options(cfg, _hop_shape(size, tokens_N, topk_ids, x, packed or ())),
     )
+
+
+def _owner_options(cfg: RingStepConfig, hop: HopShape) -> OwnerOptions:
+    """What the expert ring may hold per hop at ``hop``: the rules' owners and, for grouped experts, larger
+    stacks (``ring_options.larger_owners``); an expert function without grouped entry points one owner."""
+    if cfg.grouped is None:
+        return OwnerOptions((1, 1))
+    rules = (hop_owners("forward", "expert", True, hop), hop_owners("backward", "expert", True, hop))
+    return OwnerOptions(rules, tuple(larger_owners(hop, rules)))
 
 
 @torch.library.custom_op("relaymoe::ring_moe", mutates_args=())

@@ -14,7 +14,7 @@ token count (``hop_row_bound``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -132,14 +132,8 @@ def owners_per_hop(shape: HopShape) -> int:
     ``g``: the largest power of two meeting both that divides ``N`` and is at most ``N / 2`` (1: the plain ring).
     Qwen3 layer, bf16, EP=64: 16384 tokens -> 8, 32768 -> 4, 65536 -> 2 (8192-row hops); EP=8 -> 1.
     """
-    n, hop_rows, budget = shape.ranks, _hop_rows(shape), _owners_budget(shape)
-
-    def fits(g: int) -> bool:
-        return (g <= n // 2 and n % g == 0 and g * hop_rows <= AUTO_MIN_HOP_ROWS
-                and (g - 1) * _forward_owner_bytes(shape) <= budget)
-
     g = 1
-    while fits(2 * g):
+    while forward_owners_fit(shape, 2 * g) and 2 * g * _hop_rows(shape) <= AUTO_MIN_HOP_ROWS:
         g *= 2
     return g
 
@@ -161,16 +155,49 @@ def backward_owners_per_hop(shape: HopShape) -> int:
     ``g``: the largest power of two meeting both that divides ``N`` and is at most ``N / 2`` (1: the plain ring).
     Qwen3 layer, bf16, EP=64: 16384 tokens -> 4, 32768 -> 2, 65536 -> 1; EP=8: 1 from 4096 tokens on.
     """
-    n, hop_rows, budget = shape.ranks, _hop_rows(shape), _owners_budget(shape)
-
-    def fits(g: int) -> bool:
-        return (g <= n // 2 and n % g == 0 and g * hop_rows <= AUTO_MIN_HOP_ROWS // AUTO_FORWARD_ROWS_FACTOR
-                and (g - 1) * _backward_owner_bytes(shape) <= budget)
-
     g = 1
-    while fits(2 * g):
+    while (backward_owners_fit(shape, 2 * g)
+           and 2 * g * _hop_rows(shape) <= AUTO_MIN_HOP_ROWS // AUTO_FORWARD_ROWS_FACTOR):
         g *= 2
     return g
+
+
+def _stackable(shape: HopShape, g: int) -> bool:
+    """Whether a ring of ``shape.ranks`` can hold ``g`` owners per hop: ``N / g`` stacks of distinct owners."""
+    n = shape.ranks
+    return g == 1 or (1 < g <= n // 2 and n % g == 0)
+
+
+def forward_owners_fit(shape: HopShape, g: int) -> bool:
+    """Whether ``g`` owners per forward hop fit: the ring can stack them and their rows and partitions
+    (``_forward_owner_bytes`` each beyond the first) stay within one top-k-expanded buffer of ``min_tokens``."""
+    return _stackable(shape, g) and (g - 1) * _forward_owner_bytes(shape) <= _owners_budget(shape)
+
+
+def backward_owners_fit(shape: HopShape, g: int) -> bool:
+    """``forward_owners_fit`` for a backward hop (``_backward_owner_bytes`` each owner beyond the first)."""
+    return _stackable(shape, g) and (g - 1) * _backward_owner_bytes(shape) <= _owners_budget(shape)
+
+
+def larger_owners(shape: HopShape, least: tuple[int, int]) -> list[tuple[int, int]]:
+    """Owners per forward and per backward hop beyond the rules' ``least`` that memory allows: every pair of
+    powers of two, each at least ``least``'s and fitting (``forward_owners_fit``, ``backward_owners_fit``), but
+    ``least`` itself.
+
+    The rules stop a stack at ``AUTO_MIN_HOP_ROWS`` rows, where a hop's fixed cost is paid back; past that,
+    more owners still cut hops (and their host time) for memory. The cost model takes one of these only where
+    the rules' ring would lose to the all-to-all (``cost_model.choose``): it then holds more than the rules' ring
+    and far less than the all-to-all (within one expanded buffer where the all-to-all holds about six).
+    """
+    def powers(least_g: int, fits: Callable[[HopShape, int], bool]) -> list[int]:
+        out, g = [], least_g
+        while fits(shape, g):
+            out.append(g)
+            g *= 2
+        return out
+
+    return [(f, b) for f in powers(least[0], forward_owners_fit) for b in powers(least[1], backward_owners_fit)
+            if (f, b) != least]
 
 
 class InvalidRingOption(ValueError):

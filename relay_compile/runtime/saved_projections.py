@@ -26,9 +26,10 @@ from relay_compile.runtime.cost_model import (
     CALIBRATED_DEVICES,
     BlockShape,
     Calibration,
+    OwnerOptions,
     calibration_for,
     choose,
-    grouped_owners,
+    owner_options,
 )
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import RingGroup, link_gbps
@@ -48,7 +49,7 @@ def can_save(expert_fn: ExpertFn, options: RingOptions, scores_applied: Literal[
 
 def saving_op(
     expert_fn: ExpertFn, options: RingOptions, scores_applied: Literal["after", "before"], device: torch.device,
-    shape: BlockShape | None, cal: Calibration | None, owners: tuple[int, int] = (1, 1),
+    shape: BlockShape | None, cal: Calibration | None, owners: tuple[int, int] | OwnerOptions = (1, 1),
 ) -> bool:
     """Whether a call of these runs as ``ring_moe_saving`` (else the plain ``ring_moe`` op).
 
@@ -94,4 +95,4 @@ def call_saves(
         expert_bytes=sum(w.numel() * w.element_size() for w in weights) // max(1, experts_per_rank),
         expert_params=params)
     cal = calibration_for(x.device).with_link(link_gbps(ring.group, options.link_gbps))
-    return saving_op(expert_fn, options, scores_applied, x.device, shape, cal, grouped_owners(shape))
+    return saving_op(expert_fn, options, scores_applied, x.device, shape, cal, owner_options(shape))

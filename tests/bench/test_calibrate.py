@@ -46,16 +46,16 @@ class Calibration(unittest.TestCase):
                 self.assertLessEqual(p["ms"], unsaved)
 
     def test_the_ops_all_to_all_ratio_is_read_where_a_call_keeps_that_path(self) -> None:
-        # EP=8: at 4096 tokens a call keeps the op's path (ring_moe default 1.6x a2a eager); at 16384 the compile-time
+        # EP=8: at 4096 tokens a call keeps the op's path (ring_moe default 1.6x a2a eager); at 12288 the compile-time
         # keep would keep the traced all-to-all, but a call runs the ring; at 131072 both run the ring. Only the
         # first says anything of the op's path. A recorded call overrides the prediction.
         points = [{"ep": 8, "tokens": t, "row": row, "ms": ms}
                   for t, row, ms in ((4096, "a2a eager", 10.0), (4096, "ring_moe default", 16.0),
-                                     (16384, "a2a eager", 20.0), (16384, "ring_moe default", 20.5),
+                                     (12288, "a2a eager", 20.0), (12288, "ring_moe default", 20.5),
                                      (131072, "a2a eager", 100.0), (131072, "ring_moe default", 70.0))]
-        self.assertEqual(choose(qwen3_shape(16384), routing="auto", ring="auto", cal=H200).execution, "all_to_all")
+        self.assertEqual(choose(qwen3_shape(12288), routing="auto", ring="auto", cal=H200).execution, "all_to_all")
         self.assertEqual(op_a2a_ratios(H200, LAYER, points), [1.6])
-        self.assertEqual(op_a2a_ratios(H200, LAYER, points, {(8, 4096): "expert", (8, 16384): "all_to_all"}),
+        self.assertEqual(op_a2a_ratios(H200, LAYER, points, {(8, 4096): "expert", (8, 12288): "all_to_all"}),
                          [1.025])
         sweep = {"decisions": [{"ep": 8, "tokens": 4096, "call": {"execution": "all_to_all"}}, {"ep": 8, "tokens": 1}]}
         self.assertEqual(recorded_calls(sweep), {(8, 4096): "all_to_all"})

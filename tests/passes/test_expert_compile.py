@@ -25,6 +25,7 @@ from relay_compile.backend import compiled_reports
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
 from relay_compile.runtime import compiled_experts
 from relay_compile.runtime.compiled_experts import CompiledExpertFn, compile_expert_fn
+from relay_compile.runtime.cost_model import OwnerOptions
 from relay_compile.runtime.region_fn import RegionExpertFn
 from relay_compile.runtime.specs import spec_state
 from tests.models.unrecognized_experts import NormedDataDependentMoE, NormedScoresFirstMoE
@@ -199,7 +200,7 @@ class CompiledExpertsTrainLikeEager(Idioms):
             seen = len(compiled_reports())
             # Grouped experts would hold (2, 3) owners per hop here; a compiled F holds one (no grouped entry
             # points), and the report predicts with that.
-            with unittest.mock.patch("relay_compile.report.grouped_owners", return_value=(2, 3)):
+            with unittest.mock.patch("relay_compile.report.owner_options", return_value=OwnerOptions((2, 3))):
                 self.check_rewritten_and_equal_to_eager(build, what)
             (region,) = [r for g in compiled_reports()[seen:] for r in g.regions]
             self.assertTrue(region.experts.startswith("compiled (aot_eager): "), f"{what}: {region.experts}")
