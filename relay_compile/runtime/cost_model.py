@@ -432,7 +432,7 @@ def _saves(shape: BlockShape, unsaved: TimeEstimate, a2a: TimeEstimate, saving: 
 
 
 def _fastest_larger_stack(shape: BlockShape, cal: Calibration, larger: tuple[tuple[int, int], ...],
-                       max_hop_rows: MaxHopRows) -> tuple[TimeEstimate, tuple[int, int]] | None:
+                          max_hop_rows: MaxHopRows) -> tuple[TimeEstimate, tuple[int, int]] | None:
     """The fastest expert ring among the ``larger`` owner stacks, and its owners (None: none given)."""
     rings = [(ring_time(shape, "expert", cal, owners_per_hop=f, backward_owners=b, max_hop_rows=max_hop_rows),
               (f, b)) for f, b in larger]
