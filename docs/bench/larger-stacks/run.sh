@@ -11,6 +11,8 @@ sweep ring-ep64 200 --ep 64 --tokens 20480 24576 40960 --no-compile --rows "ring
 sweep ring-ep8 80 --ep 8 --tokens 16384 --no-compile --rows "ring_moe default" "ring expert" "ring expert saved"
 if [ "${2:-}" = backend ]; then
   sweep backend-ep64 200 --ep 64 --tokens 16384 20480 --rows "relaymoe backend"
+  # On the H200's constants the backend now runs EP=8 16384 as a 2 / 1 ring (it kept the all-to-all).
+  sweep backend-ep8 150 --ep 8 --tokens 16384 --rows "relaymoe backend" "ring expert saved"
 fi
 python - "$OUT" <<'PY'
 import glob, json, sys
