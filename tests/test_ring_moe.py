@@ -158,7 +158,16 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
                 self.assert_matches_a2a(case, routing="expert", max_hop_rows=5)
             self.assert_matches_a2a("random", routing="expert", remat=False)  # runs no chunk padded
             self.check_bf16_matches_a2a_to_bf16_rounding()
-        self.assertTrue(any(p is not None and p.used for p in planned), "no backward chunk ran padded")
+            self.assertTrue(any(p is not None and p.used for p in planned), "no backward chunk ran padded")
+            # Beside saved projections: a padded chunk reads its rows' projections (gathered into its padded
+            # layout; padding rows take a real pair's, times score 0) instead of recomputing them.
+            planned.clear()
+            with projections_read() as given:
+                for case in ROUTER_CASES:
+                    self.assert_matches_a2a(case, routing="expert", save_projections=True)
+                self.assert_matches_a2a("random", routing="expert", save_projections=True, max_hop_rows=5)
+            self.assertTrue(given and all(given), "a backward chunk recomputed its projections")
+        self.assertTrue(any(p is not None and p.used for p in planned), "no chunk ran padded beside projections")
 
     def test_saved_projections_match_a2a_and_replace_the_recompute(self) -> None:
         # save_projections=True: the forward keeps every pair's first projection and the backward reads it

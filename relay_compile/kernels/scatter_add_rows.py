@@ -74,11 +74,12 @@ def scatter_add_rows_(
         tail_offset = 0 if tail_TH is None else (tail_TH.data_ptr() - sum_TH.data_ptr()) // sum_TH.element_size()
         grid = (rows, -(-hidden // _BLOCK_H))
         kernel[grid](sum_TH, tok_S, rows_SH, scale, hidden, sum_TH.stride(0), rows_SH.stride(0), split, tail_offset,
-                     HAS_SCALE=scale_S1 is not None, BLOCK_H=_BLOCK_H, num_warps=4)
+                     HAS_SCALE=scale_S1 is not None, BLOCK_H=_BLOCK_H, num_warps=_NUM_WARPS)
 
 
 # Columns per program: H=2048 (Qwen3) is two programs per row; 1024 bf16 = 2 KiB per load.
 _BLOCK_H = 1024
+_NUM_WARPS = 4
 
 
 def _kernel_applies(

@@ -222,14 +222,14 @@ class ExpertRoutingStep:
             self.projections_PU = first.new_empty((routing.order_P.shape[0], first.shape[1]))
         elif isinstance(projections, Tensor):
             self.projections_PU = projections
-        # Padded and equal-group chunks are planned for one owner per hop (stacks run their chunks as they are),
-        # and not beside saved projections (their rows are the pairs', unpadded).
+        # Padded and equal-group chunks are planned for one owner per hop (stacks run their chunks as they are);
+        # chunk programs not beside saved projections (their static buffers take the rows' own projections),
+        # equal groups beside them too (a padded chunk gathers its rows' saved projections, ``segment_backward``).
         saved = self.projections_PU is not None
         graphs = g == 1 and not saved and cfg.pads_chunks and grouped_mm_supported(x_TH, *self.weights[:2])
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
         self.equal = (EqualGroups.plan(self.chunks, routing.tokens_P, self.scores_S)
-                      if g == 1 and not saved and self.backward and self.padded is None and cfg.pads_equal_groups
-                      else None)
+                      if g == 1 and self.backward and self.padded is None and cfg.pads_equal_groups else None)
         # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
         if self.grad_y_TH is None:
             self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))

@@ -299,6 +299,7 @@ def segment_backward(
             _padded_vjp(cfg, rows, chunk, padded, x_TH, weights, dy_TH, dx, ds_S, dw)
             continue
         equal = rows.equal.of(chunk) if rows.equal is not None else None
+        saved = rows.projections_PU
         if equal is not None:  # padded to equal groups: the padded rows' tokens, scores and score gradients
             assert rows.equal is not None
             q0, q1 = equal.start, equal.end
@@ -306,19 +307,19 @@ def segment_backward(
             tok_S, chunk_score_S = rows.equal.tok_Q[equal_rows], rows.equal.score_Q[equal_rows]
             chunk_ds_S = rows.equal.ds_Q[equal_rows]
             offsets_G, rows_G = equal.offsets_G, (equal.rows,) * equal.groups
+            chunk_saved = None if saved is None else _padded_projections(saved, rows.equal.pos_Q[equal_rows])
         else:
             c0, c1 = chunk.start, chunk.end
             tok_S, chunk_score_S, chunk_ds_S = rows.routing.tokens_P[c0:c1], rows.scores_S[c0:c1], ds_S[c0:c1]
             offsets_G, rows_G = chunk.offsets_G, chunk.rows
+            chunk_saved = None if saved is None else saved[c0:c1]
         if grouped is not None:
             chunk_weights = _chunk_weights(cfg, weights, chunk)
             # The score gradients are written in place into the step's (no buffer and copy per chunk).
-            saved = rows.projections_PU
             dx_SH, ds_out, dws = grouped.vjp_rows(
                 x_TH, tok_S, offsets_G, rows_G, chunk_weights, dy_TH, chunk_score_S,
                 grad_dtype=cfg.sum_dtype(dw.weights[0]), grad_into=functools.partial(dw.sink, chunk),
-                d_score_out=chunk_ds_S,
-                **({} if saved is None else {"projections": saved[chunk.start : chunk.end]}),
+                d_score_out=chunk_ds_S, **({} if chunk_saved is None else {"projections": chunk_saved}),
             )
         else:
             dx_SH, ds_out, dws = fused(
@@ -330,6 +331,13 @@ def segment_backward(
         dx.add_(tok_S, dx_SH)
         if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
             dw.add(dws, chunk if grouped is not None else None)
+
+
+def _padded_projections(saved_PU: Tensor, pos_Q: Tensor) -> Tensor:
+    """A padded chunk's saved first projections, row for row with its padded rows (``EqualGroups.pos_Q``: each
+    row's sorted pair, ``P`` for padding). A padding row takes pair ``P - 1``'s: any finite row does, since its
+    score is 0 (its output gradient, and all it contributes, are exact zeros)."""
+    return torch.index_select(saved_PU, 0, pos_Q.clamp(max=saved_PU.shape[0] - 1))
 
 
 def _padded_vjp(

@@ -1,0 +1,101 @@
+"""The ring's fp32 scatter-add of rows (``kernels.scatter_add_rows``) at the EP=8, 65536-token hop shapes: GPU time
+per call for columns per program x warps, then the forced ring at that size with the current and the fastest
+configuration beside a2a eager (interleaved rounds).
+
+    python docs/bench/ep8-gpu/scatter_tune.py [--rounds 5]
+"""
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+
+from relay_compile import ring_moe
+from relay_compile.bench.configs import QWEN3_30B
+from relay_compile.bench.inputs import make_inputs
+from relay_compile.bench.measure import quiet_warnings
+from relay_compile.bench.standin_group import standin_group
+from relay_compile.kernels import scatter_add_rows as sar
+from relay_compile.reference import a2a_moe
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--rounds", type=int, default=5)
+args = ap.parse_args()
+quiet_warnings()
+tokens, hidden = 65536, 2048
+gen = torch.Generator(device="cuda").manual_seed(0)
+sum_TH = torch.zeros(tokens, hidden, device="cuda", dtype=torch.float32)
+
+
+def gpu_us(fn, iters=20):
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+best = {}
+for rows in (16384, 32768):
+    tok_S = torch.randint(0, tokens, (rows,), device="cuda", generator=gen)
+    rows_SH = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scale_S1 = torch.rand(rows, 1, device="cuda", generator=gen)
+    want = sum_TH.clone().zero_()
+    sar.reference(want, tok_S, rows_SH, scale_S1)
+    print(f"rows {rows}: bytes read {rows * hidden * 2 / 1e6:.0f} MB, fp32 adds {rows * hidden * 4 / 1e6:.0f} MB")
+    for block_h, warps in itertools.product((512, 1024, 2048), (2, 4, 8, 16)):
+        sar._BLOCK_H, sar._NUM_WARPS = block_h, warps
+        got = torch.zeros_like(sum_TH)
+        sar.scatter_add_rows_(got, tok_S, rows_SH, scale_S1)
+        err = (got - want).abs().max().item()
+        us = gpu_us(lambda: sar.scatter_add_rows_(sum_TH, tok_S, rows_SH, scale_S1))
+        best.setdefault(rows, []).append((us, block_h, warps))
+        print(f"  BLOCK_H {block_h:5d} warps {warps:2d}: {us:8.1f} us  ({rows * hidden * 6 / us / 1e6:.2f} TB/s of"
+              f" rows + sums)  max err {err:.1e}")
+sar._BLOCK_H, sar._NUM_WARPS = 1024, 4
+fastest = min(((b, w) for _, b, w in best[16384]),
+              key=lambda cfg: sum(us for r in best for us, b, w in best[r] if (b, w) == cfg))
+print(f"fastest over both sizes: BLOCK_H {fastest[0]} warps {fastest[1]}")
+
+cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=8, tokens=65536)
+group = standin_group(8)
+inp = make_inputs(cfg)
+
+
+def ring(x, i, s, *w):
+    return ring_moe(x, i, s, *w, group=group, routing="expert", ring="always", save_projections=False)
+
+
+def step(fn):
+    inp.clear_grads()
+    fn(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights).backward(inp.grad_y_TH)
+
+
+def with_config(block_h, warps):
+    def run(*a):
+        sar._BLOCK_H, sar._NUM_WARPS = block_h, warps
+        return ring(*a)
+    return run
+
+
+rows_ = {"a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
+         "ring (1024, 4)": with_config(1024, 4), f"ring {fastest}": with_config(*fastest)}
+times = {n: [] for n in rows_}
+for _ in range(2):
+    for fn in rows_.values():
+        step(fn)
+for _ in range(args.rounds):
+    for n, fn in rows_.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(fn)
+        torch.cuda.synchronize()
+        times[n].append((time.perf_counter() - t0) * 1e3)
+ref = statistics.median(times["a2a eager"])
+for n, ts in times.items():
+    m = statistics.median(ts)
+    print(f"| {n} | {m:.2f} ms | {m / ref:.3f}x | spread {(max(ts) - min(ts)) / m:.0%} |")
