@@ -14,7 +14,7 @@ import torch
 from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
-from relay_compile.bench.measure import quiet_warnings
+from relay_compile.bench.measure import gpu_us_per_call, quiet_warnings
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.kernels import scatter_add_rows as sar
 from relay_compile.reference import a2a_moe
@@ -26,17 +26,6 @@ quiet_warnings()
 tokens, hidden = 65536, 2048
 gen = torch.Generator(device="cuda").manual_seed(0)
 sum_TH = torch.zeros(tokens, hidden, device="cuda", dtype=torch.float32)
-
-
-def gpu_us(fn, iters=20):
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 best = {}
@@ -52,7 +41,7 @@ for rows in (16384, 32768):
         got = torch.zeros_like(sum_TH)
         sar.scatter_add_rows_(got, tok_S, rows_SH, scale_S1)
         err = (got - want).abs().max().item()
-        us = gpu_us(lambda: sar.scatter_add_rows_(sum_TH, tok_S, rows_SH, scale_S1))
+        us = gpu_us_per_call(lambda: sar.scatter_add_rows_(sum_TH, tok_S, rows_SH, scale_S1), calls=20)
         best.setdefault(rows, []).append((us, block_h, warps))
         print(f"  BLOCK_H {block_h:5d} warps {warps:2d}: {us:8.1f} us  ({rows * hidden * 6 / us / 1e6:.2f} TB/s of"
               f" rows + sums)  max err {err:.1e}")
