@@ -244,7 +244,9 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     (``transport.group_link_gbps``), against the traced all-to-all the kept region runs. The op weighs a call's
     ring against its own all-to-all path instead (``cost_model.choose(kept="op")``, ~1.5x the traced one), so a
     region kept here is one the op would keep or run as a ring between 1.0x and that ratio of the traced time;
-    up to what only a call knows (the other ranks' token counts and links, the probe's verdict on F).
+    up to what only a call knows (the other ranks' token counts and links, the probe's verdict on F). The memory
+    budget of the larger owner stacks is taken at this rank's T (a call's is the group's smallest T): a call
+    where another rank holds fewer tokens may fall back to the rules' stack, and its decision to that ring's.
     """
     x = node_value(region.x)
     if options.ring == "never":

@@ -212,11 +212,12 @@ def _swiglu_vjp(
     x_TH: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LUH: Tensor, w2_LHF: Tensor,
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
     rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
-    d_score_out: Tensor | None = None, projections_SU: Tensor | None = None,
+    d_score_out: Tensor | None = None, projections_SU: Tensor | None = None, projections_writable: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
     (then ``db13``, ``db2`` for the biases ``biases`` has). ``projections_SU``: the rows' ``h13`` as the forward
-    saved them (not recomputed, not overwritten: ``[dh1, dh3]`` go to a buffer of their own).
+    saved them (not recomputed; not overwritten unless ``projections_writable``: else ``[dh1, dh3]`` go to a
+    buffer of their own).
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
@@ -229,7 +230,7 @@ def _swiglu_vjp(
     b = biases or _Biases()
     dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b,
                                            projections_SU)
-    dh13_out = None if projections_SU is None else torch.empty_like(h13_SU)
+    dh13_out = None if projections_SU is None or projections_writable else torch.empty_like(h13_SU)
     d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out, dh13_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
         d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
@@ -472,7 +473,12 @@ class GroupedFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
+        projections_writable: bool = False,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """The fused backward of a chunk's rows (``GroupedExperts.vjp_rows``). ``projections``: the rows' saved
+        first projections, read instead of recomputed; ``projections_writable``: they are this call's own copy
+        (a padded chunk's gather), which the SwiGLU backward overwrites with their gradients instead of writing
+        those to a buffer of their own."""
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
         biases = self._biases(weights, offsets_G, x_TH.shape[0] if tok_S is None else tok_S.shape[0])
@@ -481,7 +487,7 @@ class GroupedFFN:
             return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
                             grad_into, biases, d_score_out, projections)
         return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases,
-                           d_score_out, projections)
+                           d_score_out, projections, projections_writable)
 
 
 def ffn_expert_fn(

@@ -204,6 +204,46 @@ class FusedSwiGLUBackward(unittest.TestCase):
                 torch.testing.assert_close(g, w, rtol=0, atol=0, msg=activation)
             torch.testing.assert_close(saved, kept, rtol=0, atol=0, equal_nan=True, msg=activation)
 
+    def test_a_padding_row_adds_exact_zeros_whatever_projections_it_reads(self) -> None:
+        # Equal groups beside saved projections (segment_compute._padded_projections): each expert padded to
+        # equal rows, a padding row (token 0, score 0) reading another pair's saved projections. It adds exact
+        # zeros (its dx row is 0; the weight and bias gradients are those of the real rows), for gated and plain
+        # activations with biases; projections_writable (a padded chunk's own gather) gives the same results
+        # bit for bit and overwrites only that copy.
+        for activation in ("swiglu", "gelu"):
+            fn = ffn_expert_fn(activation, biases=(True, True))
+            x, counts, w1, w2, w3, dy, score = _case("cpu", torch.float32, [4, 2])
+            gen = torch.Generator().manual_seed(2)
+            b1, b3, b2 = (torch.randn(2, n, generator=gen) for n in (w1.shape[1], w1.shape[1], w2.shape[1]))
+            packed = fn.pack([w1, w2, w3, b1, b3, b2] if activation in GATED else [w1, w2, b1, b2])
+            offsets, rows = torch.cumsum(counts, 0, dtype=torch.int32), counts.tolist()
+            saved = torch.empty(x.shape[0], packed[0].shape[1])
+            fn.forward_rows(x, offsets, rows, packed, save_into=saved)
+            want = fn.vjp_rows(x, torch.arange(6), offsets, rows, packed, dy, score, projections=saved)
+            # Expert 1 padded from 2 rows to 4: pairs 0-3, 4, 5, then two padding rows (pos P: pair P - 1's row).
+            pos_Q = torch.tensor([0, 1, 2, 3, 4, 5, 6, 6])
+            tok_Q = torch.cat([torch.arange(6), torch.zeros(2, dtype=torch.int64)])
+            score_Q = torch.cat([score, score.new_zeros(2)])
+            padded_offsets = torch.tensor([4, 8], dtype=torch.int32)
+            gathered = torch.index_select(saved, 0, pos_Q.clamp(max=5))
+            for writable in (False, True):
+                own = gathered.clone()
+                got = fn.vjp_rows(x, tok_Q, padded_offsets, [4, 4], packed, dy, score_Q, projections=own,
+                                  projections_writable=writable)
+                what = f"{activation} writable={writable}"
+                self.assertTrue(bool((got[0][6:] == 0).all()), what)
+                torch.testing.assert_close(got[0][:6], want[0], rtol=1e-6, atol=1e-6, msg=what)
+                torch.testing.assert_close(got[1][:6], want[1], rtol=1e-6, atol=1e-6, msg=what)
+                for g, w in zip(got[2], want[2], strict=True):
+                    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=what)
+                if not writable:
+                    first = got
+                    torch.testing.assert_close(own, gathered, rtol=0, atol=0, msg=what)  # read only
+                else:
+                    for g, f in zip([got[0], got[1], *got[2]], [first[0], first[1], *first[2]], strict=True):
+                        torch.testing.assert_close(g, f, rtol=0, atol=0, msg=what)
+                    self.assertEqual(activation == "swiglu", not torch.equal(own, gathered), what)
+
     def test_grouped_expert_functions_are_told_apart_from_others_as_the_protocol_tells_them(self) -> None:
         from relay_compile.runtime.fp8_experts import fp8_experts
 

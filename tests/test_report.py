@@ -129,7 +129,7 @@ class Summary(unittest.TestCase):
             # 256 / (66 + 31) = 2.64: the forward's second owner per hop (REFERENCE_OWNER_BYTES)
             "  region 1 at all_to_all_single_2: rewritten, EP=4, routing auto -> expert, predicted peak a2a "
             "256.0 MiB, ring 97.0 MiB (2.6x)",
-            # The owners per hop the op will hold (grouped experts, cost_model.grouped_owners), not one.
+            # The owners per hop the op will hold (grouped experts, cost_model.owner_options), not one.
             "    runs as expert: expert ring (2/1 owners per forward/backward hop): predicted 2.88 ms against the "
             "all-to-all's 5.42 ms (h200 model: on CUDA)",
             # 256 / 24 = 10.67

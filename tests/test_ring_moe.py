@@ -162,11 +162,20 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
             # Beside saved projections: a padded chunk reads its rows' projections (gathered into its padded
             # layout; padding rows take a real pair's, times score 0) instead of recomputing them.
             planned.clear()
+            writable: list[bool] = []  # per chunk given projections: they are its own copy (a padded gather)
             with projections_read() as given:
-                for case in ROUTER_CASES:
-                    self.assert_matches_a2a(case, routing="expert", save_projections=True)
-                self.assert_matches_a2a("random", routing="expert", save_projections=True, max_hop_rows=5)
+                spied = GroupedFFN.vjp_rows
+
+                def vjp_rows(fn, *args, **kw):
+                    writable.append(kw.get("projections_writable", False))
+                    return spied(fn, *args, **kw)
+
+                with mock.patch.object(GroupedFFN, "vjp_rows", vjp_rows):
+                    for case in ROUTER_CASES:
+                        self.assert_matches_a2a(case, routing="expert", save_projections=True)
+                    self.assert_matches_a2a("random", routing="expert", save_projections=True, max_hop_rows=5)
             self.assertTrue(given and all(given), "a backward chunk recomputed its projections")
+            self.assertTrue(any(writable) and not all(writable), writable)  # padded chunks' only
         self.assertTrue(any(p is not None and p.used for p in planned), "no chunk ran padded beside projections")
 
     def test_saved_projections_match_a2a_and_replace_the_recompute(self) -> None:

@@ -117,7 +117,8 @@ def grouped_owners(shape: BlockShape, min_tokens: int | None = None, *, fp8: boo
 
     The runtime reads the packed weights (``runtime.ops``); this reads what a compile-time decision has (the
     region's shapes, before the expert function is packed), so the decisions made before the op runs (the
-    compile-time keep, the token switch's threshold, the report) predict the ring the op will run. It takes the
+    compile-time keep, the token switch's threshold, the report: through ``owner_options``, which adds the larger
+    stacks ``choose`` may take) predict the ring the op will run. It takes the
     packed layout of a grouped FFN: two matrices per expert, ``(out, H)`` in and ``(H, in)`` out, whose
     ``out + in`` rows sum to ``2 H + params / H`` (SwiGLU packed ``[w1; w3]``: ``2H + 3F``).
     ``min_tokens``: the group's smallest token count (its memory budget; default ``shape.tokens``). ``fp8``: the
@@ -403,7 +404,9 @@ class Choice:
     reason: str
     times: dict[str, TimeEstimate]  # "expert", "token" (the ring's routings considered), "a2a", "op_a2a" (kept="op")
     peaks: dict[str, int]  # predicted_peak_bytes
-    owners: tuple[int, int] = (1, 1)  # the expert ring's owners per forward and per backward hop, predicted with
+    # The expert ring's owners per forward and per backward hop: what the op holds where it runs that ring (a
+    # larger stack than the rules' where ``choose`` took one), else the rules'.
+    owners: tuple[int, int] = (1, 1)
     saves: bool = False  # the expert ring saves its first projections (``times["expert"]``, ``peaks`` with them)
 
     def as_dict(self) -> dict[str, object]:
@@ -489,7 +492,7 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     held = f" ({forward}/{backward} owners per forward/backward hop{widened})" if grouped else ""
     if ring == "never":
         return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks,
-                      owners=(forward, backward))
+                      owners=stacks.rules)
     faster = ring_ms <= a2a_ms
     if faster:
         why = f"predicted {ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms"
@@ -499,7 +502,7 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     elif ring == "always":
         why = f"option ring='always' (predicted {ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms)"
     else:
-        return Choice(execution="all_to_all", times=times, peaks=peaks, owners=(forward, backward), reason=(
+        return Choice(execution="all_to_all", times=times, peaks=peaks, owners=stacks.rules, reason=(
             f"the {best} ring{held} is predicted slower ({ring_ms:.2f} ms against {against} {a2a_ms:.2f} ms; peak "
             f"{mib['ring']:.0f} MiB against {mib['a2a']:.0f} MiB); ring='memory' or 'always' runs it"))
     # Saved projections speed up a ring that runs; they never decide that it runs (module docstring).
@@ -512,4 +515,4 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
         held += ", projections saved"
         why += f"; saved, predicted {times['expert'].total_ms:.2f} ms"
     return Choice(execution=best, reason=f"{best} ring{held}: {why}", times=times, peaks=peaks,
-                  owners=(forward, backward), saves=saves)
+                  owners=(forward, backward) if best == "expert" else stacks.rules, saves=saves)

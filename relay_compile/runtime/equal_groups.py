@@ -15,6 +15,9 @@ on token 0 with score 0. Those add exact zeros to ``dx`` (their score-scaled out
 everything the backward derives from them) and to the weight gradients; their score gradients land in the
 table's own ``ds_Q`` and only the real pairs' are copied into the step's (``scores_grad_into``, once per step).
 
+Beside saved projections (``save_projections``) a padded chunk reads its rows' projections gathered into its
+padded layout (``segment_compute._padded_projections``; a padding row takes a real pair's, times score 0).
+
 On CUDA only (where ``uniform_rows`` batches): elsewhere the padding would be work for nothing.
 
 Legend: P sorted pairs of a step, Q padded rows of a step, G experts of a chunk.

@@ -201,23 +201,27 @@ class LoweredFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
+        projections_writable: bool = False,
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         """The fused backward; where F computes in another dtype than the rows' (torchtitan: bf16 GEMMs on fp32
         parameters and rows), on this chunk's rows cast to it and the packed weights (cast once per step, by
         ``pack``), as autograd through F's casts would: ``dy`` rounded to the GEMMs' dtype, ``dx`` cast back to
         the rows' dtype. Weight gradients stay in the GEMMs' dtype (or ``grad_dtype``) while they sum over chunks
-        and hops, and ``unpack_grads`` casts them to the parameters' dtype once per step.
+        and hops, and ``unpack_grads`` casts them to the parameters' dtype once per step. ``projections``,
+        ``projections_writable``: as ``GroupedFFN.vjp_rows``.
         """
         assert self.has_fused_backward, f"{self.__qualname__}: no fused backward"
         dtype = self.plan.compute_dtype
         if dtype is None or dtype == x_TH.dtype == dy_TH.dtype:
             return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into,
-                                       d_score_out, projections=projections)
+                                       d_score_out, projections=projections,
+                                       projections_writable=projections_writable)
         # Gathered, then cast: the chunk's rows only, never a cast copy of all T rows per chunk.
         x_SH = (x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)).to(dtype)
         dy_SH = (dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)).to(dtype)
         dx_SH, d_score_S, dws = self.inner.vjp_rows(x_SH, None, offsets_G, rows_G, weights, dy_SH, score_S,
-                                                    grad_dtype, grad_into, d_score_out, projections=projections)
+                                                    grad_dtype, grad_into, d_score_out, projections=projections,
+                                                    projections_writable=projections_writable)
         return dx_SH.to(x_TH.dtype), d_score_S, dws
 
     # --- ExpertFn (the probe, and callers without grouped entry points) ---

@@ -54,7 +54,8 @@ def saving_op(
     """Whether a call of these runs as ``ring_moe_saving`` (else the plain ``ring_moe`` op).
 
     ``shape``: the block's sizes on this rank (None: not static, as a dynamic token count at compile time);
-    ``cal``: the device's time model; ``owners``: the expert ring's owners per forward / backward hop. Under
+    ``cal``: the device's time model; ``owners``: the expert ring's owners per forward / backward hop, or the
+    rules' and larger stacks (``cost_model.OwnerOptions``, as ``choose`` takes them). Under
     ``"auto"`` only where ``cost_model.choose`` would save at ``shape`` (a calibrated device, static sizes);
     under True wherever ``can_save``.
     """

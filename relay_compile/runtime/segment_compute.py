@@ -319,7 +319,10 @@ def segment_backward(
             dx_SH, ds_out, dws = grouped.vjp_rows(
                 x_TH, tok_S, offsets_G, rows_G, chunk_weights, dy_TH, chunk_score_S,
                 grad_dtype=cfg.sum_dtype(dw.weights[0]), grad_into=functools.partial(dw.sink, chunk),
-                d_score_out=chunk_ds_S, **({} if chunk_saved is None else {"projections": chunk_saved}),
+                d_score_out=chunk_ds_S,
+                # A padded chunk's projections are its own gather: overwritten by their gradients, no second buffer.
+                **({} if chunk_saved is None else {"projections": chunk_saved,
+                                                   "projections_writable": equal is not None}),
             )
         else:
             dx_SH, ds_out, dws = fused(
@@ -335,8 +338,9 @@ def segment_backward(
 
 def _padded_projections(saved_PU: Tensor, pos_Q: Tensor) -> Tensor:
     """A padded chunk's saved first projections, row for row with its padded rows (``EqualGroups.pos_Q``: each
-    row's sorted pair, ``P`` for padding). A padding row takes pair ``P - 1``'s: any finite row does, since its
-    score is 0 (its output gradient, and all it contributes, are exact zeros)."""
+    row's sorted pair, ``P`` for padding), in a copy of their own. A padding row takes pair ``P - 1``'s (written:
+    every pair meets its expert on one hop): any finite row does, since its score is 0, so everything it adds to
+    ``dx`` and to the weight and bias gradients is exactly zero (its score gradient goes to the padding slot)."""
     return torch.index_select(saved_PU, 0, pos_Q.clamp(max=saved_PU.shape[0] - 1))
 
 

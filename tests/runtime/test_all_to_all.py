@@ -42,6 +42,7 @@ from relay_compile.runtime.cost_model import (
     a2a_time,
     choose,
     grouped_owners,
+    owner_options,
     predicted_peak_bytes,
     ring_time,
 )
@@ -89,7 +90,8 @@ class Decision(unittest.TestCase):
         from relay_compile.passes.dynamic_keep import _keeps, ring_from_tokens
         from relay_compile.runtime.ring_options import RingOptions
 
-        # Grouped experts hold grouped_owners per hop, which change with T; an F without grouped entry points one.
+        # Grouped experts hold owner_options' stacks per hop, which change with T; an F without grouped entry
+        # points one.
         for ep, ring, grouped in itertools.product((8, 64), ("auto", "memory"), (True, False)):
             options = RingOptions(ring=ring)
             start = ring_from_tokens(qwen3(1, ep), options, grouped)
@@ -124,6 +126,10 @@ class Decision(unittest.TestCase):
         for ring in ("always", "memory"):
             self.assertEqual(choose(shape, routing="auto", ring=ring, cal=H200).owners, (4, 2), ring)
         self.assertEqual(choose(qwen3(32768, 64), routing="auto", ring="auto", cal=H200).owners, (4, 2))
+        # A block kept although a larger stack was tried holds the rules' owners (what a forced ring would).
+        kept = choose(qwen3(16384, 8), routing="auto", ring="auto", cal=H100)
+        self.assertEqual((kept.execution, kept.owners), ("all_to_all", (1, 1)), kept.reason)
+        self.assertIn("beyond the rules' 1/1", kept.reason)
 
     def test_at_ep64_a_ring_once_chosen_stays_chosen_as_tokens_grow(self) -> None:
         # The rules' owners step down as hops grow (8 / 4 at 16384 tokens, 4 / 2 from 16385, 2 / 1 from 32769):
@@ -138,7 +144,8 @@ class Decision(unittest.TestCase):
 
     def test_decisions_before_the_op_predict_the_owners_per_hop_the_op_holds(self) -> None:
         # The compile-time keep, the token switch and the report predict from the block's sizes
-        # (grouped_owners); the op from its packed weights (runtime.ops, ring_options rules): they must agree, or
+        # (cost_model.grouped_owners, owner_options); the op from its packed weights (runtime.ops, ring_options
+        # rules): they must agree, or
         # a region is kept at compile time that the op would run as a ring. Qwen3 (SwiGLU, packed [w13, w2]) and
         # a non-gated FFN ([w1, w2]), bf16 and fp32, and FP8 hops, EP 8-128, 1024-131072 tokens.
         for activation, elem, ep, tokens in itertools.product(
@@ -153,6 +160,9 @@ class Decision(unittest.TestCase):
             shape = BlockShape(tokens=tokens, hidden=h, ffn=f, top_k=8, experts_per_rank=e_l, group_size=ep,
                                elem_bytes=elem, expert_bytes=sum(w.numel() for w in unpacked) // e_l * elem)
             self.assertEqual(grouped_owners(shape), (owners_per_hop(hop), backward_owners_per_hop(hop)),
+                             (activation, elem, ep, tokens))
+            # ... and the larger stacks the cost model may take instead (cost_model.owner_options).
+            self.assertEqual(list(owner_options(shape).larger), larger_owners(hop, grouped_owners(shape)),
                              (activation, elem, ep, tokens))
             if activation == "swiglu" and elem == 2:  # FP8 hops: E4M3 q13, fp32 s13, q2, s2 (fp8_experts.pack)
                 fp8 = [((e_l, 2 * f, h), e_l * 2 * f * h), ((e_l,), 4 * e_l), ((e_l, h, f), e_l * h * f),

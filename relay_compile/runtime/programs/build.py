@@ -16,7 +16,8 @@ it one hop behind (expert backward: weight gradients; token routing: the outputs
     after hop N-1:  ring_start/ring_wait of trail_{N-1} only: accumulators return to their owners
     output:         finish(step, *trail)
 
-Expert routing's forward with ``g = sched.owners_per_hop > 1`` (small hops: ``ring_options.owners_per_hop``)
+Expert routing's forward with ``g = sched.owners_per_hop > 1`` (small hops: ``ring_options.owners_per_hop``; or
+the cost model's larger stack where the rules' ring would lose, ``ops._owners``)
 holds ``g`` owners' weights per hop, stacked in one tensor per weight, and moves them ``g`` ranks per hop:
 
     hop 0:          ring_start(..., *circ_0, stride=s, slot=g-1-s)  s = 1..g-1: own weights to rank r+s, owner

@@ -44,9 +44,10 @@ def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphM
 
 
 def hop_owners(direction: Direction, routing: Routing, grouped_experts: bool, shape: HopShape) -> int:
-    """Owners per hop of the program (``ring_options.owners_per_hop``, ``backward_owners_per_hop``): more than one
-    only in expert routing, of an expert function with grouped entry points (a stack of owners' weights is one
-    operand of its grouped GEMMs; any other F takes one partition per call)."""
+    """The rules' owners per hop (``ring_options.owners_per_hop``, ``backward_owners_per_hop``): more than one only
+    in expert routing, of an expert function with grouped entry points (a stack of owners' weights is one operand
+    of its grouped GEMMs; any other F takes one partition per call). A call holds them unless the cost model chose
+    a larger stack (``ops._owners``)."""
     if routing != "expert" or not grouped_experts:
         return 1
     return owners_per_hop(shape) if direction == "forward" else backward_owners_per_hop(shape)
@@ -56,7 +57,7 @@ def program_for(
     spec: RingSpec, direction: Direction, routing: Routing, group_size: int, num_weights: int, owners: int = 1
 ) -> fx.GraphModule:
     """The program ``spec`` runs in ``direction`` with ``routing`` on ``group_size`` ranks, ``owners`` per hop
-    (``hop_owners``).
+    (``ops._owners``: the cost model's choice, else the rules', ``hop_owners``).
 
     ``num_weights``: the weight tensors the op receives (the expert function may pack them into fewer).
     """

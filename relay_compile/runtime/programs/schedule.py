@@ -31,8 +31,8 @@ class RingSchedule:
     ``num_circulating``: tensors that move each hop. ``num_trailing``: accumulators one hop behind.
     ``num_replayed``: backward only, the circulating tensors the replay ring needs (a prefix).
     ``owners_per_hop``: expert routing only, ``g`` owners' weights per hop (``build``: the grouped forward and
-    backward; ``ring_options.owners_per_hop`` and ``backward_owners_per_hop`` decide it); ``num_hops`` stays the
-    ring's size ``N``.
+    backward; the rules ``ring_options.owners_per_hop`` and ``backward_owners_per_hop`` decide it, or the cost
+    model a larger stack, ``ops._owners``); ``num_hops`` stays the ring's size ``N``.
     """
 
     direction: Direction
