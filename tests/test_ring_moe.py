@@ -203,15 +203,15 @@ class RingMoEMatchesAllToAll(DistributedTestCase):
         # save) and holds the buffer; the group's agreement (the cost model on "CUDA") then saves wherever the
         # expert ring runs, although at these tiny shapes the model itself would not (the saved ring's peak is above
         # the all-to-all's): deciding again could only leave every rank's buffer unused.
-        from relay_compile.runtime import agreement
+        from relay_compile.runtime import decision
 
-        real_execution = agreement._execution
+        real_execution = decision.decide
 
         def on_cuda(asked, ring, cuda, *args):
             return real_execution(asked, ring, True, *args)
 
         with projections_read() as given, mock.patch("relay_compile.ring_moe.call_saves", return_value=True), \
-                mock.patch.object(agreement, "_execution", on_cuda):
+                mock.patch.object(decision, "decide", on_cuda):
             forced = functools.partial(ring_moe, ring="always")
             self.assert_matches_a2a("random", forced, routing="expert", save_projections="auto")
         self.assertTrue(given and all(given), "a rank's saving op was not given its projections back")
@@ -421,9 +421,9 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
         # Where the rules' ring would lose, the cost model may choose a larger stack (cost_model.choose, "beyond
         # the rules'"); the op then holds the choice's owners per hop, not the rules' (one at these shapes). The
         # decision (the model on "CUDA") is patched to choose two per forward and per backward hop.
-        from relay_compile.runtime import agreement, ops
+        from relay_compile.runtime import decision, ops
 
-        real_choose, real_execution, real_program_for = agreement.choose, agreement._execution, ops.program_for
+        real_choose, real_execution, real_program_for = decision.choose, decision.decide, ops.program_for
         held: list[tuple[str, int]] = []
 
         def widened(shape, **kw):
@@ -437,7 +437,7 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
             held.append((direction, owners))
             return real_program_for(spec, direction, routing, size, num_weights, owners)
 
-        with mock.patch.object(agreement, "_execution", on_cuda), mock.patch.object(agreement, "choose", widened), \
+        with mock.patch.object(decision, "decide", on_cuda), mock.patch.object(decision, "choose", widened), \
                 mock.patch.object(ops, "program_for", program_for):
             for case in ROUTER_CASES:
                 self.assert_matches_a2a(case, routing="expert")

@@ -42,24 +42,17 @@ import functools
 import operator
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from relay_compile.routing import ROUTINGS, Routing, choose_routing, per_hop_bytes
-from relay_compile.runtime.cost_model import (
-    CALIBRATIONS,
-    H200,
-    BlockShape,
-    Calibration,
-    Choice,
-    Execution,
-    OwnerOptions,
-    choose,
-)
-from relay_compile.runtime.ring_options import RINGS, MaxHopRows, RingOptions
+from relay_compile.routing import ROUTINGS, Routing, per_hop_bytes
+from relay_compile.runtime import decision
+from relay_compile.runtime.cost_model import Choice, Execution
+from relay_compile.runtime.decision import BlockSizes
+from relay_compile.runtime.ring_options import RINGS, RingOptions
 from relay_compile.runtime.transport import (
     RingGroup,
     RingPeerError,
@@ -248,18 +241,6 @@ class Agreement:
     saves: bool = False
 
 
-@dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """What the cost model needs besides the agreed token counts (``runtime.cost_model.BlockShape``): the same
-    on every rank once the claims agree. ``owners``: owners per forward and per backward hop of expert routing
-    the ring may hold, for token counts (the rules', and larger stacks for grouped experts)."""
-
-    ffn: int
-    expert_params: int
-    max_hop_rows: MaxHopRows
-    owners: Callable[[list[int]], tuple[int, int] | OwnerOptions]
-
-
 @dataclass(kw_only=True)
 class _GroupState:
     counts_cap: int = 0  # counts travel in the row when the group's expert count fits (same on every rank)
@@ -308,7 +289,7 @@ def agree(
     per expert (device).
     ``weight_bytes``, ``elem_bytes``: this rank's weight bytes and token element size; ``grad_bytes``,
     ``sum_elem_bytes``: the same for the sums that travel (``routing.per_hop_bytes``), for ``routing="auto"``.
-    ``sizes``: for the cost model (``_execution``; None: routing by bytes, and the ring, as without a model).
+    ``sizes``: for the cost model (``decision.decide``; None: routing by bytes, and the ring, as without a model).
     ``counts_agreed``: ``counts_E`` are on the host, as an earlier agreement on these routing arguments read them
     (a backward's, from its forward): the row then holds nothing the device computes, and the exchange does not
     wait for the compute stream (``_exchange``). The table is the same either way.
@@ -326,13 +307,14 @@ def agree(
         expert_grad_bytes=grad_bytes // max(1, head[_AT["experts_per_rank"]]), sum_elem_bytes=sum_elem_bytes,
     )
     tokens_N = [row[_AT["tokens"]] for row in table]
-    cal = agreed_calibration(head[_AT["machine"]]).with_link(agreed_link([row[_AT["link"]] for row in table]))
+    cal = decision.agreed_calibration(head[_AT["machine"]]).with_link(
+        decision.agreed_link([row[_AT["link"]] for row in table]))
     # Every rank runs a saving op (each claims 1 or 2): each decided before the call that this call saves and
     # holds the projections' buffer already, so the group saves wherever the expert ring runs (as under True);
     # deciding again from the group's largest T could only waste that buffer.
     saving = 2 if min(row[_AT["saves"]] for row in table) else 0
-    execution, choice = _execution(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]], bool(head[_AT["cuda"]]),
-                                   volume_args, tokens_N, ring.size, sizes, cal, saving)
+    execution, choice = decision.decide(ROUTINGS[head[_AT["routing"]]], RINGS[head[_AT["ring"]]],
+                                        bool(head[_AT["cuda"]]), volume_args, tokens_N, ring.size, sizes, cal, saving)
     if counts_NE[ring.rank] is None:
         # NOTE: the group's first call with this many experts: counts did not fit the row.
         counts_NE = (all_gather_rows(ring, counts_E.to(bad_ids.device)).tolist() if execution == "token"
@@ -344,42 +326,6 @@ def agree(
         volumes={mode: per_hop_bytes(mode, **volume_args) for mode in ("expert", "token")},
         saves=execution == "expert" and (choice.saves if choice is not None else saving == 2),
     )
-
-
-def agreed_link(links_N: Sequence[int]) -> float | None:
-    """The link the group's decision takes hops to cross, from every rank's header (``link``, MB/s; 0: device
-    copies): the slowest, since a hop waits for every rank's transfer (one rank's NIC, or a rank that was told
-    ``link_gbps`` of the network the others do not see, slows them all). None where no rank crosses a link."""
-    crossing = [v for v in links_N if v]
-    return min(crossing) / 1000 if crossing else None
-
-
-def agreed_calibration(machine: int) -> Calibration:
-    """The time model's constants the group decides with: rank 0's device's (``machine``, its header's
-    ``cost_model.calibration_code``; 0: ``H200``). Every rank reads the same row; a group of mixed GPU kinds
-    decides alike, by one of them."""
-    return CALIBRATIONS[machine - 1] if machine else H200
-
-
-def _execution(asked: str, ring: str, cuda: bool, volume_args: dict[str, int], tokens_N: list[int], size: int,
-               sizes: BlockSizes | None, cal: Calibration = H200, saving: int = 0) -> tuple[Execution, Choice | None]:
-    """The options ``routing`` and ``ring`` resolved from agreed values only (the same on every rank): by the
-    cost model where it is calibrated (CUDA: ``cal``, rank 0's device's constants, with transfers over the
-    group's slowest link or as device copies), else routing by bytes and the ring. ``saving``: 2 where every rank
-    runs a saving op (the expert ring saves wherever it runs), else 0."""
-    if cuda and sizes is not None and (asked == "auto" or ring != "always" or saving):
-        shape = BlockShape(
-            tokens=max(tokens_N), hidden=volume_args["hidden"], ffn=sizes.ffn, top_k=volume_args["top_k"],
-            experts_per_rank=volume_args["experts_per_rank"], group_size=size, elem_bytes=volume_args["elem_bytes"],
-            expert_bytes=volume_args["expert_bytes"], expert_params=sizes.expert_params)
-        # The all-to-all a call keeps is the op's own path: the ring runs wherever it beats that.
-        choice = choose(shape, routing=asked, ring=ring, cal=cal, owners=sizes.owners(tokens_N),
-                        max_hop_rows=sizes.max_hop_rows, saving=saving, kept="op")
-        return choice.execution, choice
-    if ring == "never":
-        return "all_to_all", None
-    routing: Routing = choose_routing(**volume_args) if asked == "auto" else asked  # type: ignore[assignment]
-    return routing, None
 
 
 def _own(ring: RingGroup, counts_E: Tensor) -> list[list[int] | None]:

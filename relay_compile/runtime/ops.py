@@ -19,7 +19,7 @@ packed first matrix's columns and dtype) in the step's sorted-pair order, which 
 recomputing that GEMM per hop; it holds them from forward to backward, so it is emitted only where that memory
 is granted (``runtime.saved_projections``). Where a call does not run as a saving expert ring (the agreement
 chose the all-to-all or token routing, or a rank cannot save), the projections are left unwritten and the
-backward, which decides alike from the same agreed values (``agreement._execution`` reads no direction), does
+backward, which decides alike from the same agreed values (``decision.decide`` reads no direction), does
 not read them.
 
 Per call:
@@ -49,13 +49,13 @@ from relay_compile.runtime import equal_groups, program_dumps
 from relay_compile.runtime.agreement import (
     Agreement,
     BadArgument,
-    BlockSizes,
     Claims,
     agree,
     agree_kept,
     remember_status,
 )
 from relay_compile.runtime.cost_model import OwnerOptions, calibration_code, calibration_for
+from relay_compile.runtime.decision import BlockSizes
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
     ExpertRoutingStep,

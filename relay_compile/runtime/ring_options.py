@@ -241,7 +241,7 @@ class RingOptions:
       network's per-GPU bandwidth, to plan a ring that spans nodes); ``"auto"``: from the group's backend
       (``transport.link_gbps``: NCCL an NVLink-class link, 450, or 50 across nodes; a group without device
       links, such as the one-GPU stand-in, device copies). Not checked alike: a call decides with the slowest
-      link any rank reports (``agreement.agreed_link``), a compile-time keep with this rank's own.
+      link any rank reports (``decision.agreed_link``), a compile-time keep with this rank's own.
     - ``save_projections``: the expert ring's forward keeps every pair's first projection (``T*K`` rows of
       ``2F`` for SwiGLU) until the backward, whose hops then skip recomputing that GEMM (a sixth of the
       ring's GEMM flops). True wherever the ring runs in expert routing with grouped FFN experts (scores

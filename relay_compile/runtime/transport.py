@@ -472,7 +472,7 @@ def link_gbps(group: dist.ProcessGroup | None, option: float | str = "auto") -> 
     (``spans_nodes``). Any other group has no device link to model: the one-GPU stand-in
     (``bench.standin_group``) copies on the device, which is how the calibration measured it; gloo runs on the
     CPU, where the model does not decide. The group decides with the slowest link any rank reports
-    (``agreement.agreed_link``).
+    (``decision.agreed_link``).
     """
     if option != "auto":
         return float(option)

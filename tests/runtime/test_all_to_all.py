@@ -1,5 +1,5 @@
 """The block run as its all-to-all (``ring="never"``, ``runtime.all_to_all``) against the reference layer, on real
-gloo process groups, and the decision that picks it (``runtime.cost_model.choose``, ``runtime.agreement``).
+gloo process groups, and the decision that picks it (``runtime.cost_model.choose``, ``runtime.decision``).
 
 The all-to-all path runs the spec's own expert function (grouped experts, or an expert function without a fused
 backward), scores after or before it, for every routing case of ``tests.test_ring_moe`` (adversarial: one expert,
@@ -28,7 +28,7 @@ from relay_compile.backend import compiled_reports
 from relay_compile.comm_events import count_comm_events
 from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
-from relay_compile.runtime import agreement, all_to_all, cost_model, ops, segment_compute
+from relay_compile.runtime import agreement, all_to_all, cost_model, decision, ops, segment_compute
 from relay_compile.experts import GroupedFFN
 from relay_compile.runtime.cost_model import (
     H100,
@@ -194,8 +194,8 @@ class Decision(unittest.TestCase):
             self.assertEqual([spans_nodes(r) for r in ([0, 7], [8, 15], [7, 8], [0, 8, 16], [3])],
                              [False, False, True, True, False])
         # The group decides with the slowest link any rank crosses (header values in MB/s; 0: device copies).
-        self.assertEqual(agreement.agreed_link([450_000, 50_000, 450_000]), 50.0)
-        self.assertIsNone(agreement.agreed_link([0, 0]))
+        self.assertEqual(decision.agreed_link([450_000, 50_000, 450_000]), 50.0)
+        self.assertIsNone(decision.agreed_link([0, 0]))
         # Qwen3, EP=8, 14336 tokens: the all-to-all's four exchanges over NVLink are exposed, the ring's transfers
         # hide behind its hops; with device copies (the stand-in) the all-to-all is the faster.
         copies = choose(qwen3(14336, 8), routing="auto", ring="auto", cal=H200)
@@ -212,7 +212,7 @@ class Decision(unittest.TestCase):
         self.assertEqual(H200.with_link(50).describe(), "h200 model, 50 GB/s link")
 
     def test_the_device_picks_its_calibration_and_the_group_decides_with_rank_0s(self) -> None:
-        from relay_compile.runtime.agreement import agreed_calibration
+        from relay_compile.runtime.decision import agreed_calibration
 
         for name, want in (("NVIDIA H100 80GB HBM3", H100), ("NVIDIA H200", H200), ("NVIDIA B200", H200)):
             with mock.patch.object(cost_model, "_device_name", return_value=name):
@@ -406,7 +406,7 @@ class AllToAllPath(DistributedTestCase):
         from the largest, so every rank runs the all-to-all (and the result matches the reference)."""
         world = dist.get_world_size()
         decided: list[tuple[str, int, str]] = []
-        real_choose, real_execution = agreement.choose, agreement._execution
+        real_choose, real_execution = decision.choose, decision.decide
 
         def threshold_choose(shape: BlockShape, **kw) -> Choice:
             # All costs zero but the GEMMs and the all-to-all's fixed host time, set between the ring's times at
@@ -428,8 +428,8 @@ class AllToAllPath(DistributedTestCase):
         x, ids, scores = routed_inputs("uneven", self.rank, world, self.e_l * world, seed=5)
         weights = local_weights(self.rank, self.e_l, world)
         want = forward_backward(a2a_moe, x, ids, scores, weights, self.rank)
-        with mock.patch.object(agreement, "choose", threshold_choose), \
-                mock.patch.object(agreement, "_execution", on_cuda):
+        with mock.patch.object(decision, "choose", threshold_choose), \
+                mock.patch.object(decision, "decide", on_cuda):
             got = forward_backward(ring_moe, x, ids, scores, weights, self.rank)
         for name, g, w in zip(("y", "dx", "d_scores", "dw1", "dw2", "dw3"), got, want, strict=True):
             assert_close_rel(g, w, 1e-5, f"agreed decision {name}")
@@ -439,7 +439,7 @@ class AllToAllPath(DistributedTestCase):
         dist.all_gather_object(own, decided[0][2] == "all_to_all")
         self.assertEqual(own, [False, False, True, True])  # what each count alone decides: a ring, or not
         # Links are not checked alike: rank 1 crosses a 50 GB/s network the others do not see (gloo: no link), and
-        # every rank decides with the slowest link (agreement.agreed_link), forward and backward. Nor are GPU kinds:
+        # every rank decides with the slowest link (decision.agreed_link), forward and backward. Nor are GPU kinds:
         # rank 0 has an H100, the others not; every rank decides with rank 0's constants (agreed_calibration).
         # A call keeps the op's own all-to-all path, and weighs the ring against it (kept="op").
         used: list[tuple[str, float | None, str]] = []
@@ -449,8 +449,8 @@ class AllToAllPath(DistributedTestCase):
             return real_choose(shape, **kw)
 
         # Neither is a disagreement: the table's one-comparison check passes (the field-by-field checks never run).
-        with mock.patch.object(agreement, "choose", recording_choose), \
-                mock.patch.object(agreement, "_execution", on_cuda), \
+        with mock.patch.object(decision, "choose", recording_choose), \
+                mock.patch.object(decision, "decide", on_cuda), \
                 mock.patch.object(ops, "calibration_for", lambda device: H100 if self.rank == 0 else H200), \
                 mock.patch.object(agreement, "_check_problems", wraps=agreement._check_problems) as slow_check:
             forward_backward(ring_moe, x, ids, scores, weights, self.rank, link_gbps=50 if self.rank == 1 else "auto")
