@@ -124,8 +124,7 @@ def grouped_owners(shape: BlockShape, min_tokens: int | None = None, *, fp8: boo
     ``min_tokens``: the group's smallest token count (its memory budget; default ``shape.tokens``). ``fp8``: the
     weights circulate in E4M3 (``runtime.fp8_experts``: one byte a weight and an fp32 scale per matrix).
     """
-    hop = _hop_shape(shape, min_tokens, fp8)
-    return owners_per_hop(hop), backward_owners_per_hop(hop)
+    return owner_options(shape, min_tokens, fp8=fp8).rules
 
 
 @dataclass(frozen=True)

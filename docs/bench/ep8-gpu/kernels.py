@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
-from relay_compile.bench.measure import quiet_warnings
+from relay_compile.bench.measure import forward_backward, quiet_warnings
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.reference import a2a_moe
 
@@ -36,8 +36,7 @@ rows = {
 
 def step(fn):
     inp.clear_grads()
-    y = fn(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights)
-    y.backward(inp.grad_y_TH)
+    forward_backward(fn, inp)
 
 
 for name, fn in rows.items():

@@ -7,14 +7,13 @@ configuration beside a2a eager (interleaved rounds).
 import argparse
 import itertools
 import statistics
-import time
 
 import torch
 
 from relay_compile import ring_moe
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.bench.inputs import make_inputs
-from relay_compile.bench.measure import gpu_us_per_call, quiet_warnings
+from relay_compile.bench.measure import gpu_us_per_call, quiet_warnings, time_step
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.kernels import scatter_add_rows as sar
 from relay_compile.reference import a2a_moe
@@ -59,11 +58,6 @@ def ring(x, i, s, *w):
     return ring_moe(x, i, s, *w, group=group, routing="expert", ring="always", save_projections=False)
 
 
-def step(fn):
-    inp.clear_grads()
-    fn(inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights).backward(inp.grad_y_TH)
-
-
 def with_config(block_h, warps):
     def run(*a):
         sar._BLOCK_H, sar._NUM_WARPS = block_h, warps
@@ -74,16 +68,11 @@ def with_config(block_h, warps):
 rows_ = {"a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
          "ring (1024, 4)": with_config(1024, 4), f"ring {fastest}": with_config(*fastest)}
 times = {n: [] for n in rows_}
-for _ in range(2):
-    for fn in rows_.values():
-        step(fn)
-for _ in range(args.rounds):
+for round_ in range(2 + args.rounds):  # two warm-up rounds, then interleaved fwd+bwd
     for n, fn in rows_.items():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(fn)
-        torch.cuda.synchronize()
-        times[n].append((time.perf_counter() - t0) * 1e3)
+        ms = sum(time_step(fn, inp, "cuda"))
+        if round_ >= 2:
+            times[n].append(ms)
 ref = statistics.median(times["a2a eager"])
 for n, ts in times.items():
     m = statistics.median(ts)
