@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The EP=8 65536 GPU levers (issue 24's 0.7x bar): the scatter-add's tile x warps and the ring with the fastest,
+# then the per-kernel census (recomputing and saved ring beside a2a eager). Usage: bash docs/bench/ep8-gpu/run.sh OUT
+set -uo pipefail
+OUT=$1
+source docs/bench/h200-sweep-2/setup.sh
+timeout 240 python docs/bench/ep8-gpu/scatter_tune.py 2>&1 | quiet | tee $OUT/scatter_tune.log | grep -v "^  BLOCK" 
+timeout 200 python docs/bench/ep8-gpu/kernels.py 2>&1 | quiet > $OUT/kernels.log
+grep "==\|scatter_add\|triton" $OUT/kernels.log | cut -c1-140
