@@ -48,6 +48,7 @@ from relay_compile.grouped_gemm import (
     offsets_or_counts,
 )
 from relay_compile.kernels.swiglu_backward import swiglu_backward_
+from relay_compile.kernels.swiglu_forward import swiglu_forward
 
 ExpertFn = Callable[[Tensor, Tensor, list[int], Sequence[Tensor]], Tensor]
 # ``vjp(x_SH, counts_NL, splits_N, weights, dy_SH, score_S) -> (dx_SH, d_score_S, d_weights)`` of
@@ -358,7 +359,10 @@ def _gated_packed(
     h13_SU = add_bias(grouped_linear(x_SH, w13_LUH, offsets_L, counts_host), b.first, b.expert_S)
     if save_into is not None:
         save_into.copy_(h13_SU)
-    h_SF = activation_fn(activation)(h13_SU[:, :ffn]) * h13_SU[:, ffn:]
+    if activation == "swiglu":
+        h_SF = swiglu_forward(h13_SU)  # one pass over both halves (a Triton kernel on CUDA)
+    else:
+        h_SF = activation_fn(activation)(h13_SU[:, :ffn]) * h13_SU[:, ffn:]
     return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
 
 

@@ -4,6 +4,7 @@
 set -uo pipefail
 OUT=$1
 source docs/bench/h200-sweep-2/setup.sh
+timeout 120 python -m pytest -q tests/test_swiglu_forward.py tests/test_scatter_add_rows.py tests/test_experts.py 2>&1 | tail -3 | tee $OUT/tests.log
 timeout 240 python docs/bench/ep8-gpu/scatter_tune.py 2>&1 | quiet | tee $OUT/scatter_tune.log | grep -v "^  BLOCK" 
 timeout 200 python docs/bench/ep8-gpu/kernels.py 2>&1 | quiet > $OUT/kernels.log
 grep "==\|scatter_add\|triton" $OUT/kernels.log | cut -c1-140

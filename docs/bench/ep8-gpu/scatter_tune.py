@@ -1,6 +1,7 @@
 """The ring's fp32 scatter-add of rows (``kernels.scatter_add_rows``) at the EP=8, 65536-token hop shapes: GPU time
 per call for columns per program x warps, then the forced ring at that size with the current and the fastest
-configuration beside a2a eager (interleaved rounds).
+configuration beside a2a eager (interleaved rounds), and the ring with SwiGLU's forward pointwise step eager
+(``kernels.swiglu_forward`` off) for its A/B.
 
     python docs/bench/ep8-gpu/scatter_tune.py [--rounds 5]
 """
@@ -16,6 +17,7 @@ from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.measure import gpu_us_per_call, quiet_warnings, time_step
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.kernels import scatter_add_rows as sar
+from relay_compile.kernels import swiglu_forward
 from relay_compile.reference import a2a_moe
 
 ap = argparse.ArgumentParser()
@@ -65,8 +67,18 @@ def with_config(block_h, warps):
     return run
 
 
+def eager_swiglu(*a):
+    applies = swiglu_forward.applies
+    swiglu_forward.applies = lambda h: False
+    try:
+        return with_config(1024, 4)(*a)
+    finally:
+        swiglu_forward.applies = applies
+
+
 rows_ = {"a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
-         "ring (1024, 4)": with_config(1024, 4), f"ring {fastest}": with_config(*fastest)}
+         "ring (1024, 4)": with_config(1024, 4), f"ring {fastest}": with_config(*fastest),
+         "ring (1024, 4), swiglu forward eager": eager_swiglu}
 times = {n: [] for n in rows_}
 for round_ in range(2 + args.rounds):  # two warm-up rounds, then interleaved fwd+bwd
     for n, fn in rows_.items():
