@@ -8,3 +8,8 @@ timeout 120 python -m pytest -q tests/test_swiglu_forward.py tests/test_scatter_
 timeout 240 python docs/bench/ep8-gpu/scatter_tune.py 2>&1 | quiet | tee $OUT/scatter_tune.log | grep -v "^  BLOCK" 
 timeout 200 python docs/bench/ep8-gpu/kernels.py 2>&1 | quiet > $OUT/kernels.log
 grep "==\|scatter_add\|triton" $OUT/kernels.log | cut -c1-140
+for shape in "64 4096" "8 16384"; do
+  set -- $shape
+  timeout 120 python docs/bench/hop-host/profile.py --ep $1 --tokens $2 2>&1 | quiet > $OUT/host-profile-ep$1-$2.log
+  head -1 $OUT/host-profile-ep$1-$2.log
+done
