@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The EP=8 65536 GPU levers (issue 24's 0.7x bar): the scatter-add's tile x warps and the ring with the fastest,
-# then the per-kernel census (recomputing and saved ring beside a2a eager). Usage: bash docs/bench/ep8-gpu/run.sh OUT
+# Issue 24's GPU levers in one call: the kernels' CUDA tests, what a kernel launch costs the host
+# (hop-host/launch.py), where the forced ring's host time goes (hop-host/profile.py), the scatter-add's tile x
+# warps and the ring with the fastest and with SwiGLU's forward eager, then the per-kernel census (recomputing and
+# saved ring beside a2a eager). Usage: bash docs/bench/ep8-gpu/run.sh OUT
 set -uo pipefail
 OUT=$1
 source docs/bench/h200-sweep-2/setup.sh
 timeout 120 python -m pytest -q tests/test_swiglu_forward.py tests/test_scatter_add_rows.py tests/test_experts.py 2>&1 | tail -3 | tee $OUT/tests.log
-timeout 240 python docs/bench/ep8-gpu/scatter_tune.py 2>&1 | quiet | tee $OUT/scatter_tune.log | grep -v "^  BLOCK" 
-timeout 200 python docs/bench/ep8-gpu/kernels.py 2>&1 | quiet > $OUT/kernels.log
-grep "==\|scatter_add\|triton" $OUT/kernels.log | cut -c1-140
+timeout 60 python docs/bench/hop-host/launch.py 2>&1 | quiet | tee $OUT/launch.log
 for shape in "64 4096" "8 16384"; do
   set -- $shape
-  timeout 120 python docs/bench/hop-host/profile.py --ep $1 --tokens $2 2>&1 | quiet > $OUT/host-profile-ep$1-$2.log
+  timeout 90 python docs/bench/hop-host/profile.py --ep $1 --tokens $2 2>&1 | quiet > $OUT/host-profile-ep$1-$2.log
   head -1 $OUT/host-profile-ep$1-$2.log
 done
+timeout 200 python docs/bench/ep8-gpu/scatter_tune.py 2>&1 | quiet | tee $OUT/scatter_tune.log | grep -v "^  BLOCK"
+timeout 120 python docs/bench/ep8-gpu/kernels.py 2>&1 | quiet > $OUT/kernels.log
+grep "==\|scatter_add\|swiglu\|elementwise_kernel<128" $OUT/kernels.log | cut -c1-140
