@@ -337,8 +337,12 @@ def _own(ring: RingGroup, counts_E: Tensor) -> list[list[int] | None]:
 def _agree_without_counts(ring: RingGroup, claims: Claims, device: torch.device) -> list[list[int]]:
     """The group's exchange for a call that carries no expert counts (a failure, a kept region, a token switch):
     the table, checked alike on every rank."""
-    no_counts = torch.zeros(0, dtype=torch.int64, device=device)
-    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring))
+    # Nothing in the row is computed on the device: it is gathered beside the compute stream (``_exchange``), so
+    # a kept region's or a token switch's exchange does not wait for the work queued before it.
+    # (``bad_ids`` names the group's device only: a host row has no bad ids.)
+    no_counts = torch.zeros(0, dtype=torch.int64)
+    table = _exchange(ring, claims, torch.zeros(1, dtype=torch.int64, device=device), no_counts, _group_state(ring),
+                      counts_agreed=True)
     _check(ring, claims, table)
     return table
 
@@ -357,7 +361,8 @@ def _exchange(
     fit); the table on the host. Consumes the group's unread status.
 
     With ``counts_agreed`` (``counts_E`` on the host, as an earlier agreement checked them: no bad ids) that fit the
-    row (they do once that agreement ran: the cap only grows) the row is built on the host and gathered beside the compute stream
+    row (they do once that agreement ran: the cap only grows), or no counts at all (an exchange that carries none:
+    a kept region's, a token switch's), the row is built on the host and gathered beside the compute stream
     (``transport.beside_compute``): reading the table then waits for the exchange only, not for the work queued
     before it (a backward's exchange would otherwise wait for the rest of the forward, the loss and the later
     layers' backward, and the device would idle while this rank plans its hops). The unread status goes with it
@@ -365,7 +370,7 @@ def _exchange(
     """
     cap, device = state.counts_cap, bad_ids.device
     fits = 0 < len(counts_E) <= cap
-    if not counts_agreed or not fits:
+    if not counts_agreed or not (fits or len(counts_E) == 0):
         header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=device)
         status = state.take_status(waiting=True)
         status = header.new_zeros(1) if status is None else status.to(device)
@@ -491,7 +496,8 @@ def agree_kept(ring: RingGroup, device: torch.device, refused: bool = False) -> 
     """The exchange of a region that runs its all-to-alls (``relaymoe::kept_all_to_all``), before the region's
     first collective: kept at compile time by the cost model, or (``refused``) not rewritten at all. Every rank
     must have done the same (a rank that runs the ring instead is in the same exchange from its op, and all
-    raise ``RingInputError``). Reports a previous ring's failure alike."""
+    raise ``RingInputError``). Reports a previous ring's failure alike (once its status is computed: the exchange
+    runs beside the compute stream, ``_exchange``)."""
     _agree_without_counts(ring, Claims(kept=2 if refused else 1), device)
 
 
@@ -499,7 +505,7 @@ def agree_tokens(ring: RingGroup, device: torch.device, tokens: int) -> list[int
     """The exchange of a graph compiled twice (``runtime.token_switch``), before either variant runs: every
     rank's token count, from the group's table, so every rank chooses alike. A rank whose graph differs (it runs
     a ring op or a kept region's exchange instead) meets it in the same exchange, and all raise
-    ``RingInputError``. Reports a previous ring's failure alike."""
+    ``RingInputError``. Reports a previous ring's failure alike (once computed, as ``agree_kept``)."""
     table = _agree_without_counts(ring, Claims(kept=3, tokens=tokens), device)
     return [row[_AT["tokens"]] for row in table]
 

@@ -374,6 +374,25 @@ class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
                 if fwd_table[0][counts]:  # the group's first call sends none in the forward (the cap grows after)
                     self.assertEqual([r[counts] for r in fwd_table], [r[counts] for r in bwd_table], f"{case} {kw}")
         self.check_host_and_device_rows_are_one_table()
+        self.check_exchanges_without_counts_run_beside_the_compute_stream()
+
+    def check_exchanges_without_counts_run_beside_the_compute_stream(self) -> None:
+        """A kept region's and a token switch's rows hold nothing the device computes: built on the host and
+        gathered beside the compute stream, so they do not wait for the work queued before them."""
+        ring = transport.RingGroup.resolve(dist.group.WORLD.group_name)
+        entered = []
+        real = agreement.beside_compute
+
+        def spy(device):
+            entered.append(device)
+            return real(device)
+
+        with mock.patch.object(agreement, "beside_compute", spy), exchanges() as seen:
+            agreement.agree_kept(ring, torch.device("cpu"))
+            tokens_N = agreement.agree_tokens(ring, torch.device("cpu"), 7 + self.rank)
+        self.assertEqual(tokens_N, [7 + r for r in range(dist.get_world_size())])
+        self.assertEqual([host for _, host, _ in seen], [True, True])
+        self.assertEqual(len(entered), 2)
 
     def check_host_and_device_rows_are_one_table(self) -> None:
         """The same claims and counts, from the device and from the host: the same table, column for column."""
