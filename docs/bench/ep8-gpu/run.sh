@@ -16,3 +16,7 @@ done
 timeout 200 python docs/bench/ep8-gpu/scatter_tune.py 2>&1 | quiet | tee $OUT/scatter_tune.log | grep -v "^  BLOCK"
 timeout 120 python docs/bench/ep8-gpu/kernels.py 2>&1 | quiet > $OUT/kernels.log
 grep "==\|scatter_add\|swiglu\|elementwise_kernel<128" $OUT/kernels.log | cut -c1-140
+# The kept region's exchange beside the compute stream: with and without it (EP=64, 8192 tokens, aot_eager inner).
+timeout 150 python docs/bench/h200-kept/diag.py --ep 64 --tokens 8192 --repeats 9 --deadline 140 \
+  --rows eager "relaymoe/aot_eager" "relaymoe/aot_eager, no agreement" 2>&1 | quiet > $OUT/kept-ep64-8192.log
+grep "|" $OUT/kept-ep64-8192.log
