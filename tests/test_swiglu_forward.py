@@ -51,16 +51,17 @@ class SwiGLUForward(unittest.TestCase):
             import torch
             from relay_compile.kernels import swiglu_forward as k
             from tests.test_swiglu_forward import _case, _exact
-            for dtype, rows, ffn in ((torch.bfloat16, 37, 40), (torch.float32, 5, 24), (torch.bfloat16, 0, 8)):
+            # fp16 and fp32 (numpy has no bf16: the interpreter's bf16 rounding is not CUDA's; CUDA runs bf16),
+            # F not a multiple of the block, no rows.
+            for dtype, rows, ffn in ((torch.float16, 37, 40), (torch.float32, 5, 24), (torch.float16, 0, 8)):
                 h13 = _case(rows, ffn, dtype)
                 assert k.applies(h13), "the kernel must run under the interpreter"
                 got = k.swiglu_forward(h13)
                 assert got.dtype == dtype and got.shape == (rows, ffn) and got.is_contiguous()
-                want = k.reference(h13)
-                # fp32: equal to the eager form up to exp's last bit. bf16: within two ulps, as the interpreter
-                # (numpy, no bf16) rounds fp32 to bf16 by truncation where CUDA rounds to nearest.
-                torch.testing.assert_close(got, want, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
-                torch.testing.assert_close(got.double(), _exact(h13), rtol=2e-2, atol=1e-2)
+                # Equal to the eager form up to silu's last bits (the kernel's exp is not libm's).
+                torch.testing.assert_close(got, k.reference(h13), rtol=2e-3 if dtype == torch.float16 else 1e-6,
+                                           atol=1e-6)
+                torch.testing.assert_close(got.double(), _exact(h13), rtol=2e-3, atol=1e-3)
             print("ok")
         """)
         env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -79,8 +80,9 @@ class SwiGLUForward(unittest.TestCase):
         got = k.swiglu_forward(h13)
         want = k.reference(h13)
         mismatched = (got != want).float().mean().item()
-        self.assertLess(mismatched, 1e-3, "beyond silu's last bit in more than 0.1% of elements")
-        torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+        self.assertLess(mismatched, 1e-2, "not the eager form's bits in more than 1% of elements")
+        # A silu one bf16 step off can put the product two steps off (up to 1.56%).
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=0)
 
 
 if __name__ == "__main__":

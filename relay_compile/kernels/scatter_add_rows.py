@@ -77,9 +77,11 @@ def scatter_add_rows_(
                      HAS_SCALE=scale_S1 is not None, BLOCK_H=_BLOCK_H, num_warps=_NUM_WARPS)
 
 
-# Columns per program: H=2048 (Qwen3) is two programs per row; 1024 bf16 = 2 KiB per load.
-_BLOCK_H = 1024
-_NUM_WARPS = 4
+# Columns per program: H=2048 (Qwen3) is four programs per row. The kernel is bound by its fp32 atomics: every
+# tile and warp count tried (512-2048 x 2-16) ran within 6% at the EP=8 65536-token chunk shapes on an H100, and
+# this one fastest at both (137 / 263 us per 16384 / 32768 rows; docs/bench/ep8-gpu/, raw-2-h100).
+_BLOCK_H = 512
+_NUM_WARPS = 8
 
 
 def _kernel_applies(

@@ -42,12 +42,12 @@ def swiglu_forward(h13_SU: Tensor) -> Tensor:
 
 def applies(h13_SU: Tensor) -> bool:
     """Where the kernel runs: 2-d projections of even width with unit column stride, in a floating dtype below
-    fp32's width or fp32, on CUDA (or Triton's interpreter), outside of tracing (a traced graph takes the eager
-    form) and of autograd (the kernel has no derivative: the ring's forward runs under its own backward)."""
+    fp32's width or fp32, on CUDA (or Triton's interpreter), outside of tracing (a traced graph, symbolic
+    rows, takes the eager form) and of autograd (the kernel has no derivative: the ring's forward runs under its own backward)."""
     return (
         not h13_SU.requires_grad and (h13_SU.is_cuda or _interpreted()) and h13_SU.dim() == 2 and h13_SU.shape[-1] % 2 == 0
         and h13_SU.stride(-1) == 1 and h13_SU.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_compiling() and isinstance(h13_SU.shape[0], int)
     )
 
 

@@ -406,6 +406,9 @@ class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
         from_host = agreement._exchange(ring, claims, no_bad, counts_E.clone(), state, counts_agreed=True)
         self.assertEqual(from_host, from_device)
         self.assertEqual(from_host[1][agreement.COUNTS:], (counts_E // (self.rank + 1) * 2).tolist())
+        no_counts = torch.zeros(0, dtype=torch.int64)  # a kept region's or a token switch's row
+        self.assertEqual(agreement._exchange(ring, claims, no_bad, no_counts, state, counts_agreed=True),
+                         agreement._exchange(ring, claims, no_bad, no_counts, state))
 
     def test_a_backward_given_counts_of_another_shape_raises_on_every_rank(self) -> None:
         self.init_pg()

@@ -2,7 +2,7 @@
 # Issue 24's GPU levers in one call, most telling first, each part skipped once the call's budget (BUDGET
 # seconds, default 540) would not hold it: the new kernels' CUDA tests, what a kernel launch costs the host
 # (hop-host/launch.py), the scatter-add's tile x warps and the ring with the fastest and with SwiGLU's forward
-# eager, the per-kernel census, where the forced ring's host time goes (hop-host/profile.py), and the kept
+# eager, the per-kernel census, where the forced ring's host time goes (hop-host/host_profile.py), and the kept
 # region's exchange. Usage: bash docs/bench/ep8-gpu/run.sh OUT
 set -uo pipefail
 OUT=$1
@@ -16,7 +16,7 @@ fits 90 kernels && { timeout 90 python docs/bench/ep8-gpu/kernels.py 2>&1 | quie
   grep "==\|scatter_add\|swiglu\|elementwise_kernel<128" $OUT/kernels.log | cut -c1-140; }
 for shape in "64 4096" "8 16384"; do
   set -- $shape
-  fits 60 "profile $1 $2" && { timeout 60 python docs/bench/hop-host/profile.py --ep $1 --tokens $2 2>&1 | quiet > $OUT/host-profile-ep$1-$2.log
+  fits 60 "profile $1 $2" && { timeout 60 python docs/bench/hop-host/host_profile.py --ep $1 --tokens $2 2>&1 | quiet > $OUT/host-profile-ep$1-$2.log
     head -1 $OUT/host-profile-ep$1-$2.log; }
 done
 # The kept region's exchange beside the compute stream: with and without it (EP=64, 8192 tokens, aot_eager inner).

@@ -3,7 +3,7 @@ forced expert ring (stand-in EP, Qwen3 layer, bf16), after warm-ups; the host ti
 the profiler beside the device time. Prints the functions with the most own time and the package's with the
 most cumulative time, per hop pass.
 
-    python docs/bench/hop-host/profile.py [--ep 64] [--tokens 4096] [--steps 5] [--top 40]
+    python docs/bench/hop-host/host_profile.py [--ep 64] [--tokens 4096] [--steps 5] [--top 40]
 """
 import argparse
 import cProfile
