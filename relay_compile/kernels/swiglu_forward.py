@@ -5,7 +5,8 @@
 slice) and holds a ``(S, F)`` temporary between them. On CUDA one Triton program per row reads both halves once
 and writes ``act`` (``_kernel``); elsewhere (CPU tests, CI, traced graphs) ``reference`` is the eager form.
 Both round ``silu(h1)`` to the projections' dtype before the product, as the eager form does, so they agree
-up to the last bit of ``silu``. Legend: S rows, F expert FFN width, U = 2F (gate and up stacked).
+up to ``silu``'s last bits (Triton's ``exp`` is not libm's: a bf16 result at most two steps off).
+Legend: S rows, F expert FFN width, U = 2F (gate and up stacked).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def swiglu_forward(h13_SU: Tensor) -> Tensor:
 def applies(h13_SU: Tensor) -> bool:
     """Where the kernel runs: 2-d projections of even width with unit column stride, in a floating dtype below
     fp32's width or fp32, on CUDA (or Triton's interpreter), outside of tracing (a traced graph, symbolic
-    rows, takes the eager form) and of autograd (the kernel has no derivative: the ring's forward runs under its own backward)."""
+    rows, takes the eager form) and of autograd (the kernel has no derivative: the ring's forward runs under its
+    own backward)."""
     return (
-        not h13_SU.requires_grad and (h13_SU.is_cuda or _interpreted()) and h13_SU.dim() == 2 and h13_SU.shape[-1] % 2 == 0
-        and h13_SU.stride(-1) == 1 and h13_SU.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        not h13_SU.requires_grad and (h13_SU.is_cuda or _interpreted()) and h13_SU.dim() == 2
+        and h13_SU.shape[-1] % 2 == 0 and h13_SU.stride(-1) == 1
+        and h13_SU.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and not torch.compiler.is_compiling() and isinstance(h13_SU.shape[0], int)
     )
 
