@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import unittest
 
 import torch
 
 from relay_compile.grouped_gemm import grouped_weight_grad
 from relay_compile.kernels.grouped_weight_grad import reference
+from tests.triton_interpreter import run_interpreted
 
 # Uneven experts, an empty one and rows that fill no whole block of the kernel.
 COUNTS = [5, 0, 37, 16, 1]
@@ -47,7 +44,7 @@ class GroupedWeightGrad(unittest.TestCase):
     @unittest.skipIf(torch.cuda.is_available(), "on CUDA the compiled kernel is tested (test_triton_kernel_on_cuda)")
     def test_kernel_under_the_interpreter_equals_the_exact_products(self) -> None:
         # Triton's interpreter runs the kernel's index math on the CPU (in numpy, which has no bf16: fp16 rows).
-        script = textwrap.dedent("""
+        script = """
             import torch
             from relay_compile.kernels import grouped_weight_grad as k
             from tests.test_grouped_weight_grad import COUNTS, _case, _exact
@@ -62,15 +59,8 @@ class GroupedWeightGrad(unittest.TestCase):
                 k.grouped_weight_grad_(dy, x, offsets, got, accumulate=True)
                 torch.testing.assert_close(got.double(), base.double() + want, rtol=1e-5, atol=1e-4)
             print("ok")
-        """)
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                              timeout=120)
-        if "No module named 'triton'" in done.stderr:
-            self.skipTest("Triton is not installed")
-        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
-        self.assertIn("ok", done.stdout)
+        """
+        run_interpreted(self, script)
 
     def test_fp32_sums_over_offsets_need_the_host_counts_where_the_kernel_does_not_run(self) -> None:
         # On the CPU the offsets alone do not give fp32 sums: the loop over experts needs the host counts.

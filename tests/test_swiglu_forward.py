@@ -3,10 +3,6 @@ interpreter on the CPU)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import unittest
 import unittest.mock
 
@@ -14,6 +10,7 @@ import torch
 import torch.nn.functional as nnf
 
 from relay_compile.kernels import swiglu_forward as k
+from tests.triton_interpreter import run_interpreted
 
 
 def _case(rows: int = 37, ffn: int = 40, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
@@ -47,7 +44,7 @@ class SwiGLUForward(unittest.TestCase):
             self.assertTrue(k.applies(h13.detach()))
 
     def test_kernel_under_the_interpreter_equals_the_eager_form(self) -> None:
-        script = textwrap.dedent("""
+        script = """
             import torch
             from relay_compile.kernels import swiglu_forward as k
             from tests.test_swiglu_forward import _case, _exact
@@ -63,15 +60,8 @@ class SwiGLUForward(unittest.TestCase):
                                            atol=1e-6)
                 torch.testing.assert_close(got.double(), _exact(h13), rtol=2e-3, atol=1e-3)
             print("ok")
-        """)
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                              timeout=120)
-        if "No module named 'triton'" in done.stderr:
-            self.skipTest("Triton is not installed")
-        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
-        self.assertIn("ok", done.stdout)
+        """
+        run_interpreted(self, script)
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
     def test_triton_kernel_on_cuda(self) -> None:
