@@ -139,7 +139,14 @@ class OwnerOptions:
 
 def owner_options(shape: BlockShape, min_tokens: int | None = None, *, fp8: bool = False) -> OwnerOptions:
     """``grouped_owners`` and the larger stacks beside them, from the block's sizes (as ``grouped_owners``)."""
-    hop = _hop_shape(shape, min_tokens, fp8)
+    return stacks_of(_hop_shape(shape, min_tokens, fp8))
+
+
+def stacks_of(hop: HopShape) -> OwnerOptions:
+    """A grouped expert ring's owners at ``hop``: the rules' (``ring_options.owners_per_hop``,
+    ``backward_owners_per_hop``) and the larger stacks memory allows (``ring_options.larger_owners``). The op
+    reads ``hop`` off its packed weights (``ops``), a compile-time decision off the block's sizes
+    (``owner_options``)."""
     rules = (owners_per_hop(hop), backward_owners_per_hop(hop))
     return OwnerOptions(rules, tuple(larger_owners(hop, rules)))
 

@@ -54,7 +54,7 @@ from relay_compile.runtime.agreement import (
     agree_kept,
     remember_status,
 )
-from relay_compile.runtime.cost_model import OwnerOptions, calibration_code, calibration_for
+from relay_compile.runtime.cost_model import OwnerOptions, calibration_code, calibration_for, stacks_of
 from relay_compile.runtime.decision import BlockSizes
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
@@ -66,7 +66,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
-from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound, larger_owners
+from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
 from relay_compile.runtime.saved_projections import can_save
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
 from relay_compile.runtime.transport import RingGroup, RingRun
@@ -271,10 +271,7 @@ def _block_sizes(max_hop_rows: MaxHopRows, cfg: RingStepConfig, x: Tensor, topk_
 def _owner_options(cfg: RingStepConfig, hop: HopShape) -> OwnerOptions:
     """What the expert ring may hold per hop at ``hop``: the rules' owners and, for grouped experts, larger
     stacks (``ring_options.larger_owners``); an expert function without grouped entry points one owner."""
-    if cfg.grouped is None:
-        return OwnerOptions((1, 1))
-    rules = (hop_owners("forward", "expert", True, hop), hop_owners("backward", "expert", True, hop))
-    return OwnerOptions(rules, tuple(larger_owners(hop, rules)))
+    return OwnerOptions((1, 1)) if cfg.grouped is None else stacks_of(hop)
 
 
 @torch.library.custom_op("relaymoe::ring_moe", mutates_args=())
