@@ -77,8 +77,8 @@ def scatter_add_rows_(
                      HAS_SCALE=scale_S1 is not None, BLOCK_H=_BLOCK_H, num_warps=_NUM_WARPS)
 
 
-# Columns per program: H=2048 (Qwen3) is four programs per row. The kernel is bound by its fp32 atomics: every
-# tile and warp count tried (512-2048 x 2-16) ran within 6% at the EP=8 65536-token chunk shapes on an H100, and
+# Columns per program: H=2048 (Qwen3) is four programs per row. Every tile and warp count tried (512-2048 x 2-16)
+# ran within 6% at the EP=8 65536-token chunk shapes on an H100 (its fp32 atomics, not the tile, set the time),
 # this one fastest at both (137 / 263 us per 16384 / 32768 rows; docs/bench/ep8-gpu/, raw-2-h100).
 _BLOCK_H = 512
 _NUM_WARPS = 8
