@@ -1,0 +1,269 @@
+"""Where the GPU waits on the host: idle gaps of a profiled step, each put on the host code that ended it.
+
+A step whose kernels sum to less than its wall time leaves the GPU idle somewhere: after a host sync (the
+host then has to queue work again before the GPU sees any), or wherever the host falls behind (launch-bound
+hops). ``idle_gaps`` reads a Kineto chrome trace (``torch.profiler``, CPU + CUDA activities): the GPU is busy
+wherever any kernel, copy or fill runs on any stream; every idle interval of at least ``min_us`` becomes a
+``Gap``, put on the launch that ended it (the runtime or driver call with the first kernel's correlation id):
+the ``cpu_op`` chain around that launch and, where the trace has Python stacks (``with_stack=True``), the
+innermost frames of this package. ``runtime_calls`` counts the CUDA runtime and driver calls of the trace
+(launches, event records, syncs): the host's side of a hop pass.
+
+    python -m relay_compile.bench.gpu_idle --ep 8 --tokens 65536 --rows "a2a eager" "ring expert" [--stack]
+
+A profiler with stacks slows the host (every Python call is recorded), so gap sizes come from a run without
+``--stack`` and their places from one with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import json
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Trace categories: device work, the host calls that queue it, and host calls that wait for the device.
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
+SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy\0")  # a stream/event/device sync, a blocking copy
+PACKAGE = "relay_compile/"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gap:
+    """One interval in which no device work ran: ``start_us`` (trace clock) for ``dur_us``, ended by
+    ``next_kernel``, queued by ``launch`` inside ``ops`` (outermost first) and ``frames`` (this package's
+    innermost Python frames, outermost first; empty without stacks); ``after_sync``: the host waited for the
+    device (that call) just before the gap."""
+
+    start_us: float
+    dur_us: float
+    next_kernel: str
+    launch: str
+    ops: tuple[str, ...]
+    frames: tuple[str, ...]
+    after_sync: str | None
+
+    def place(self, depth: int = 2) -> str:
+        """Where the host was: the innermost ``depth`` package frames, else the op chain, else the launch."""
+        if self.frames:
+            return " > ".join(self.frames[-depth:])
+        return " > ".join(self.ops[-depth:]) or self.launch
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: float
+    end: float
+    name: str
+
+
+class _Nesting:
+    """Host spans of one category on one thread, to answer which of them enclose a time point."""
+
+    def __init__(self, spans: Iterable[_Span]) -> None:
+        self.spans = sorted(spans, key=lambda s: (s.start, -s.end))
+        self.starts = [s.start for s in self.spans]
+
+    def around(self, t: float) -> list[str]:
+        """Names of the spans that contain ``t``, outermost first."""
+        out = []
+        for s in self.spans[: bisect.bisect_right(self.starts, t)]:
+            if s.end >= t:
+                out.append(s.name)
+        return out
+
+
+def _busy(events: Sequence[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]]]:
+    """Device work merged into busy intervals: (start, end, the event that opened it), by start."""
+    work = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
+    merged: list[tuple[float, float, dict[str, Any]]] = []
+    for e in work:
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end), merged[-1][2])
+        else:
+            merged.append((start, end, e))
+    return merged
+
+
+def _frame(name: str) -> str | None:
+    """``relay_compile/runtime/ops.py(160): _run`` -> ``runtime/ops.py:_run``; None outside this package."""
+    at = name.find(PACKAGE)
+    if at < 0 or "): " not in name:
+        return None
+    path, func = name[at + len(PACKAGE):].split("): ", 1)
+    return f"{path.split('(')[0]}:{func}"
+
+
+def idle_gaps(events: Sequence[dict[str, Any]], min_us: float = 10.0) -> list[Gap]:
+    """The trace's device idle intervals of at least ``min_us`` between its first and last device work, in order."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    by_thread: dict[tuple[Any, Any, str], list[_Span]] = collections.defaultdict(list)
+    syncs: list[tuple[float, str]] = []
+    for e in events:
+        cat = e.get("cat")
+        if cat in ("cpu_op", "python_function") and "dur" in e:
+            by_thread[(e.get("pid"), e.get("tid"), cat)].append(
+                _Span(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+        if cat in LAUNCH_CATEGORIES and "dur" in e and any(s in e["name"] + "\0" for s in SYNC_CALLS):
+            syncs.append((float(e["ts"]) + float(e["dur"]), e["name"]))
+    nesting = {key: _Nesting(spans) for key, spans in by_thread.items()}
+    syncs.sort()
+    sync_ends = [t for t, _ in syncs]
+    busy = _busy(events)
+    gaps = []
+    for (_, prev_end, _), (start, _, first) in zip(busy, busy[1:]):
+        if start - prev_end < min_us:
+            continue
+        launch = launches.get(first.get("args", {}).get("correlation"))
+        ops: list[str] = []
+        frames: list[str] = []
+        if launch is not None:
+            at, thread = float(launch["ts"]), (launch.get("pid"), launch.get("tid"))
+            ops = nesting[(*thread, "cpu_op")].around(at) if (*thread, "cpu_op") in nesting else []
+            py = nesting[(*thread, "python_function")].around(at) if (*thread, "python_function") in nesting else []
+            frames = [f for f in map(_frame, py) if f is not None]
+        # A sync that returned after the device went idle (or shortly before): the host waited, then queued anew.
+        i = bisect.bisect_left(sync_ends, prev_end - min_us)
+        after = syncs[i][1] if i < len(syncs) and syncs[i][0] <= start else None
+        gaps.append(Gap(start_us=prev_end, dur_us=start - prev_end, next_kernel=first["name"],
+                        launch=launch["name"] if launch is not None else "?", ops=tuple(ops), frames=tuple(frames),
+                        after_sync=after))
+    return gaps
+
+
+def device_span_us(events: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(first device work's start to last's end, time some device work ran) in microseconds."""
+    busy = _busy(events)
+    if not busy:
+        return 0.0, 0.0
+    return busy[-1][1] - busy[0][0], sum(end - start for start, end, _ in busy)
+
+
+def runtime_calls(events: Sequence[dict[str, Any]]) -> dict[str, tuple[int, float]]:
+    """CUDA runtime and driver calls by name: (count, host microseconds), most time first."""
+    out: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in LAUNCH_CATEGORIES and "dur" in e:
+            out[e["name"]].append(float(e["dur"]))
+    return dict(sorted(((k, (len(v), sum(v))) for k, v in out.items()), key=lambda kv: -kv[1][1]))
+
+
+def by_place(gaps: Iterable[Gap], depth: int = 2) -> list[tuple[str, int, float]]:
+    """Gaps summed by ``Gap.place`` (a sync before them marked): (place, count, microseconds), most first."""
+    acc: dict[str, list[float]] = collections.defaultdict(list)
+    for g in gaps:
+        acc[("after " + g.after_sync + ": " if g.after_sync else "") + g.place(depth)].append(g.dur_us)
+    return sorted(((k, len(v), sum(v)) for k, v in acc.items()), key=lambda r: -r[2])
+
+
+def report(events: Sequence[dict[str, Any]], *, steps: int, min_us: float, top: int, depth: int) -> str:
+    """A text table of one trace: span, busy time, the gaps by place and the runtime calls, per step."""
+    span, busy = device_span_us(events)
+    gaps = idle_gaps(events, min_us)
+    lines = [f"device span {span / steps / 1e3:.2f} ms/step, busy {busy / steps / 1e3:.2f} ms/step, idle >= "
+             f"{min_us:g} us: {sum(g.dur_us for g in gaps) / steps / 1e3:.2f} ms/step in {len(gaps) / steps:.1f} gaps",
+             "| gaps' place (host code that queued the next work) | gaps/step | us/step |", "|---|---:|---:|"]
+    lines += [f"| {place} | {n / steps:.1f} | {us / steps:.0f} |" for place, n, us in by_place(gaps, depth)[:top]]
+    lines += ["| runtime/driver call | calls/step | host us/step |", "|---|---:|---:|"]
+    lines += [f"| {name} | {n / steps:.1f} | {us / steps:.0f} |"
+              for name, (n, us) in list(runtime_calls(events).items())[:top]]
+    return "\n".join(lines)
+
+
+def profile_steps(step: Callable[[], None], steps: int, with_stack: bool, path: Path) -> list[dict[str, Any]]:
+    """``steps`` calls of ``step`` under the CUDA profiler (after one outside it); the chrome trace's events."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def host_syncs(step: Callable[[], None]) -> list[tuple[str, int]]:
+    """The device syncs of one call of ``step`` (``torch.cuda.set_sync_debug_mode``): (where, count), most first;
+    where is the Python line that called the syncing op."""
+    import warnings
+
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    where = collections.Counter(f"{Path(w.filename).as_posix().split(PACKAGE)[-1]}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    return where.most_common()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import torch
+
+    from relay_compile.bench.configs import QWEN3_30B, BenchOptions
+    from relay_compile.bench.inputs import make_inputs
+    from relay_compile.bench.measure import clear_grads, forward_backward, quiet_warnings
+    from relay_compile.bench.standin_group import standin_group
+    from relay_compile.bench.sweep import token_sweep_rows
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--rows", nargs="+", default=["a2a eager", "ring expert"], help="rows of the sweep (bench.sweep)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stack", action="store_true", help="record Python stacks (slower host: places, not sizes)")
+    ap.add_argument("--min-us", type=float, default=10.0)
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--trace-dir", type=Path, default=Path("/tmp"))
+    args = ap.parse_args(argv)
+    quiet_warnings()
+    cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens)
+    group = standin_group(args.ep)
+    inp = make_inputs(cfg)
+    for spec in token_sweep_rows(BenchOptions(), only=args.rows):
+        if spec.name not in args.rows:
+            continue
+        name, fn = spec.name, spec.build(cfg, group)
+
+        def step() -> None:
+            clear_grads(fn, inp)
+            forward_backward(fn, inp)
+
+        wall = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            wall.append(start.elapsed_time(end))
+        syncs = host_syncs(step)
+        events = profile_steps(step, args.steps, args.stack, args.trace_dir / f"gpu_idle_{name.replace(' ', '_')}.json")
+        print(f"\n## {name}: EP={args.ep} tokens={args.tokens} {torch.cuda.get_device_name()}, step "
+              f"{statistics.median(wall):.2f} ms unprofiled, {args.steps} steps profiled"
+              f"{' with stacks' if args.stack else ''}")
+        print(f"syncs in one step: {sum(n for _, n in syncs)}: " + ", ".join(f"{w} x{n}" for w, n in syncs[:args.top]))
+        print(report(events, steps=args.steps, min_us=args.min_us, top=args.top, depth=args.depth))
+
+
+if __name__ == "__main__":
+    main()
