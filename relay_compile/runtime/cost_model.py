@@ -53,7 +53,8 @@ runs anyway and is predicted within ``SAVE_MARGIN`` of the all-to-all; under ``"
 forced ``ring_moe``) wherever the rule grants them.
 
 Which all-to-all is kept (``Kept``): a region the backend keeps at compile time runs the all-to-all traced from
-the model, at its own time; a call of the ring op that does not run the ring runs the op's own path
+the model, compiled: about a2a eager's time at EP=8, 1.15-1.30x of it at EP=64, where its 2N split sizes are
+unbacked SymInts (``Calibration.kept_a2a_ratio``); a call of the ring op that does not run the ring runs the op's own path
 (``runtime.all_to_all``), which recomputes its experts in backward and dispatches the rows twice: 1.30-1.85x the
 traced all-to-all on every sweep point measured (``Calibration.op_a2a_ratio``). A call (``agreement``) therefore
 weighs the ring against that path, not against an all-to-all it cannot run: at EP=8 and 16384 tokens per rank the
@@ -224,6 +225,15 @@ class Calibration:
     # The op's own all-to-all path (``runtime.all_to_all``: experts recomputed in backward, the rows dispatched
     # twice, ten exchanges) against the traced all-to-all: its measured time ratio (``Kept``).
     op_a2a_ratio: float = 1.0
+    # A region kept at compile time runs the traced all-to-all compiled: against a2a eager ``kept_a2a_base +
+    # N * kept_a2a_per_rank`` (its 2N split sizes become unbacked SymInts with their asserts and symbolic
+    # arithmetic per call: docs/BENCHMARKS.md, "Kept regions at EP=64").
+    kept_a2a_base: float = 1.0
+    kept_a2a_per_rank: float = 0.0
+
+    def kept_a2a_ratio(self, ranks: int) -> float:
+        """The compiled (kept) all-to-all's time over a2a eager's in a group of ``ranks``."""
+        return self.kept_a2a_base + ranks * self.kept_a2a_per_rank
 
     def combined(self, host_ms: float, gpu_ms: float) -> float:
         """A step's time from its host and GPU times (module docstring: ``overlap_p``)."""
@@ -246,6 +256,13 @@ def _linked(cal: Calibration, gbps: float | None) -> Calibration:
     return dataclasses.replace(cal, link_gbps=gbps)
 
 
+# The kept (compiled) all-to-all against a2a eager, a line in N through the geometric means of every backend row
+# recorded where the region was kept (inductor inside, Qwen3 layer, stand-in EP): EP=64 0.984 -> 1.214 (H200 1.150x
+# at 8192, 1.19-1.20x at 4096-8192, 1.28x and 1.30x at 16384; H100 1.17x at 16384), EP=8 0.984 (H200 0.965x at
+# 4096, 1.002x and 0.98x at 16384; H100 0.990x at 16384): docs/BENCHMARKS.md, "Kept regions at EP=64" and "Larger
+# stacks". Both kinds alike (too few H100 points for their own line).
+KEPT_A2A_PER_RANK = (1.214 - 0.984) / (64 - 8)
+KEPT_A2A_BASE = 0.984 - 8 * KEPT_A2A_PER_RANK
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-06, today's ring: grouped owners per hop, saved projections, the backward's agreement beside the
 # compute stream): docs/bench/backend-saving/raw-1-h200/, host and GPU time combined by ``overlap_p=4`` (rms log
@@ -255,10 +272,10 @@ def _linked(cal: Calibration, gbps: float | None) -> Calibration:
 # OUT/sweep-ep64.json --start h200 --overlap-p 4``. ``op_a2a_ratio``: 16 points of earlier sweeps (1.46); that
 # sweep's 4 kept points read 1.54-1.68 (the lower value keeps a call's decision conservative).
 H200 = Calibration(
-    name="h200", host_hop_us=148.9, host_hop_expert_us=27.56, host_chunk_us=184.0, host_token_hop_us=372.5,
-    host_token_expert_us=26.04, host_a2a_us=5200.0, host_a2a_peer_us=53.98, gemm_tflops=418.3, gemm_half_rows=0.0,
-    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=41.67, gpu_hop_us=0.0, token_hop_pair_ns=0.4388,
-    copy_gbps=1093.0, overlap_p=4.0, op_a2a_ratio=1.46,
+    name="h200", host_hop_us=126.3, host_hop_expert_us=25.22, host_chunk_us=203.6, host_token_hop_us=349.6,
+    host_token_expert_us=26.37, host_a2a_us=5200.0, host_a2a_peer_us=53.98, gemm_tflops=429.0, gemm_half_rows=0.0,
+    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=42.74, gpu_hop_us=0.0, token_hop_pair_ns=0.1718,
+    copy_gbps=903.8, overlap_p=4.0, op_a2a_ratio=1.46, kept_a2a_base=KEPT_A2A_BASE, kept_a2a_per_rank=KEPT_A2A_PER_RANK,
 )
 # Fitted to H100 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-06, after the backward's agreement moved beside the compute stream):
@@ -267,9 +284,9 @@ H200 = Calibration(
 # relay_compile.bench.calibrate A B --start h100 --overlap-p 4``; ``--check h100`` reports how they predict another
 # sweep. (The previous fit, to docs/bench/h200-sweep-2/raw-1-h100/, predicted this sweep's rings up to 1.38x slow.)
 H100 = dataclasses.replace(
-    H200, name="h100", host_hop_us=247.2, host_hop_expert_us=24.9, host_chunk_us=206.2, host_token_hop_us=580.3,
-    host_token_expert_us=16.72, host_a2a_us=5334.0, host_a2a_peer_us=90.73, gemm_tflops=392.6, gemm_half_rows=0.0,
-    ring_row_bytes=0.0, a2a_row_bytes=49.13, gpu_hop_us=0.0, token_hop_pair_ns=0.3583, copy_gbps=728.3,
+    H200, name="h100", host_hop_us=232.0, host_hop_expert_us=21.94, host_chunk_us=208.8, host_token_hop_us=580.3,
+    host_token_expert_us=16.3, host_a2a_us=5334.0, host_a2a_peer_us=90.73, gemm_tflops=392.6, gemm_half_rows=0.0,
+    ring_row_bytes=0.0, a2a_row_bytes=49.13, gpu_hop_us=0.0, token_hop_pair_ns=0.1385, copy_gbps=658.1,
     overlap_p=4.0, op_a2a_ratio=1.50,
 )
 # ``op_a2a_ratio``: the geometric mean of ``ring_moe default`` / a2a eager over the sweeps' points where the op kept
@@ -337,6 +354,35 @@ def _hops(n: int, g: int) -> int:
     return n // g
 
 
+@dataclass(frozen=True)
+class RingTraffic:
+    """Bytes one rank sends in one forward + backward of a ring: ``total``; ``gathered``, the first owner stacks'
+    (sent before any compute, so never hidden); what one hop pass's transfer carries in each direction."""
+
+    total: float
+    gathered: float
+    forward_hop: float
+    backward_hop: float
+
+
+def ring_traffic(routing: Routing, n: int, g: int, g_b: int, volumes: dict[str, int]) -> RingTraffic:
+    """What the ring's programs send (``programs.build``), from one partition's per-hop ``volumes``
+    (``routing.per_hop_bytes``) and the owners per forward / backward hop ``g`` / ``g_b``.
+
+    Expert routing: every partition but this rank's own visits once each way, whatever the stacks (a stack of
+    ``g`` gathers ``g - 1`` partitions at hop 0, then moves ``g`` per hop pass), and the gradient sums of all ``n``
+    partitions travel (one hop behind, then home): ``(n - 1) W`` forward, ``(n - 1) W + n G`` backward.
+    Token routing: ``n`` hop volumes each way (tokens one hop ahead of the sums they carry).
+    """
+    if routing == "token":
+        return RingTraffic(total=n * (volumes["forward"] + volumes["backward"]), gathered=0.0,
+                           forward_hop=volumes["forward"], backward_hop=volumes["backward"])
+    w = volumes["forward"]
+    grad = volumes["backward"] - w
+    return RingTraffic(total=(n - 1) * w + (n - 1) * w + n * grad, gathered=((g - 1) + (g_b - 1)) * w,
+                       forward_hop=g * w, backward_hop=g_b * (w + grad))
+
+
 def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
               backward_owners: int = 1, max_hop_rows: MaxHopRows = "auto", saved: bool = False) -> TimeEstimate:
     """Predicted time of the ring in ``routing`` (``owners_per_hop`` / ``backward_owners``: the grouped forward
@@ -365,20 +411,18 @@ def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_p
     volumes = per_hop_bytes(routing, tokens=s.tokens, hidden=s.hidden, top_k=s.top_k,
                             experts_per_rank=s.experts_per_rank, expert_bytes=s.expert_bytes, elem_bytes=s.elem_bytes,
                             expert_grad_bytes=s.expert_bytes // s.elem_bytes * 4, sum_elem_bytes=4)
-    moved = hops_f * volumes["forward"] + hops_b * volumes["backward"]
-    # A grouped ring gathers its first stack before any compute: ``g - 1`` partitions, not hidden.
-    gathered = ((g - 1) + (g_b - 1)) * s.experts_per_rank * s.expert_bytes if routing == "expert" else 0
+    moved = ring_traffic(routing, n, g, g_b, volumes)
     gpu = gemm + rows + (hops_f + hops_b) * cal.gpu_hop_us / 1e3
     if routing == "token":  # every hop sorts and masks the visiting partition's pairs
         gpu += (hops_f + hops_b) * pairs * cal.token_hop_pair_ns / 1e6
     if cal.link_gbps is None:  # stand-in: the transfers are copies on the device
-        gpu += _bytes_ms(moved + gathered, cal.copy_gbps)
+        gpu += _bytes_ms(moved.total, cal.copy_gbps)
         link = 0.0
     else:  # a hop's transfer hides behind the hop's compute; what exceeds it is exposed
         per_hop_gpu = gpu / (hops_f + hops_b)
-        link = (hops_f * max(0.0, _bytes_ms(volumes["forward"], cal.link_gbps) - per_hop_gpu)
-                + hops_b * max(0.0, _bytes_ms(volumes["backward"], cal.link_gbps) - per_hop_gpu)
-                + _bytes_ms(gathered, cal.link_gbps))
+        link = (hops_f * max(0.0, _bytes_ms(moved.forward_hop, cal.link_gbps) - per_hop_gpu)
+                + hops_b * max(0.0, _bytes_ms(moved.backward_hop, cal.link_gbps) - per_hop_gpu)
+                + _bytes_ms(moved.gathered, cal.link_gbps))
     host_ms = host / 1e3
     return TimeEstimate(host_ms=host_ms, gpu_ms=gpu, link_ms=link, total_ms=cal.combined(host_ms, gpu) + link,
                         hops=hops_f + hops_b)
@@ -408,7 +452,8 @@ class Choice:
 
     execution: Execution
     reason: str
-    times: dict[str, TimeEstimate]  # "expert", "token" (the ring's routings considered), "a2a", "op_a2a" (kept="op")
+    # "expert", "token" (the ring's routings considered), "a2a" (eager), "kept_a2a" or "op_a2a" (``choose``'s kept)
+    times: dict[str, TimeEstimate]
     peaks: dict[str, int]  # predicted_peak_bytes
     # The expert ring's owners per forward and per backward hop: what the op holds where it runs that ring (a
     # larger stack than the rules' where ``choose`` took one), else the rules'.
@@ -466,9 +511,10 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     ``ring``: ``"auto"`` runs the ring where it is predicted no slower than the all-to-all; ``"memory"`` also
     where it is slower but the all-to-all's predicted peak is higher (the ring buys memory with time);
     ``"always"``; ``"never"``. ``kept``: the all-to-all the block runs where it does not run the ring: the traced
-    one (``times["a2a"]``), or the op's own path (``"op"``, a call's decision: ``times["op_a2a"]``, the traced
-    one's time times ``cal.op_a2a_ratio``). Saved projections are weighed against the traced all-to-all either way:
-    it is the time a model without the backend takes.
+    one as a kept region runs it, compiled (``times["kept_a2a"]``: a2a eager's predicted time, ``times["a2a"]``,
+    times ``cal.kept_a2a_ratio(N)``), or the op's own path (``"op"``, a call's decision: ``times["op_a2a"]``, times
+    ``cal.op_a2a_ratio``). Saved projections are weighed against a2a eager either way: it is the time a model
+    without the backend takes.
     """
     routings: tuple[Routing, ...] = ("expert", "token") if routing == "auto" else (routing,)  # type: ignore[assignment]
     stacks = (owner_options(shape) if owners is None else owners if isinstance(owners, OwnerOptions)
@@ -478,10 +524,10 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
                           backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
              for r in routings}
     times["a2a"] = a2a_time(shape, cal)
-    alternative = "a2a"
-    if kept == "op":
-        alternative = "op_a2a"
-        times[alternative] = _scaled(times["a2a"], cal.op_a2a_ratio)
+    # What the block runs where it keeps an all-to-all: the traced one compiled, or the op's own path.
+    alternative = "op_a2a" if kept == "op" else "kept_a2a"
+    times[alternative] = _scaled(times["a2a"], cal.op_a2a_ratio if kept == "op"
+                                 else cal.kept_a2a_ratio(shape.group_size))
     widened = ""
     if ring == "auto" and "expert" in routings and min(times[r].total_ms for r in routings) > times["a2a"].total_ms:
         wider = _fastest_larger_stack(shape, cal, stacks.larger, max_hop_rows)
@@ -492,7 +538,7 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
     peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1))
     ring_ms, a2a_ms = times[best].total_ms, times[alternative].total_ms
-    against = "the all-to-all's" if kept == "traced" else "the op's all-to-all path's"
+    against = "the kept all-to-all's" if kept == "traced" else "the op's all-to-all path's"
     mib = {k: v / 2**20 for k, v in peaks.items()}
     grouped = best == "expert" and forward * backward > 1
     held = f" ({forward}/{backward} owners per forward/backward hop{widened})" if grouped else ""

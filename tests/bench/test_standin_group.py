@@ -20,6 +20,8 @@ from relay_compile.bench import StandinError, StandinGroup, destroy_standin_grou
 from relay_compile.bench.configs import LayerConfig
 from relay_compile.bench.rows import compiled_a2a_builder
 from relay_compile.reference import a2a_moe, dense_moe, moe_weights
+from relay_compile.routing import per_hop_bytes
+from relay_compile.runtime.cost_model import ring_traffic
 from relay_compile.runtime.hop_compute import ExpertRoutingStep
 from relay_compile.runtime.programs import pipeline
 from tests.bench.standin_case import StandinTestCase
@@ -176,6 +178,38 @@ class MoEUnderTheStandinGroup(StandinTestCase):
                     ring = _forward_backward(ring_moe, x, case_ids, scores, weights, group=group, routing="expert")
                 self.assert_all_close(ring, dense, f"grouped forward, {case}, N={world}")
                 self.assertEqual((calls["forward_hop"], calls["forward_group"]), (0, world // g), case)
+
+    def test_the_time_model_counts_the_bytes_the_expert_ring_sends(self) -> None:
+        # cost_model.ring_traffic: every partition but the own one visits once each way, and all N gradient sums
+        # travel, whatever the owners per hop (a stack gathers the same partitions sooner, then moves g per pass).
+        # Counted at the stand-in's sends, forward and backward (bf16 weights, fp32 sums). Before, the model
+        # counted one partition per hop pass: at g / g_b = 4 / 4 fewer than half the bytes sent.
+        world, e_l = 8, 2
+        group = standin_group(world)
+        x, ids, scores, weights = _inputs(world, e_l, seed=3)
+        bf16 = [w.to(torch.bfloat16) for w in weights]
+        w_bytes = sum(w.numel() * w.element_size() for w in bf16)
+        volumes = per_hop_bytes("expert", tokens=T, hidden=H, top_k=K, experts_per_rank=e_l,
+                                expert_bytes=w_bytes // e_l, elem_bytes=2, expert_grad_bytes=2 * w_bytes // e_l,
+                                sum_elem_bytes=4)
+        sent = collections.Counter()
+        send = StandinGroup.send
+
+        def counted(self, tensors, dst, tag=0):
+            sent["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+            return send(self, tensors, dst, tag)
+
+        for g, g_b in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4)):
+            sent.clear()
+            with unittest.mock.patch.object(StandinGroup, "send", counted), \
+                    unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=g), \
+                    unittest.mock.patch.object(pipeline, "backward_owners_per_hop", return_value=g_b):
+                _forward_backward(ring_moe, x.bfloat16(), ids, scores.bfloat16(), bf16, group=group, routing="expert")
+            traffic = ring_traffic("expert", world, g, g_b, volumes)
+            # Beyond the model: the backward's failure status, one int64 beside each gradient transfer.
+            status = sent["bytes"] - traffic.total
+            self.assertTrue(0 <= status <= 8 * 2 * world and status % 8 == 0, (g, g_b, status))
+            self.assertEqual(traffic.gathered, (g - 1 + g_b - 1) * w_bytes)
 
     def test_grouped_backward_sums_every_owners_gradients_for_random_and_lopsided_routing(self) -> None:
         # g owners per backward hop (the rule, ring_options.backward_owners_per_hop, is tested on its own), alone

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the GPU waits on the host (issue 24): idle gaps and syncs of the EP=8 65536 ring (the 0.7x bar: its
 # kernels sum to ~0.69x a2a's, its step to ~0.74x) and of the EP=64 4096 forced ring (host-bound: runtime calls
-# per hop pass), the host cost of a launch, and the forced ring's cProfile. One budgeted device call
+# per hop pass), the backend at EP=64 16384, the host cost of a launch, and the forced ring's cProfile. One budgeted device call
 # (BUDGET seconds, default 540). Usage: bash docs/bench/gpu-idle/run.sh OUT
 set -uo pipefail
 OUT=$1
@@ -10,6 +10,8 @@ source docs/bench/h200-sweep-2/setup.sh
 fits() { [ $((SECONDS + $1)) -lt "$BUDGET" ] || { echo "skipped (budget): $2"; false; }; }
 idle() { local name=$1 limit=$2; shift 2; fits $limit $name && { timeout $limit python -m relay_compile.bench.gpu_idle "$@" 2>&1 | quiet > $OUT/$name.log; grep -v "^\[" $OUT/$name.log | head -${LINES_SHOWN:-60}; }; }
 idle ep8-65536 150 --ep 8 --tokens 65536 --rows "a2a eager" "ring_moe default" "ring expert"
+# The backend at EP=64 16384, which the corrected time model now runs as a ring (it kept the all-to-all there).
+fits 170 backend && sweep backend-ep64-16384 170 --ep 64 --tokens 16384 --rows "relaymoe backend" "ring_moe default"
 fits 40 launch && { timeout 40 python docs/bench/hop-host/launch.py 2>&1 | quiet | tee $OUT/launch.log; }
 idle ep64-4096 120 --ep 64 --tokens 4096 --rows "ring expert" --steps 2
 LINES_SHOWN=30 idle ep8-65536-stack 120 --ep 8 --tokens 65536 --rows "ring_moe default" --steps 1 --stack --depth 3
