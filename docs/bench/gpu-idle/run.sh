@@ -12,6 +12,8 @@ idle() { local name=$1 limit=$2; shift 2; fits $limit $name && { timeout $limit 
 idle ep8-65536 150 --ep 8 --tokens 65536 --rows "a2a eager" "ring_moe default" "ring expert"
 # The backend at EP=64 16384, which the corrected time model now runs as a ring (it kept the all-to-all there).
 fits 170 backend && sweep backend-ep64-16384 170 --ep 64 --tokens 16384 --rows "relaymoe backend" "ring_moe default"
+# The kept region at EP=64 8192 (1.15-1.30x a2a eager): what its compiled graph launches and waits on, beside eager's.
+idle kept-ep64-8192 150 --ep 64 --tokens 8192 --rows "a2a eager" "relaymoe backend" --steps 2
 fits 40 launch && { timeout 40 python docs/bench/hop-host/launch.py 2>&1 | quiet | tee $OUT/launch.log; }
 idle ep64-4096 120 --ep 64 --tokens 4096 --rows "ring expert" --steps 2
 LINES_SHOWN=30 idle ep8-65536-stack 120 --ep 8 --tokens 65536 --rows "ring_moe default" --steps 1 --stack --depth 3
