@@ -131,7 +131,7 @@ class Summary(unittest.TestCase):
             "256.0 MiB, ring 97.0 MiB (2.6x)",
             # The owners per hop the op will hold (grouped experts, cost_model.owner_options), not one.
             # Against the all-to-all a kept region runs: compiled, kept_a2a_ratio(4) of a2a eager's 5.42 ms.
-            "    runs as expert: expert ring (2/1 owners per forward/backward hop): predicted 2.79 ms against the "
+            "    runs as expert: expert ring (2/1 owners per forward/backward hop): predicted 2.77 ms against the "
             "kept all-to-all's 5.24 ms (h200 model: on CUDA)",
             # 256 / 24 = 10.67
             "  region 2 at all_to_all_single_5: matched, EP=4, routing token -> token, predicted peak a2a "

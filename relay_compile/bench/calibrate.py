@@ -46,7 +46,8 @@ def shape_of(layer: dict[str, int], ep: int, tokens: int) -> BlockShape:
 
 
 def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -> float | None:
-    """Predicted ms of one measured point (None: a row the model does not describe)."""
+    """Predicted ms of one measured point (None: a row the model does not describe). A ``ring_moe default`` point
+    is predicted where it carries the ring its call ran (``call``, from the sweep's decisions: ``with_calls``)."""
     shape = shape_of(layer, int(point["ep"]), int(point["tokens"]))  # type: ignore[arg-type]
     row = point["row"]
     if row == "a2a eager":
@@ -56,7 +57,24 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
         forward, backward = grouped_owners(shape) if routing == "expert" else (1, 1)
         return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward,
                          saved=row == "ring expert saved").total_ms
+    call = point.get("call")
+    if row == "ring_moe default" and isinstance(call, dict) and call.get("execution") in ("expert", "token"):
+        forward, backward = (call.get("owners_per_hop") or grouped_owners(shape)) if call["execution"] == "expert" \
+            else (1, 1)
+        return ring_time(shape, call["execution"], cal, owners_per_hop=forward, backward_owners=backward,
+                         saved=bool(call.get("saves_projections"))).total_ms
     return None
+
+
+def with_calls(sweep: dict[str, object], rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+    """``rows`` with each ``ring_moe default`` point given the call its sweep recorded (``call``: execution, owners
+    per hop, saved projections), so that ``predict`` models the ring that ran (a larger stack, saved or not)."""
+    # A call holds the stack its decision predicted (``cost_model.choose``: the traced all-to-all decides the
+    # widening whatever is kept); sweeps before calls recorded their owners give the decision's.
+    calls = {(int(d["ep"]), int(d["tokens"])): {"owners_per_hop": d.get("owners_per_hop"), **d["call"]}  # type: ignore[index]
+             for d in sweep.get("decisions", ()) if "call" in d}  # type: ignore[union-attr]
+    return [{**r, "call": calls[key]} if r["row"] == "ring_moe default" and (key := (int(r["ep"]), int(r["tokens"])))
+            in calls else r for r in rows]
 
 
 def op_a2a_ratios(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]],
@@ -141,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.sweeps:
         data = json.loads(path.read_text())
         layer = data["layer"]
-        rows = [r for r in data["rows"] if int(r["tokens"]) >= args.min_tokens]
+        rows = with_calls(data, [r for r in data["rows"] if int(r["tokens"]) >= args.min_tokens])
         points += rows
         sweeps.append((rows, recorded_calls(data)))
     if args.check is not None:

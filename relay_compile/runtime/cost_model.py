@@ -265,28 +265,31 @@ KEPT_A2A_PER_RANK = (1.214 - 0.984) / (64 - 8)
 KEPT_A2A_BASE = 0.984 - 8 * KEPT_A2A_PER_RANK
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-06, today's ring: grouped owners per hop, saved projections, the backward's agreement beside the
-# compute stream): docs/bench/backend-saving/raw-1-h200/, host and GPU time combined by ``overlap_p=4`` (rms log
-# error 0.070, 48 of 48 points within 25%, 0.86-1.16x; the constants of 2026-12-02, fitted to the ring before
-# grouped owners, predicted it up to 1.86x slow, 33 of 48 within 25%). Redo on the device with ``bash
+# compute stream): docs/bench/backend-saving/raw-1-h200/, host and GPU time combined by ``overlap_p=4``; refitted
+# 2026-12-07 to the stand-in's transfers as the programs send them (``ring_traffic``) and with the ``ring_moe
+# default`` points (the ring each call ran): rms log error 0.060, 56 of 56 points within 25%, 0.86-1.16x (0.070
+# over 48 before; the constants of 2026-12-02, fitted to the ring before grouped owners, predicted it up to 1.86x
+# slow, 33 of 48 within 25%). Redo on the device with ``bash
 # docs/bench/backend-saving/run.sh OUT``, then ``python -m relay_compile.bench.calibrate OUT/sweep-ep8.json
 # OUT/sweep-ep64.json --start h200 --overlap-p 4``. ``op_a2a_ratio``: 16 points of earlier sweeps (1.46); that
 # sweep's 4 kept points read 1.54-1.68 (the lower value keeps a call's decision conservative).
 H200 = Calibration(
-    name="h200", host_hop_us=126.3, host_hop_expert_us=25.22, host_chunk_us=203.6, host_token_hop_us=349.6,
-    host_token_expert_us=26.37, host_a2a_us=5200.0, host_a2a_peer_us=53.98, gemm_tflops=429.0, gemm_half_rows=0.0,
-    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=42.74, gpu_hop_us=0.0, token_hop_pair_ns=0.1718,
-    copy_gbps=903.8, overlap_p=4.0, op_a2a_ratio=1.46, kept_a2a_base=KEPT_A2A_BASE, kept_a2a_per_rank=KEPT_A2A_PER_RANK,
+    name="h200", host_hop_us=120.1, host_hop_expert_us=25.87, host_chunk_us=203.6, host_token_hop_us=349.6,
+    host_token_expert_us=26.37, host_a2a_us=5200.0, host_a2a_peer_us=53.98, gemm_tflops=440.0, gemm_half_rows=0.0,
+    hbm_gbps=3000.0, ring_row_bytes=0.0, a2a_row_bytes=43.84, gpu_hop_us=0.0, token_hop_pair_ns=0.03481,
+    copy_gbps=837.6, overlap_p=4.0, op_a2a_ratio=1.46, kept_a2a_base=KEPT_A2A_BASE, kept_a2a_per_rank=KEPT_A2A_PER_RANK,
 )
 # Fitted to H100 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-06, after the backward's agreement moved beside the compute stream):
-# docs/bench/h100-backward-agreement/raw-2-h100/, host and GPU time combined by ``overlap_p=4`` (rms log error
-# 0.078, 48 of 48 points within 25%, 0.83-1.17x, saved-projection rows included). Redo: ``python -m
+# docs/bench/h100-backward-agreement/raw-2-h100/, host and GPU time combined by ``overlap_p=4``, refitted as the
+# H200's on 2026-12-07 (rms log error 0.067, 48 of 48 points within 25%, 0.86-1.13x, saved-projection rows
+# included; 0.078 before; on docs/bench/larger-stacks/raw-1-h100, not fitted to, 0.073). Redo: ``python -m
 # relay_compile.bench.calibrate A B --start h100 --overlap-p 4``; ``--check h100`` reports how they predict another
 # sweep. (The previous fit, to docs/bench/h200-sweep-2/raw-1-h100/, predicted this sweep's rings up to 1.38x slow.)
 H100 = dataclasses.replace(
-    H200, name="h100", host_hop_us=232.0, host_hop_expert_us=21.94, host_chunk_us=208.8, host_token_hop_us=580.3,
-    host_token_expert_us=16.3, host_a2a_us=5334.0, host_a2a_peer_us=90.73, gemm_tflops=392.6, gemm_half_rows=0.0,
-    ring_row_bytes=0.0, a2a_row_bytes=49.13, gpu_hop_us=0.0, token_hop_pair_ns=0.1385, copy_gbps=658.1,
+    H200, name="h100", host_hop_us=232.0, host_hop_expert_us=21.39, host_chunk_us=211.5, host_token_hop_us=573.0,
+    host_token_expert_us=16.72, host_a2a_us=5334.0, host_a2a_peer_us=90.73, gemm_tflops=397.6, gemm_half_rows=0.0,
+    ring_row_bytes=0.0, a2a_row_bytes=49.76, gpu_hop_us=0.0, token_hop_pair_ns=0.05778, copy_gbps=633.6,
     overlap_p=4.0, op_a2a_ratio=1.50,
 )
 # ``op_a2a_ratio``: the geometric mean of ``ring_moe default`` / a2a eager over the sweeps' points where the op kept

@@ -10,10 +10,10 @@ import dataclasses
 import math
 import unittest
 
-from relay_compile.bench.calibrate import fit, loss, op_a2a_ratios, predict, recorded_calls, shape_of
+from relay_compile.bench.calibrate import fit, loss, op_a2a_ratios, predict, recorded_calls, shape_of, with_calls
 from relay_compile.bench.measure import LayerResult, RowResult
 from relay_compile.bench.sweep import sweep_points, table
-from relay_compile.runtime.cost_model import H200, choose
+from relay_compile.runtime.cost_model import H200, choose, ring_time
 
 LAYER = {"hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8, "elem_bytes": 2}
 ROWS = ("a2a eager", "ring expert", "ring expert saved", "ring token")
@@ -31,6 +31,27 @@ def synthetic_points(cal) -> list[dict[str, object]]:
 
 
 class Calibration(unittest.TestCase):
+    def test_a_default_call_is_predicted_as_the_ring_it_ran(self) -> None:
+        # A sweep's decisions record what each ring_moe default call ran (execution, saved projections, owners; an
+        # older record without owners: the decision's). with_calls gives each default point its call; predict
+        # models that ring (a larger stack, saved), and leaves a call that kept the op's all-to-all to op_a2a_ratio.
+        shape = qwen3_shape(20480, 64)
+        rows = [{"ep": 64, "tokens": t, "row": row, "ms": 1.0} for t in (20480, 8192)
+                for row in ("a2a eager", "ring_moe default")]
+        sweep = {"decisions": [
+            {"ep": 64, "tokens": 20480, "owners_per_hop": [4, 2],
+             "call": {"execution": "expert", "saves_projections": True, "owners_per_hop": [8, 4]}},
+            {"ep": 64, "tokens": 8192, "owners_per_hop": [4, 2],
+             "call": {"execution": "all_to_all", "saves_projections": False}}]}
+        ran, kept = [p for p in with_calls(sweep, rows) if p["row"] == "ring_moe default"]
+        self.assertEqual(predict(H200, LAYER, ran),
+                         ring_time(shape, "expert", H200, owners_per_hop=8, backward_owners=4, saved=True).total_ms)
+        self.assertIsNone(predict(H200, LAYER, kept))
+        older = with_calls({"decisions": [{**sweep["decisions"][0], "call": {"execution": "expert"}}]}, rows)
+        self.assertEqual(predict(H200, LAYER, older[1]),
+                         ring_time(shape, "expert", H200, owners_per_hop=4, backward_owners=2).total_ms)
+        self.assertIsNone(predict(H200, LAYER, rows[1]))  # no call recorded: not modeled
+
     def test_a_sweep_of_a_known_machine_is_refitted_to_its_own_times(self) -> None:
         truth = dataclasses.replace(H200, host_hop_us=2 * H200.host_hop_us, gemm_tflops=0.7 * H200.gemm_tflops,
                                     host_a2a_us=1.5 * H200.host_a2a_us)
