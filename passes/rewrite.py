@@ -237,14 +237,15 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
 
     Kept: under ``ring="never"``; under ``"auto"`` / ``"memory"`` where the token count is static, the tokens are
     on CUDA (where the model is calibrated) and ``cost_model.choose`` picks the all-to-all. Kept, the region runs
-    as the original graph computes it, at its time and memory exactly (the ring op's own all-to-all path
+    as the original graph computes it, at its memory, compiled (``cost_model.Calibration.kept_a2a_ratio``: ~1.2x
+    a2a eager at EP=64, where its 2N split sizes are unbacked SymInts; the ring op's own all-to-all path
     recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
     (``cost_model.owner_options`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
     otherwise; FP8 hops' weight bytes under ``fp8``) and the link it will take a hop to cross
-    (``transport.group_link_gbps``), against the traced all-to-all the kept region runs. The op weighs a call's
-    ring against its own all-to-all path instead (``cost_model.choose(kept="op")``, ~1.5x the traced one), so a
-    region kept here is one the op would keep or run as a ring between 1.0x and that ratio of the traced time;
-    up to what only a call knows (the other ranks' token counts and links, the probe's verdict on F). The memory
+    (``transport.group_link_gbps``), against the traced all-to-all the kept region runs, compiled. The op weighs a
+    call's ring against its own all-to-all path instead (``cost_model.choose(kept="op")``, ~1.5x a2a eager), so a
+    region kept here is one the op would keep or run as a ring between ``kept_a2a_ratio(N)`` and that ratio of a2a
+    eager's time; up to what only a call knows (the other ranks' token counts and links, the probe's verdict on F). The memory
     budget of the larger owner stacks is taken at this rank's T (a call's is the group's smallest T): a call
     where another rank holds fewer tokens may fall back to the rules' stack, and its decision to that ring's.
     """

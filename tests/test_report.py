@@ -130,13 +130,14 @@ class Summary(unittest.TestCase):
             "  region 1 at all_to_all_single_2: rewritten, EP=4, routing auto -> expert, predicted peak a2a "
             "256.0 MiB, ring 97.0 MiB (2.6x)",
             # The owners per hop the op will hold (grouped experts, cost_model.owner_options), not one.
-            # Against the all-to-all a kept region runs: compiled, kept_a2a_ratio(4) of a2a eager's 5.42 ms.
+            # Against the all-to-all a kept region runs: compiled, kept_a2a_ratio(4) (EP=8's: 0.984, the smallest
+            # group measured) of a2a eager's 5.42 ms.
             "    runs as expert: expert ring (2/1 owners per forward/backward hop): predicted 2.77 ms against the "
-            "kept all-to-all's 5.24 ms (h200 model: on CUDA)",
+            "kept all-to-all's 5.33 ms (h200 model: on CUDA)",
             # 256 / 24 = 10.67
             "  region 2 at all_to_all_single_5: matched, EP=4, routing token -> token, predicted peak a2a "
             "256.0 MiB, ring 24.0 MiB (10.7x)",
-            "    runs as all_to_all: the token ring is predicted slower (16.67 ms against the kept all-to-all's 5.24 ms; "
+            "    runs as all_to_all: the token ring is predicted slower (16.67 ms against the kept all-to-all's 5.33 ms; "
             "peak 24 MiB against 256 MiB); ring='memory' or 'always' runs it (h200 model: on CUDA)",
         ])
 

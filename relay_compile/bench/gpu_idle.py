@@ -3,7 +3,7 @@
 A step whose kernels sum to less than its wall time leaves the GPU idle somewhere: after a host sync (the
 host then has to queue work again before the GPU sees any), or wherever the host falls behind (launch-bound
 hops). ``idle_gaps`` reads a Kineto chrome trace (``torch.profiler``, CPU + CUDA activities): the GPU is busy
-wherever any kernel, copy or fill runs on any stream; every idle interval of at least ``min_us`` becomes a
+wherever any kernel, copy or fill runs on any of its streams (one device); every idle interval of at least ``min_us`` becomes a
 ``Gap``, put on the launch that ended it (the runtime or driver call with the first kernel's correlation id):
 the ``cpu_op`` chain around that launch and, where the trace has Python stacks (``with_stack=True``), the
 innermost frames of this package. ``runtime_calls`` counts the CUDA runtime and driver calls of the trace
@@ -30,7 +30,10 @@ from typing import Any
 # Trace categories: device work, the host calls that queue it, and host calls that wait for the device.
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
-SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy\0")  # a stream/event/device sync, a blocking copy
+# A stream, event or device sync (torch's blocking copies are a cudaMemcpyAsync and a stream sync).
+SYNC_CALLS = ("Synchronize",)
+# How close to the device going idle a sync must have been waiting, to be what left it idle.
+SYNC_SLACK_US = 20.0
 PACKAGE = "relay_compile/"
 
 
@@ -64,24 +67,40 @@ class _Span:
 
 
 class _Nesting:
-    """Host spans of one category on one thread, to answer which of them enclose a time point."""
+    """Host spans of one category on one thread (properly nested, as a thread's calls are), to answer which of them
+    enclose a time point: each span's parent is found once, so a query walks one chain."""
 
     def __init__(self, spans: Iterable[_Span]) -> None:
         self.spans = sorted(spans, key=lambda s: (s.start, -s.end))
         self.starts = [s.start for s in self.spans]
+        self.parent: list[int] = []
+        open_: list[int] = []
+        for i, s in enumerate(self.spans):
+            while open_ and self.spans[open_[-1]].end < s.start:
+                open_.pop()
+            self.parent.append(open_[-1] if open_ else -1)
+            open_.append(i)
 
     def around(self, t: float) -> list[str]:
         """Names of the spans that contain ``t``, outermost first."""
+        i = bisect.bisect_right(self.starts, t) - 1
+        while i >= 0 and self.spans[i].end < t:  # the last span to start ended before t: its enclosing ones
+            i = self.parent[i]
         out = []
-        for s in self.spans[: bisect.bisect_right(self.starts, t)]:
-            if s.end >= t:
-                out.append(s.name)
-        return out
+        while i >= 0:
+            out.append(self.spans[i].name)
+            i = self.parent[i]
+        return out[::-1]
 
 
 def _busy(events: Sequence[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]]]:
-    """Device work merged into busy intervals: (start, end, the event that opened it), by start."""
-    work = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
+    """Device work merged into busy intervals: (start, end, the event that opened it), by start. One device: the
+    one with the most work (a trace's device events carry the device as their ``pid``)."""
+    work = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    if not work:
+        return []
+    device = collections.Counter(e.get("pid") for e in work).most_common(1)[0][0]
+    work = sorted((e for e in work if e.get("pid") == device), key=lambda e: e["ts"])
     merged: list[tuple[float, float, dict[str, Any]]] = []
     for e in work:
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
@@ -106,17 +125,17 @@ def idle_gaps(events: Sequence[dict[str, Any]], min_us: float = 10.0) -> list[Ga
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     by_thread: dict[tuple[Any, Any, str], list[_Span]] = collections.defaultdict(list)
-    syncs: list[tuple[float, str]] = []
+    syncs: list[tuple[float, float, str]] = []  # (end, start, name)
     for e in events:
         cat = e.get("cat")
         if cat in ("cpu_op", "python_function") and "dur" in e:
             by_thread[(e.get("pid"), e.get("tid"), cat)].append(
                 _Span(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
         if cat in LAUNCH_CATEGORIES and "dur" in e and any(s in e["name"] + "\0" for s in SYNC_CALLS):
-            syncs.append((float(e["ts"]) + float(e["dur"]), e["name"]))
+            syncs.append((float(e["ts"]) + float(e["dur"]), float(e["ts"]), e["name"]))
     nesting = {key: _Nesting(spans) for key, spans in by_thread.items()}
     syncs.sort()
-    sync_ends = [t for t, _ in syncs]
+    sync_ends = [t for t, _, _ in syncs]
     busy = _busy(events)
     gaps = []
     for (_, prev_end, _), (start, _, first) in zip(busy, busy[1:]):
@@ -130,9 +149,15 @@ def idle_gaps(events: Sequence[dict[str, Any]], min_us: float = 10.0) -> list[Ga
             ops = nesting[(*thread, "cpu_op")].around(at) if (*thread, "cpu_op") in nesting else []
             py = nesting[(*thread, "python_function")].around(at) if (*thread, "python_function") in nesting else []
             frames = [f for f in map(_frame, py) if f is not None]
-        # A sync that returned after the device went idle (or shortly before): the host waited, then queued anew.
-        i = bisect.bisect_left(sync_ends, prev_end - min_us)
-        after = syncs[i][1] if i < len(syncs) and syncs[i][0] <= start else None
+        # A sync that was waiting when the device went idle and returned inside the gap: the host waited for the
+        # device, then had to queue work anew.
+        after = None
+        for end, began, name in syncs[bisect.bisect_left(sync_ends, prev_end - SYNC_SLACK_US):]:
+            if end > start:
+                break
+            if began <= prev_end + SYNC_SLACK_US:
+                after = name
+                break
         gaps.append(Gap(start_us=prev_end, dur_us=start - prev_end, next_kernel=first["name"],
                         launch=launch["name"] if launch is not None else "?", ops=tuple(ops), frames=tuple(frames),
                         after_sync=after))
@@ -194,8 +219,9 @@ def profile_steps(step: Callable[[], None], steps: int, with_stack: bool, path: 
 
 
 def host_syncs(step: Callable[[], None]) -> list[tuple[str, int]]:
-    """The device syncs of one call of ``step`` (``torch.cuda.set_sync_debug_mode``): (where, count), most first;
-    where is the Python line that called the syncing op."""
+    """The stream syncs and blocking copies of one call of ``step`` that ``torch.cuda.set_sync_debug_mode``
+    reports (not event or device syncs: the trace's ``*Synchronize`` calls count those): (where, count), most
+    first; where is the Python line that called the syncing op (for ops autograd runs, the ``backward()`` line)."""
     import warnings
 
     import torch
@@ -215,13 +241,7 @@ def host_syncs(step: Callable[[], None]) -> list[tuple[str, int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import torch
-
-    from relay_compile.bench.configs import QWEN3_30B, BenchOptions
-    from relay_compile.bench.inputs import make_inputs
-    from relay_compile.bench.measure import clear_grads, forward_backward, quiet_warnings
-    from relay_compile.bench.standin_group import standin_group
-    from relay_compile.bench.sweep import token_sweep_rows
+    from relay_compile.bench.measure import quiet_warnings
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ep", type=int, default=8)
@@ -234,7 +254,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--trace-dir", type=Path, default=Path("/tmp"))
     args = ap.parse_args(argv)
-    quiet_warnings()
+    with quiet_warnings():
+        _rows(args)
+
+
+def _rows(args: argparse.Namespace) -> None:
+    """Each row of ``args.rows``: its unprofiled step time, syncs, and the report of its profiled steps."""
+    import torch
+
+    from relay_compile.bench.configs import QWEN3_30B, BenchOptions
+    from relay_compile.bench.inputs import make_inputs
+    from relay_compile.bench.measure import clear_grads, forward_backward
+    from relay_compile.bench.standin_group import standin_group
+    from relay_compile.bench.sweep import token_sweep_rows
+
     cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens)
     group = standin_group(args.ep)
     inp = make_inputs(cfg)
@@ -247,8 +280,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             clear_grads(fn, inp)
             forward_backward(fn, inp)
 
+        for _ in range(2):  # warm-ups (a compiled row compiles here)
+            step()
         wall = []
-        for _ in range(3):
+        for _ in range(5):
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -259,9 +294,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         syncs = host_syncs(step)
         events = profile_steps(step, args.steps, args.stack, args.trace_dir / f"gpu_idle_{name.replace(' ', '_')}.json")
         print(f"\n## {name}: EP={args.ep} tokens={args.tokens} {torch.cuda.get_device_name()}, step "
-              f"{statistics.median(wall):.2f} ms unprofiled, {args.steps} steps profiled"
+              f"{statistics.median(wall):.2f} ms unprofiled (median of 5), {args.steps} steps profiled"
               f"{' with stacks' if args.stack else ''}")
-        print(f"syncs in one step: {sum(n for _, n in syncs)}: " + ", ".join(f"{w} x{n}" for w, n in syncs[:args.top]))
+        print(f"stream syncs and blocking copies in one step: {sum(n for _, n in syncs)}: "
+              + ", ".join(f"{w} x{n}" for w, n in syncs[:args.top]))
         print(report(events, steps=args.steps, min_us=args.min_us, top=args.top, depth=args.depth))
 
 

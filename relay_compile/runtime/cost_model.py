@@ -232,8 +232,10 @@ class Calibration:
     kept_a2a_per_rank: float = 0.0
 
     def kept_a2a_ratio(self, ranks: int) -> float:
-        """The compiled (kept) all-to-all's time over a2a eager's in a group of ``ranks``."""
-        return self.kept_a2a_base + ranks * self.kept_a2a_per_rank
+        """The compiled (kept) all-to-all's time over a2a eager's in a group of ``ranks``; outside the groups it
+        was measured at (``KEPT_A2A_RANKS``) those groups' (a line is no measurement beyond them)."""
+        lo, hi = KEPT_A2A_RANKS
+        return self.kept_a2a_base + min(max(ranks, lo), hi) * self.kept_a2a_per_rank
 
     def combined(self, host_ms: float, gpu_ms: float) -> float:
         """A step's time from its host and GPU times (module docstring: ``overlap_p``)."""
@@ -261,6 +263,7 @@ def _linked(cal: Calibration, gbps: float | None) -> Calibration:
 # at 8192, 1.19-1.20x at 4096-8192, 1.28x and 1.30x at 16384; H100 1.17x at 16384), EP=8 0.984 (H200 0.965x at
 # 4096, 1.002x and 0.98x at 16384; H100 0.990x at 16384): docs/BENCHMARKS.md, "Kept regions at EP=64" and "Larger
 # stacks". Both kinds alike (too few H100 points for their own line).
+KEPT_A2A_RANKS = (8, 64)
 KEPT_A2A_PER_RANK = (1.214 - 0.984) / (64 - 8)
 KEPT_A2A_BASE = 0.984 - 8 * KEPT_A2A_PER_RANK
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
@@ -283,7 +286,8 @@ H200 = Calibration(
 # rank, 2026-12-06, after the backward's agreement moved beside the compute stream):
 # docs/bench/h100-backward-agreement/raw-2-h100/, host and GPU time combined by ``overlap_p=4``, refitted as the
 # H200's on 2026-12-07 (rms log error 0.067, 48 of 48 points within 25%, 0.86-1.13x, saved-projection rows
-# included; 0.078 before; on docs/bench/larger-stacks/raw-1-h100, not fitted to, 0.073). Redo: ``python -m
+# included; 0.078 before; on docs/bench/larger-stacks/raw-1-h100, not fitted to, 0.070 over 44 points). Redo
+# (the fit starts from the committed constants, so a refit of the same sweeps lands near them, not on them): ``python -m
 # relay_compile.bench.calibrate A B --start h100 --overlap-p 4``; ``--check h100`` reports how they predict another
 # sweep. (The previous fit, to docs/bench/h200-sweep-2/raw-1-h100/, predicted this sweep's rings up to 1.38x slow.)
 H100 = dataclasses.replace(
@@ -359,13 +363,17 @@ def _hops(n: int, g: int) -> int:
 
 @dataclass(frozen=True)
 class RingTraffic:
-    """Bytes one rank sends in one forward + backward of a ring: ``total``; ``gathered``, the first owner stacks'
-    (sent before any compute, so never hidden); what one hop pass's transfer carries in each direction."""
+    """Bytes one rank sends in one forward + backward of a ring: ``total``; ``exposed``, what no compute hides (the
+    first owner stacks' gather, the gradient sums' last trip home); and the transfers hidden behind hop passes:
+    ``forward_transfers`` of ``forward_hop`` bytes and ``backward_transfers`` of ``backward_hop``. They add up:
+    ``exposed + forward_transfers * forward_hop + backward_transfers * backward_hop == total``."""
 
     total: float
-    gathered: float
+    exposed: float
     forward_hop: float
     backward_hop: float
+    forward_transfers: int
+    backward_transfers: int
 
 
 def ring_traffic(routing: Routing, n: int, g: int, g_b: int, volumes: dict[str, int]) -> RingTraffic:
@@ -373,17 +381,21 @@ def ring_traffic(routing: Routing, n: int, g: int, g_b: int, volumes: dict[str, 
     (``routing.per_hop_bytes``) and the owners per forward / backward hop ``g`` / ``g_b``.
 
     Expert routing: every partition but this rank's own visits once each way, whatever the stacks (a stack of
-    ``g`` gathers ``g - 1`` partitions at hop 0, then moves ``g`` per hop pass), and the gradient sums of all ``n``
-    partitions travel (one hop behind, then home): ``(n - 1) W`` forward, ``(n - 1) W + n G`` backward.
-    Token routing: ``n`` hop volumes each way (tokens one hop ahead of the sums they carry).
+    ``g`` gathers ``g - 1`` partitions before its first compute, then moves ``g`` after each of the ``n / g - 1``
+    passes but the last), and the gradient sums of all ``n`` partitions travel (one hop behind their weights, the
+    last ``g_b`` home after the last compute): ``(n - 1) W`` forward, ``(n - 1) W + n G`` backward.
+    Token routing: ``n`` hop volumes each way, each behind a hop (an upper bound: the tokens make ``n - 1`` trips,
+    the sums ``n``).
     """
     if routing == "token":
-        return RingTraffic(total=n * (volumes["forward"] + volumes["backward"]), gathered=0.0,
-                           forward_hop=volumes["forward"], backward_hop=volumes["backward"])
+        return RingTraffic(total=n * (volumes["forward"] + volumes["backward"]), exposed=0.0,
+                           forward_hop=volumes["forward"], backward_hop=volumes["backward"], forward_transfers=n,
+                           backward_transfers=n)
     w = volumes["forward"]
     grad = volumes["backward"] - w
-    return RingTraffic(total=(n - 1) * w + (n - 1) * w + n * grad, gathered=((g - 1) + (g_b - 1)) * w,
-                       forward_hop=g * w, backward_hop=g_b * (w + grad))
+    return RingTraffic(total=(n - 1) * w + (n - 1) * w + n * grad, exposed=((g - 1) + (g_b - 1)) * w + g_b * grad,
+                       forward_hop=g * w, backward_hop=g_b * (w + grad), forward_transfers=n // g - 1,
+                       backward_transfers=n // g_b - 1)
 
 
 def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
@@ -423,9 +435,9 @@ def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_p
         link = 0.0
     else:  # a hop's transfer hides behind the hop's compute; what exceeds it is exposed
         per_hop_gpu = gpu / (hops_f + hops_b)
-        link = (hops_f * max(0.0, _bytes_ms(moved.forward_hop, cal.link_gbps) - per_hop_gpu)
-                + hops_b * max(0.0, _bytes_ms(moved.backward_hop, cal.link_gbps) - per_hop_gpu)
-                + _bytes_ms(moved.gathered, cal.link_gbps))
+        link = (moved.forward_transfers * max(0.0, _bytes_ms(moved.forward_hop, cal.link_gbps) - per_hop_gpu)
+                + moved.backward_transfers * max(0.0, _bytes_ms(moved.backward_hop, cal.link_gbps) - per_hop_gpu)
+                + _bytes_ms(moved.exposed, cal.link_gbps))
     host_ms = host / 1e3
     return TimeEstimate(host_ms=host_ms, gpu_ms=gpu, link_ms=link, total_ms=cal.combined(host_ms, gpu) + link,
                         hops=hops_f + hops_b)
@@ -471,7 +483,7 @@ class Choice:
 
 # How close to the all-to-all a ring predicted without saved projections may come before ``"auto"`` saves them:
 # the time model's error on sweeps it was not fitted to (rms log error 0.09-0.10 on the H100, docs/BENCHMARKS.md,
-# "Saved projections"). A ring predicted 0.98x measured 1.06x (EP=64, 16384 tokens, H100) and 0.98x with them;
+# "Saved projections"). A ring predicted 0.98x (now 1.12x) measured 1.06x (EP=64, 16384 tokens, H100) and 0.98x with them;
 # rings predicted 0.85x or less won without them, and at 65536 tokens they bought no time for 2-4x the ring's peak.
 SAVE_MARGIN = 0.10
 
@@ -504,9 +516,9 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     ``owners``: owners per forward and per backward hop of the expert ring (``(1, 1)``: an expert function
     without grouped entry points); ``OwnerOptions``: the rules' owners and larger stacks; None: those of grouped
     experts (``owner_options``). Under ``ring="auto"``, where every ring with the rules' owners is predicted
-    slower than the traced all-to-all, the expert ring is predicted with the fastest of the larger stacks instead
-    (where that is faster): a ring that then wins runs where the block would otherwise keep an all-to-all that
-    holds several times its memory. The traced all-to-all decides this whatever ``kept``, so a region's
+    slower than a2a eager's predicted time (``times["a2a"]``), the expert ring is predicted with the fastest of
+    the larger stacks instead (where that is faster): a ring that then wins runs where the block would otherwise
+    keep an all-to-all that holds several times its memory. That time decides this whatever ``kept``, so a region's
     compile-time prediction and its calls hold the same owners (``Choice.owners``: what the op holds).
     ``"memory"`` and ``"always"`` keep the rules' owners: memory first. ``saving``: the op can save the expert
     ring's projections (``agreement.Claims.saves``: 1 the model decides, 2 the option says so).

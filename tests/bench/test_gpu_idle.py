@@ -44,6 +44,27 @@ class GpuIdleTest(TestCase):
                                            "runtime/hop_compute.py:forward_hop", 1, 230.0)])
         self.assertEqual(len(idle_gaps(_trace(), min_us=5)), 2)
 
+    def test_only_a_sync_waiting_when_the_device_went_idle_marks_a_gap(self):
+        # A sync that starts inside the gap and returns at once did not leave the device idle.
+        trace = [e for e in _trace() if "Synchronize" not in e["name"]]
+        trace.append(_ev("cuda_runtime", "cudaStreamSynchronize", 300, 1))
+        (gap,) = idle_gaps(trace, min_us=20)
+        self.assertIsNone(gap.after_sync)
+        trace.append(_ev("cuda_runtime", "cudaEventSynchronize", 120, 60))  # waiting at 170, back at 180
+        (gap,) = idle_gaps(trace, min_us=20)
+        self.assertEqual(gap.after_sync, "cudaEventSynchronize")
+
+    def test_ops_and_frames_come_from_the_launching_thread_and_work_from_one_device(self):
+        trace = _trace() + [
+            _ev("cpu_op", "aten::other_thread", 380, 20, tid=2),  # encloses the launch's time on another thread
+            _ev("python_function", "relay_compile/other.py(1): elsewhere", 350, 100, tid=2),
+            _ev("kernel", "on_device_1", 200, 150, tid=7, correlation=9) | {"pid": 2},  # another device's work
+        ]
+        (gap,) = idle_gaps(trace, min_us=20)
+        self.assertEqual((gap.start_us, gap.dur_us), (170.0, 230.0))
+        self.assertEqual(gap.ops, ("relaymoe::ring_moe", "aten::mm"))
+        self.assertEqual(gap.frames, ("runtime/ops.py:_run", "runtime/hop_compute.py:forward_hop"))
+
     def test_a_gap_without_a_sync_before_it_or_stacks_is_put_on_its_ops(self):
         trace = [e for e in _trace() if e["cat"] != "python_function" and "Synchronize" not in e["name"]]
         (gap,) = idle_gaps(trace, min_us=20)

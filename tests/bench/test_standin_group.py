@@ -201,15 +201,22 @@ class MoEUnderTheStandinGroup(StandinTestCase):
 
         for g, g_b in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4)):
             sent.clear()
+            spies = {name: _counting(sent, name) for name in ("forward_group", "backward_group_into")}
             with unittest.mock.patch.object(StandinGroup, "send", counted), \
+                    unittest.mock.patch.multiple(ExpertRoutingStep, **spies), \
                     unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=g), \
                     unittest.mock.patch.object(pipeline, "backward_owners_per_hop", return_value=g_b):
                 _forward_backward(ring_moe, x.bfloat16(), ids, scores.bfloat16(), bf16, group=group, routing="expert")
+            # The stacks ran: N / g grouped forward passes, N / g_b - 1 grouped backward passes after the first.
+            self.assertEqual((sent["forward_group"], sent["backward_group_into"]),
+                             (world // g if g > 1 else 0, world // g_b - 1 if g_b > 1 else 0), (g, g_b))
             traffic = ring_traffic("expert", world, g, g_b, volumes)
-            # Beyond the model: the backward's failure status, one int64 beside each gradient transfer.
+            # Beyond the model: the failure status, one int64 beside each backward transfer.
             status = sent["bytes"] - traffic.total
             self.assertTrue(0 <= status <= 8 * 2 * world and status % 8 == 0, (g, g_b, status))
-            self.assertEqual(traffic.gathered, (g - 1 + g_b - 1) * w_bytes)
+            # What no compute hides and what the hop passes carry add up to the total (the link model's terms).
+            self.assertEqual(traffic.exposed + traffic.forward_transfers * traffic.forward_hop
+                             + traffic.backward_transfers * traffic.backward_hop, traffic.total, (g, g_b))
 
     def test_grouped_backward_sums_every_owners_gradients_for_random_and_lopsided_routing(self) -> None:
         # g owners per backward hop (the rule, ring_options.backward_owners_per_hop, is tested on its own), alone

@@ -30,6 +30,7 @@ from relay_compile.passes import host_reads
 from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime import agreement, all_to_all, cost_model, decision, ops, segment_compute
 from relay_compile.experts import GroupedFFN
+from relay_compile.routing import per_hop_bytes
 from relay_compile.runtime.cost_model import (
     H100,
     H200,
@@ -45,6 +46,7 @@ from relay_compile.runtime.cost_model import (
     owner_options,
     predicted_peak_bytes,
     ring_time,
+    ring_traffic,
 )
 from relay_compile.runtime.ring_options import (
     HopShape,
@@ -104,6 +106,22 @@ class Decision(unittest.TestCase):
         # ring="memory" runs the ring from fewer tokens than "auto": it also buys memory with time.
         self.assertLess(ring_from_tokens(qwen3(1, 8), RingOptions(ring="memory")), 8192)
         self.assertGreater(ring_from_tokens(qwen3(1, 8), RingOptions(ring="auto")), 8192)
+
+    def test_a_link_bound_ring_is_charged_every_byte_it_sends_once(self) -> None:
+        # Over a link so slow that no compute hides a transfer, the ring's link time is its bytes over the link
+        # (cost_model.ring_traffic: the same total for every stack), less only what the hop passes hide; the
+        # first stacks' gather and the sums' last trip home are charged once, not again as a hop's transfer.
+        shape = qwen3(16384, 64)
+        slow = H200.with_link(0.01)
+        volumes = per_hop_bytes("expert", tokens=shape.tokens, hidden=shape.hidden, top_k=shape.top_k,
+                                experts_per_rank=shape.experts_per_rank, expert_bytes=shape.expert_bytes,
+                                elem_bytes=shape.elem_bytes, expert_grad_bytes=shape.expert_bytes // 2 * 4,
+                                sum_elem_bytes=4)
+        for g, g_b in ((1, 1), (4, 2), (8, 4), (32, 32)):
+            total = ring_traffic("expert", 64, g, g_b, volumes).total
+            link = ring_time(shape, "expert", slow, owners_per_hop=g, backward_owners=g_b).link_ms
+            self.assertLessEqual(link, total / (0.01 * 1e6))
+            self.assertGreater(link, 0.999 * total / (0.01 * 1e6), (g, g_b))
 
     def test_a_ring_whose_rules_lose_holds_a_larger_stack_before_the_all_to_all_is_kept(self) -> None:
         # Qwen3, EP=64, 18432 tokens: the rules stop a stack at AUTO_MIN_HOP_ROWS rows (4 / 2 owners), a ring
@@ -311,7 +329,7 @@ class Decision(unittest.TestCase):
         small = choose(qwen3(4096, 8), routing="auto", ring="auto", cal=H100, saving=1, kept="op")
         self.assertEqual(small.execution, "all_to_all", small.reason)
         self.assertGreater(small.times["expert"].total_ms, small.times["op_a2a"].total_ms)
-        # Without the measured ratio (1.0) a call decides as the compile-time keep does.
+        # Without the measured ratio (1.0) a call keeps the all-to-all here, as the compile-time keep does.
         even = dataclasses.replace(H100, op_a2a_ratio=1.0)
         self.assertEqual(choose(shape, routing="auto", ring="auto", cal=even, kept="op").execution, "all_to_all")
 

@@ -3,9 +3,9 @@ all-to-all, and the time those bytes take on a link, beside the all-to-all's mea
 
 The ring's bytes do not depend on how many owners a hop holds (a stack gathers the same partitions sooner), so no
 owner choice changes them; a link this slow or slower bounds the ring's time from below whatever its host and GPU
-cost. Bytes per hop as the ring sends them (``routing.per_hop_bytes``: weights and fp32 weight-gradient sums, or
-tokens, metadata and fp32 output sums), N - 1 hops each way; the all-to-all moves its dispatch and combine
-forward and backward, (N - 1) / N of ``T K H`` elements each.
+cost. Bytes as the ring's programs send them (``cost_model.ring_traffic`` over ``routing.per_hop_bytes``: weights
+and fp32 weight-gradient sums, or tokens, metadata and fp32 output sums, an upper bound for token routing); the
+all-to-all moves its dispatch and combine forward and backward, (N - 1) / N of ``T K H`` elements each.
 
     python docs/bench/reach/bytes.py [--link-gbps 450] [--measured docs/bench/backend-saving/raw-1-h200/sweep-ep8.json ...]
 """
@@ -15,7 +15,7 @@ import json
 
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.routing import per_hop_bytes
-from relay_compile.runtime.cost_model import H200, BlockShape, ring_time
+from relay_compile.runtime.cost_model import H200, BlockShape, ring_time, ring_traffic
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--link-gbps", type=float, default=450.0, help="one direction of the link a hop crosses")
@@ -43,7 +43,7 @@ for ep in (8, 64):
                                 expert_bytes=expert_bytes, elem_bytes=c.elem_bytes,
                                 expert_grad_bytes=expert_bytes // c.elem_bytes * 4, sum_elem_bytes=4)
                for r in ("expert", "token")}
-        ring = {r: (ep - 1) * (v["forward"] + v["backward"]) for r, v in hop.items()}
+        ring = {r: ring_traffic(r, ep, 1, 1, v).total for r, v in hop.items()}  # the same for every stack
         a2a = 4 * tokens * c.top_k * c.hidden * c.elem_bytes * (ep - 1) / ep
         ms = lambda b: b / (args.link_gbps * 1e6)  # noqa: E731
         m = measured.get((ep, tokens))
