@@ -371,7 +371,9 @@ def _exchange(
     cap, device = state.counts_cap, bad_ids.device
     fits = 0 < len(counts_E) <= cap
     if not counts_agreed or not (fits or len(counts_E) == 0):
-        header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64, device=device)
+        # Pinned and queued: a pageable copy would sync the stream here, once more before the table's read below.
+        header = torch.tensor(claims.header(len(counts_E) if fits else 0), dtype=torch.int64,
+                              pin_memory=device.type == "cuda").to(device, non_blocking=True)
         status = state.take_status(waiting=True)
         status = header.new_zeros(1) if status is None else status.to(device)
         counts = counts_E.to(device) if fits else header.new_zeros(0)
@@ -380,10 +382,11 @@ def _exchange(
         # NOTE: device-to-host sync, once per op call: the table sizes every hop on the host.
         return all_gather_rows(ring, row).tolist()
     counts = counts_E.tolist()
-    host = torch.tensor([*claims.header(len(counts)), 0, 0, *counts, *[0] * (cap - len(counts))], dtype=torch.int64)
+    host = torch.tensor([*claims.header(len(counts)), 0, 0, *counts, *[0] * (cap - len(counts))], dtype=torch.int64,
+                        pin_memory=device.type == "cuda")
     status = state.take_status(waiting=False)
     with beside_compute(device):
-        row = host.to(device)
+        row = host.to(device, non_blocking=True)
         if status is not None:
             row[PEER_FAILURE : PEER_FAILURE + 1].copy_(status)
         return all_gather_rows(ring, row).tolist()  # NOTE: waits for this exchange only
