@@ -205,6 +205,13 @@ class ExpertRoutingStep:
         cfg, e_l, x_TH, g = self.cfg, self.cfg.experts_per_rank, self.x_TH, self.owners_per_hop
         own = counts.counts_NE[cfg.ring.rank]
         assert own is not None, "ring_moe: the agreement gave no counts of this rank"
+        # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring). Zeroed first:
+        # after the agreement's read of the counts the device has nothing queued, and the fill (the pairs' sort
+        # next) runs while the host plans the chunks below (docs/BENCHMARKS.md, "Where the GPU waits on the host").
+        if self.grad_y_TH is None:
+            self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
+        else:
+            self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
         self.routing = routing = PairRouting.build(topk_ids_TK, own, e_l)
         # One owner per hop, or g: owner stacks (``programs.build``: the grouped rings).
         bounds = [
@@ -230,11 +237,7 @@ class ExpertRoutingStep:
         self.padded = PaddedChunks.plan(self.chunks, routing.tokens_P, self.scores_S) if graphs else None
         self.equal = (EqualGroups.plan(self.chunks, routing.tokens_P, self.scores_S)
                       if g == 1 and self.backward and self.padded is None and cfg.pads_equal_groups else None)
-        # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring).
-        if self.grad_y_TH is None:
-            self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
-        else:
-            self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
+        if self.grad_y_TH is not None:
             # Every pair meets its expert on exactly one hop, so every entry is written; one entry past the pairs
             # takes what the padding rows of equal groups write (``finish``).
             self.ds_S1 = torch.empty(self.scores_S.shape[0] + 1, dtype=ACC_DTYPE, device=x_TH.device)
