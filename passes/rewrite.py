@@ -245,8 +245,8 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     (``transport.group_link_gbps``), against the traced all-to-all the kept region runs, compiled. The op weighs a
     call's ring against its own all-to-all path instead (``cost_model.choose(kept="op")``, ~1.5x a2a eager), so a
     region kept here is one the op would keep or run as a ring between ``kept_a2a_ratio(N)`` and that ratio of a2a
-    eager's time; up to what only a call knows (the other ranks' token counts and links, the probe's verdict on F). The memory
-    budget of the larger owner stacks is taken at this rank's T (a call's is the group's smallest T): a call
+    eager's time; up to what only a call knows (the other ranks' token counts and links, the probe's verdict on F).
+    The memory budget of the larger owner stacks is taken at this rank's T (a call's is the group's smallest T): a call
     where another rank holds fewer tokens may fall back to the rules' stack, and its decision to that ring's.
     """
     x = node_value(region.x)

@@ -137,7 +137,8 @@ class Summary(unittest.TestCase):
             # 256 / 24 = 10.67
             "  region 2 at all_to_all_single_5: matched, EP=4, routing token -> token, predicted peak a2a "
             "256.0 MiB, ring 24.0 MiB (10.7x)",
-            "    runs as all_to_all: the token ring is predicted slower (16.67 ms against the kept all-to-all's 5.33 ms; "
+            "    runs as all_to_all: the token ring is predicted slower (16.67 ms against the kept all-to-all's "
+            "5.33 ms; "
             "peak 24 MiB against 256 MiB); ring='memory' or 'always' runs it (h200 model: on CUDA)",
         ])
 

@@ -71,7 +71,8 @@ def with_calls(sweep: dict[str, object], rows: Sequence[dict[str, object]]) -> l
     per hop, saved projections), so that ``predict`` models the ring that ran (a larger stack, saved or not)."""
     # A call holds the stack its decision predicted (``cost_model.choose``: the traced all-to-all decides the
     # widening whatever is kept); sweeps before calls recorded their owners give the decision's.
-    calls = {(int(d["ep"]), int(d["tokens"])): {"owners_per_hop": d.get("owners_per_hop"), **d["call"]}  # type: ignore[index]
+    calls = {(int(d["ep"]), int(d["tokens"])):  # type: ignore[index]
+             {"owners_per_hop": d.get("owners_per_hop"), **d["call"]}  # type: ignore[index]
              for d in sweep.get("decisions", ()) if "call" in d}  # type: ignore[union-attr]
     return [{**r, "call": calls[key]} if r["row"] == "ring_moe default" and (key := (int(r["ep"]), int(r["tokens"])))
             in calls else r for r in rows]

@@ -3,10 +3,10 @@
 A step whose kernels sum to less than its wall time leaves the GPU idle somewhere: after a host sync (the
 host then has to queue work again before the GPU sees any), or wherever the host falls behind (launch-bound
 hops). ``idle_gaps`` reads a Kineto chrome trace (``torch.profiler``, CPU + CUDA activities): the GPU is busy
-wherever any kernel, copy or fill runs on any of its streams (one device); every idle interval of at least ``min_us`` becomes a
-``Gap``, put on the launch that ended it (the runtime or driver call with the first kernel's correlation id):
-the ``cpu_op`` chain around that launch and, where the trace has Python stacks (``with_stack=True``), the
-innermost frames of this package. ``runtime_calls`` counts the CUDA runtime and driver calls of the trace
+wherever any kernel, copy or fill runs on any of its streams (one device); every idle interval of at least
+``min_us`` becomes a ``Gap``, put on the launch that ended it (the runtime or driver call with the first kernel's
+correlation id): the ``cpu_op`` chain around that launch and, where the trace has Python stacks
+(``with_stack=True``), the innermost frames of this package. ``runtime_calls`` counts the CUDA runtime and driver calls of the trace
 (launches, event records, syncs): the host's side of a hop pass.
 
     python -m relay_compile.bench.gpu_idle --ep 8 --tokens 65536 --rows "a2a eager" "ring expert" [--stack]

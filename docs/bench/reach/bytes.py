@@ -7,7 +7,7 @@ cost. Bytes as the ring's programs send them (``cost_model.ring_traffic`` over `
 and fp32 weight-gradient sums, or tokens, metadata and fp32 output sums, an upper bound for token routing); the
 all-to-all moves its dispatch and combine forward and backward, (N - 1) / N of ``T K H`` elements each.
 
-    python docs/bench/reach/bytes.py [--link-gbps 450] [--measured docs/bench/backend-saving/raw-1-h200/sweep-ep8.json ...]
+    python docs/bench/reach/bytes.py [--link-gbps 450] [--measured SWEEP.json ...]
 """
 import argparse
 import dataclasses
@@ -30,7 +30,8 @@ for path in args.measured:
     for p in json.load(open(path))["rows"]:
         if p["row"] == "a2a eager":
             measured[(p["ep"], p["tokens"])] = p["ms"]
-print(f"Qwen3 layer (H={c.hidden}, F={c.ffn}, E={c.experts}, K={c.top_k}, bf16, fp32 sums), link {args.link_gbps:g} GB/s")
+print(f"Qwen3 layer (H={c.hidden}, F={c.ffn}, E={c.experts}, K={c.top_k}, bf16, fp32 sums), "
+      f"link {args.link_gbps:g} GB/s")
 # The stand-in's floor: the H200 model's expert ring with no host cost at all (GEMMs, row traffic and the
 # stand-in's transfers as device copies on the compute stream), the fastest of every owner stack.
 no_host = dataclasses.replace(H200, host_hop_us=0.0, host_hop_expert_us=0.0, host_chunk_us=0.0)
