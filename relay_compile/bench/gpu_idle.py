@@ -6,8 +6,8 @@ hops). ``idle_gaps`` reads a Kineto chrome trace (``torch.profiler``, CPU + CUDA
 wherever any kernel, copy or fill runs on any of its streams (one device); every idle interval of at least
 ``min_us`` becomes a ``Gap``, put on the launch that ended it (the runtime or driver call with the first kernel's
 correlation id): the ``cpu_op`` chain around that launch and, where the trace has Python stacks
-(``with_stack=True``), the innermost frames of this package. ``runtime_calls`` counts the CUDA runtime and driver calls of the trace
-(launches, event records, syncs): the host's side of a hop pass.
+(``with_stack=True``), the innermost frames of this package. ``runtime_calls`` counts the CUDA runtime and
+driver calls of the trace (launches, event records, syncs): the host's side of a hop pass.
 
     python -m relay_compile.bench.gpu_idle --ep 8 --tokens 65536 --rows "a2a eager" "ring expert" [--stack]
 
@@ -262,19 +262,11 @@ def _rows(args: argparse.Namespace) -> None:
     """Each row of ``args.rows``: its unprofiled step time, syncs, and the report of its profiled steps."""
     import torch
 
-    from relay_compile.bench.configs import QWEN3_30B, BenchOptions
-    from relay_compile.bench.inputs import make_inputs
     from relay_compile.bench.measure import clear_grads, forward_backward
-    from relay_compile.bench.standin_group import standin_group
-    from relay_compile.bench.sweep import token_sweep_rows
+    from relay_compile.bench.sweep import standin_rows
 
-    cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens)
-    group = standin_group(args.ep)
-    inp = make_inputs(cfg)
-    for spec in token_sweep_rows(BenchOptions(), only=args.rows):
-        if spec.name not in args.rows:
-            continue
-        name, fn = spec.name, spec.build(cfg, group)
+    inp, fns = standin_rows(args.ep, args.tokens, args.rows)
+    for name, fn in fns.items():
 
         def step() -> None:
             clear_grads(fn, inp)

@@ -32,9 +32,18 @@ from typing import Any
 import torch
 
 from relay_compile.bench.calibrate import predict, shape_of
-from relay_compile.bench.configs import BenchOptions, LayerConfig
+from relay_compile.bench.configs import QWEN3_30B, BenchOptions, LayerConfig
+from relay_compile.bench.inputs import LayerInputs, make_inputs
 from relay_compile.bench.measure import LayerResult
-from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a, compiled_a2a_builder, ring_builder
+from relay_compile.bench.rows import (
+    A2A_EAGER,
+    LayerFn,
+    RowSpec,
+    build_eager_a2a,
+    compiled_a2a_builder,
+    ring_builder,
+)
+from relay_compile.bench.standin_group import standin_group
 from relay_compile.runtime.cost_model import H200, calibration_for, choose
 
 # Row names as the calibration reads them (``bench.calibrate.predict``).
@@ -51,6 +60,17 @@ def token_sweep_rows(opts: BenchOptions, only: Sequence[str] | None = None) -> l
     if unknown:
         raise ValueError(f"--rows: unknown sweep row(s) {unknown}; the sweep's rows are {[r.name for r in rows]}")
     return [r for r in rows if r.name == A2A_EAGER or r.name in only]
+
+
+def standin_rows(ep: int, tokens: int, rows: Sequence[str], layer: LayerConfig = QWEN3_30B.with_(
+    device="cuda", dtype="bf16")) -> tuple[LayerInputs, dict[str, LayerFn]]:
+    """``layer`` (the Qwen3 layer, bf16, CUDA) on the stand-in group of ``ep`` ranks at ``tokens`` per rank, and the
+    sweep's ``rows`` (``token_sweep_rows``' names) built for it, in the order given: where a script that times,
+    profiles or counts rows one at a time starts (``bench.gpu_idle``, the scripts under docs/bench/)."""
+    cfg = layer.with_(ep=ep, tokens=tokens)
+    group = standin_group(ep)
+    specs = {spec.name: spec for spec in token_sweep_rows(BenchOptions(), only=rows)}
+    return make_inputs(cfg), {name: specs[name].build(cfg, group) for name in rows}
 
 
 def _all_rows(opts: BenchOptions) -> list[RowSpec]:

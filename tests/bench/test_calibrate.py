@@ -14,6 +14,7 @@ from relay_compile.bench.calibrate import fit, loss, op_a2a_ratios, predict, rec
 from relay_compile.bench.measure import LayerResult, RowResult
 from relay_compile.bench.sweep import sweep_points, table
 from relay_compile.runtime.cost_model import H200, choose, ring_time
+from tests.bench.standin_case import StandinTestCase
 
 LAYER = {"hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8, "elem_bytes": 2}
 ROWS = ("a2a eager", "ring expert", "ring expert saved", "ring token")
@@ -119,6 +120,25 @@ class SweepRows(unittest.TestCase):
             token_sweep_rows(BenchOptions(), ["ring fast"])
         self.assertEqual(main(["--preset", "sweep", "--device", "cpu", "--rows", "ring fast"]), 2)
         self.assertEqual(main(["--preset", "tiny", "--rows", "ring expert"]), 2)
+
+
+class StandinRows(StandinTestCase):
+    def test_rows_are_built_in_the_order_named_on_one_layer_and_group(self) -> None:
+        # bench.sweep.standin_rows: what the scripts under docs/bench/ and bench.gpu_idle start from. The rows in
+        # the order asked (a2a eager only where asked), each running the layer on the stand-in group: the expert
+        # ring computes what the all-to-all does there.
+        import torch
+
+        from relay_compile.bench.configs import LayerConfig
+        from relay_compile.bench.sweep import standin_rows
+
+        tiny = LayerConfig(name="t", hidden=16, ffn=8, experts=8, top_k=2, tokens=8, ep=2, dtype="fp32", device="cpu")
+        inp, rows = standin_rows(4, 32, ["ring expert", "a2a eager"], layer=tiny)
+        self.assertEqual(list(rows), ["ring expert", "a2a eager"])
+        self.assertEqual(tuple(inp.x_TH.shape), (32, 16))
+        args = (inp.x_TH, inp.topk_ids_TK, inp.topk_scores_TK, *inp.weights)
+        torch.testing.assert_close(rows["ring expert"](*args), rows["a2a eager"](*args))
+        self.assertEqual(list(standin_rows(4, 32, ["ring token"], layer=tiny)[1]), ["ring token"])
 
 
 class Check(unittest.TestCase):

@@ -9,29 +9,14 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from relay_compile import ring_moe
-from relay_compile.bench.configs import QWEN3_30B
-from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.measure import forward_backward, quiet_warnings
-from relay_compile.bench.standin_group import standin_group
-from relay_compile.reference import a2a_moe
+from relay_compile.bench.sweep import standin_rows
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ep", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=65536)
 ap.add_argument("--top", type=int, default=25)
 args = ap.parse_args()
-quiet_warnings()
-cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens)
-group = standin_group(args.ep)
-inp = make_inputs(cfg)
-rows = {
-    "a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
-    "ring expert": lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group, routing="expert", ring="always",
-                                                 save_projections=False),
-    "ring expert saved": lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group, routing="expert", ring="always",
-                                                       save_projections=True),
-}
 
 
 def step(fn):
@@ -39,21 +24,24 @@ def step(fn):
     forward_backward(fn, inp)
 
 
-for name, fn in rows.items():
-    for _ in range(2):
-        step(fn)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(fn)
+with quiet_warnings():
+    inp, rows = standin_rows(args.ep, args.tokens, ["a2a eager", "ring expert", "ring expert saved"])
+    for name, fn in rows.items():
+        for _ in range(2):
+            step(fn)
         torch.cuda.synchronize()
-    kernels = collections.Counter()
-    counts = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            key = e.name[:90]
-            kernels[key] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            counts[key] += 1
-    total = sum(kernels.values())
-    print(f"\n== {name}: EP={args.ep} tokens={args.tokens}: GPU {total / 1e3:.2f} ms in {sum(counts.values())} kernels")
-    for key, us in kernels.most_common(args.top):
-        print(f"  {us / 1e3:8.2f} ms {100 * us / total:5.1f}% {counts[key]:5d}x  {key}")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(fn)
+            torch.cuda.synchronize()
+        kernels = collections.Counter()
+        counts = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                key = e.name[:90]
+                kernels[key] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                counts[key] += 1
+        total = sum(kernels.values())
+        print(f"\n== {name}: EP={args.ep} tokens={args.tokens}: GPU {total / 1e3:.2f} ms in "
+              f"{sum(counts.values())} kernels")
+        for key, us in kernels.most_common(args.top):
+            print(f"  {us / 1e3:8.2f} ms {100 * us / total:5.1f}% {counts[key]:5d}x  {key}")

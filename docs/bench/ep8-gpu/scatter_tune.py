@@ -11,19 +11,14 @@ import statistics
 
 import torch
 
-from relay_compile import ring_moe
-from relay_compile.bench.configs import QWEN3_30B
-from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.measure import gpu_us_per_call, quiet_warnings, time_step
-from relay_compile.bench.standin_group import standin_group
+from relay_compile.bench.sweep import standin_rows
 from relay_compile.kernels import scatter_add_rows as sar
 from relay_compile.kernels import swiglu_forward
-from relay_compile.reference import a2a_moe
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=5)
 args = ap.parse_args()
-quiet_warnings()
 tokens, hidden = 65536, 2048
 gen = torch.Generator(device="cuda").manual_seed(0)
 sum_TH = torch.zeros(tokens, hidden, device="cuda", dtype=torch.float32)
@@ -51,13 +46,8 @@ fastest = min(((b, w) for _, b, w in best[16384]),
               key=lambda cfg: sum(us for r in best for us, b, w in best[r] if (b, w) == cfg))
 print(f"fastest over both sizes: BLOCK_H {fastest[0]} warps {fastest[1]}")
 
-cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=8, tokens=65536)
-group = standin_group(8)
-inp = make_inputs(cfg)
-
-
-def ring(x, i, s, *w):
-    return ring_moe(x, i, s, *w, group=group, routing="expert", ring="always", save_projections=False)
+inp, fns = standin_rows(8, 65536, ["a2a eager", "ring expert"])
+ring = fns["ring expert"]
 
 
 def with_config(block_h, warps):
@@ -76,15 +66,16 @@ def eager_swiglu(*a):
         swiglu_forward.applies = applies
 
 
-rows_ = {"a2a eager": lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group),
+rows_ = {"a2a eager": fns["a2a eager"],
          "ring (1024, 4)": with_config(1024, 4), f"ring {fastest}": with_config(*fastest),
          "ring (1024, 4), swiglu forward eager": eager_swiglu}
 times = {n: [] for n in rows_}
-for round_ in range(2 + args.rounds):  # two warm-up rounds, then interleaved fwd+bwd
-    for n, fn in rows_.items():
-        ms = sum(time_step(fn, inp, "cuda"))
-        if round_ >= 2:
-            times[n].append(ms)
+with quiet_warnings():
+    for round_ in range(2 + args.rounds):  # two warm-up rounds, then interleaved fwd+bwd
+        for n, fn in rows_.items():
+            ms = sum(time_step(fn, inp, "cuda"))
+            if round_ >= 2:
+                times[n].append(ms)
 ref = statistics.median(times["a2a eager"])
 for n, ts in times.items():
     m = statistics.median(ts)

@@ -28,7 +28,7 @@ ap.add_argument("--rows", nargs="*", default=["eager", "aot_eager", "relaymoe/ao
                                               "relaymoe/inductor", "inductor"])
 args = ap.parse_args()
 t_start = time.monotonic()
-quiet_warnings()
+quiet_warnings().__enter__()  # a context manager: its filters for the whole script
 cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens)
 group = standin_group(args.ep)
 inp = make_inputs(cfg)

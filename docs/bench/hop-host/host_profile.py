@@ -13,11 +13,8 @@ import time
 
 import torch
 
-from relay_compile import ring_moe
-from relay_compile.bench.configs import QWEN3_30B
-from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.measure import forward_backward, quiet_warnings
-from relay_compile.bench.standin_group import standin_group
+from relay_compile.bench.sweep import standin_rows
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ep", type=int, default=64)
@@ -25,43 +22,41 @@ ap.add_argument("--tokens", type=int, default=4096)
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--top", type=int, default=40)
 args = ap.parse_args()
-quiet_warnings()
-cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=args.ep, tokens=args.tokens)
-group = standin_group(args.ep)
-inp = make_inputs(cfg)
 
 
-def fn(x, i, s, *w):
-    return ring_moe(x, i, s, *w, group=group, routing="expert", ring="always", save_projections=False)
+def main() -> None:
+    inp, rows = standin_rows(args.ep, args.tokens, ["ring expert"])
 
+    def step():
+        inp.clear_grads()
+        forward_backward(rows["ring expert"], inp)
 
-def step():
-    inp.clear_grads()
-    forward_backward(fn, inp)
-
-
-for _ in range(3):
-    step()
-torch.cuda.synchronize()
-host, wall = [], []
-for _ in range(args.steps):
-    t0 = time.perf_counter()
-    step()
-    t1 = time.perf_counter()
+    for _ in range(3):
+        step()
     torch.cuda.synchronize()
-    host.append((t1 - t0) * 1e3)
-    wall.append((time.perf_counter() - t0) * 1e3)
-print(f"EP={args.ep} tokens={args.tokens}: host {sorted(host)[len(host) // 2]:.2f} ms per step, "
-      f"to the device's end {sorted(wall)[len(wall) // 2]:.2f} ms (medians of {args.steps})")
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(args.steps):
-    step()
-prof.disable()
-torch.cuda.synchronize()
-for key in ("tottime", "cumulative"):
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out).sort_stats(key)
-    stats.print_stats(args.top if key == "tottime" else "relay_compile", args.top)
-    print(f"\n== by {key}, {args.steps} steps ==")
-    print("\n".join(line[:200] for line in out.getvalue().splitlines() if line.strip())[:20000])
+    host, wall = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    print(f"EP={args.ep} tokens={args.tokens}: host {sorted(host)[len(host) // 2]:.2f} ms per step, "
+          f"to the device's end {sorted(wall)[len(wall) // 2]:.2f} ms (medians of {args.steps})")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out).sort_stats(key)
+        stats.print_stats(args.top if key == "tottime" else "relay_compile", args.top)
+        print(f"\n== by {key}, {args.steps} steps ==")
+        print("\n".join(line[:200] for line in out.getvalue().splitlines() if line.strip())[:20000])
+
+
+with quiet_warnings():
+    main()
