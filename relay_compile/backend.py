@@ -16,6 +16,8 @@ Per Dynamo graph:
                                             eagerly; its ring programs (remat, overlap) are built on first use
     batch_host_reads      (passes.host_reads)  split sizes still read on the host (kept or refused regions):
                                             one device-to-host copy per tensor, not one sync per element
+    fold_split_reads      (passes.split_reads)  the all-to-alls among them read those copies themselves
+                                            (relaymoe::split_all_to_all): no unbacked SymInt per split size
     inner compiler        (option)          inductor / aot_eager / eager on the rewritten graph, under the
                                             activation_memory_budget option (torch's partitioner budget)
     token switch          (passes.dynamic_keep, runtime.token_switch)  regions with a dynamic token count the
@@ -56,6 +58,7 @@ from relay_compile.passes.dynamic_keep import SwitchPlan, plan_switch, switchabl
 from relay_compile.passes.expert_lowering import choose_expert_fn, recognized_ffn
 from relay_compile.passes.fx_nodes import is_all_to_all, node_value
 from relay_compile.passes.refusals import Refusal
+from relay_compile.passes.split_reads import fold_split_reads
 from relay_compile.passes.region import Region
 from relay_compile.passes.scopes import Scope, find_scopes, keep_rings_saved
 from relay_compile.report import GraphDump, GraphReport, RegionReport
@@ -236,6 +239,11 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
         report.host_reads = [f"{r.base.name}: {len(r.reads)} host reads from one copy"
                              for scope in find_scopes(gm) for r in batch_host_reads(scope.module)]
         report.pass_seconds["host_reads"] = time.perf_counter() - start
+        # ... and the all-to-alls among those take their split sizes as tensors: no unbacked SymInt per split.
+        start = time.perf_counter()
+        report.split_reads = [line for scope in find_scopes(gm) if opts.split_reads
+                              for line in _split_reads(scope.module)]
+        report.pass_seconds["split_reads"] = time.perf_counter() - start
         dump.write("1_rewritten_graph.py", gm.print_readable(False),
                    header=f"after relaymoe rewrite ({report.pass_seconds['rewrite']:.3f} s)")
     report.dumps = dump.files + ([str(dump.dir / "report.json")] if dump.dir else [])
@@ -247,6 +255,13 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
     )
     log.info("%s", report.summary())
     return Analyzed(report, plan, pristine)
+
+
+def _split_reads(gm: fx.GraphModule) -> list[str]:
+    """``fold_split_reads`` on one graph, as the report's lines."""
+    done, skipped = fold_split_reads(gm)
+    return ([f"{m.node.name}: relaymoe::split_all_to_all, sends by {m.send}, receives by {m.recv} "
+             f"({len(m.send.reads)} ranks)" for m in done] + [f"left as traced: {line}" for line in skipped])
 
 
 def _plan_switch(report: GraphReport, gm: fx.GraphModule, regions: list[Region], opts: Options,

@@ -75,6 +75,11 @@ save_projections: str = Config(default="auto", env_name_default="RELAYMOE_SAVE_P
 # calls through its own all-to-all path (which recomputes the experts in backward).
 dynamic_keep: bool = Config(default=True, env_name_default="RELAYMOE_DYNAMIC_KEEP")
 
+# An all-to-all whose split sizes the graph reads element by element (``splits.tolist()``: 2N unbacked SymInts
+# at EP=N) takes them as tensors instead, in one op (``passes.split_reads``): less host time per call and a far
+# shorter inductor compile at large EP. False leaves such all-to-alls as traced (for comparisons and debugging).
+split_reads: bool = Config(default=True, env_name_default="RELAYMOE_SPLIT_READS")
+
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
 inner_compiler: str = Config(

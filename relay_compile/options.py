@@ -37,7 +37,7 @@ from relay_compile.runtime.ring_options import (
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingOptions))
-_BACKEND_FIELDS = ("dynamic_keep", "inner_compiler", "dump_dir", "verify", "activation_memory_budget")
+_BACKEND_FIELDS = ("dynamic_keep", "split_reads", "inner_compiler", "dump_dir", "verify", "activation_memory_budget")
 # Every option name, in the order docs/USAGE.md lists them.
 OPTION_NAMES = (*_RING_FIELDS, *_BACKEND_FIELDS)
 
@@ -48,6 +48,7 @@ class Options:
 
     ring: RingOptions
     dynamic_keep: bool
+    split_reads: bool
     inner_compiler: str
     dump_dir: str
     verify: bool
@@ -55,7 +56,7 @@ class Options:
 
     def as_dict(self) -> dict[str, Any]:
         """Flat ``{option: value}`` as the user spells them (``max_hop_rows`` None: no bound)."""
-        return {**dataclasses.asdict(self.ring), "dynamic_keep": self.dynamic_keep,
+        return {**dataclasses.asdict(self.ring), "dynamic_keep": self.dynamic_keep, "split_reads": self.split_reads,
                 "inner_compiler": self.inner_compiler,
                 "dump_dir": self.dump_dir, "verify": self.verify,
                 "activation_memory_budget": self.activation_memory_budget}
@@ -211,7 +212,8 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None
-    return Options(ring=ring, dynamic_keep=_bool("dynamic_keep", *pick("dynamic_keep")), inner_compiler=inner,
+    return Options(ring=ring, dynamic_keep=_bool("dynamic_keep", *pick("dynamic_keep")),
+                   split_reads=_bool("split_reads", *pick("split_reads")), inner_compiler=inner,
                    dump_dir=_dump_dir(*pick("dump_dir")),
                    verify=_bool("verify", *pick("verify")),
                    activation_memory_budget=_memory_budget(*pick("activation_memory_budget")))

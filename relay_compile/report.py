@@ -112,6 +112,9 @@ class GraphReport:
     dumps: list[str] = field(default_factory=list)
     # Tensors whose elements the graph reads on the host, now through one copy each (passes.host_reads).
     host_reads: list[str] = field(default_factory=list)
+    # All-to-alls whose split lists the graph read element by element, now read by relaymoe::split_all_to_all
+    # (passes.split_reads); and those left as traced, with the reason.
+    split_reads: list[str] = field(default_factory=list)
     # A dynamic token count (``passes.dynamic_keep``): the symbolic T, the smallest equal T from which a region
     # runs as a ring, the regions the switch covers and how often each variant ran (updated per call);
     # ``{"none": why}`` where regions have a dynamic T but no switch.
@@ -139,7 +142,7 @@ class GraphReport:
                 lines.append(f"    fp8 hops {r.fp8}")
             if r.decision:
                 lines.append(f"    runs as {r.execution_predicted or '(per call)'}: {r.decision}")
-        lines += [f"  {reads}" for reads in self.host_reads]
+        lines += [f"  {reads}" for reads in (*self.host_reads, *self.split_reads)]
         if "tokens" in self.token_switch:
             sw = self.token_switch
             lines.append(f"  token switch on T={sw['tokens']}: regions {sw['regions']} kept per call where the cost "

@@ -510,7 +510,12 @@ class AllToAllPath(DistributedTestCase):
             # tensor the block reads on the host (the expert loop's counts).
             self.assertIn(f"splits_2N: {2 * world} host reads from one copy", report.host_reads, report.summary())
             self.assertEqual(code.count(".to('cpu', copy = True)"), len(report.host_reads), code)
-            self.assertEqual(code.count(".item()"), items, code)
+            # Both token all-to-alls take those splits as tensors (passes.split_reads): their 2 x world reads go.
+            self.assertEqual(code.count("relaymoe.split_all_to_all"), 2, code)
+            self.assertEqual(len(report.split_reads), 2, report.summary())
+            self.assertIn(f"sends by splits_2N_host[0], receives by splits_2N_host[1] ({world} ranks)",
+                          report.split_reads[0])
+            self.assertEqual(code.count(".item()"), items - 2 * world, code)
             self.assertNotIn("relaymoe.ring_moe", code)
         x, ids, scores = inputs(self.rank, world, 0)
         events = count_comm_events(lambda: kept(x, ids, scores, *weights).sum().backward())

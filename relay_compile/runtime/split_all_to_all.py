@@ -1,0 +1,73 @@
+"""``relaymoe::split_all_to_all``: an all-to-all of rows whose split sizes are tensors, read by the op itself.
+
+    relaymoe::split_all_to_all(x, send_N, recv_N, group_name, rows=None) -> out
+        out: the rows rank s sent to this rank, in rank order: ``recv_N[s]`` rows from rank s, ``sum(recv_N)``
+        in all; ``x``'s first ``send_N[0]`` rows went to rank 0, the next ``send_N[1]`` to rank 1, ...
+
+What ``passes.split_reads`` puts in place of an ``all_to_all_single`` whose split lists a graph read element by
+element from tensors. Dynamo traces ``splits.tolist()`` into one ``.item()`` per element: 2N unbacked SymInts
+per token all-to-all at EP=N, each with its runtime asserts and symbolic sums, which the compiled graph runs on
+the host at every call (about 1 ms per MoE layer at EP=64) and inductor's sympy reasons about at compile time
+(minutes at EP=64). This op reads both lists with one ``tolist`` each (one device sync where the tensors are on
+a device, none where they are host copies), so a graph holds one unbacked SymInt per all-to-all: its output's
+row count. ``rows``, where the graph knows that count (a combine sends back the rows a dispatch took in), is
+the output's row count instead, checked at run time.
+
+Differentiable in ``x``: the backward is the same op with the two split tensors swapped, its output the rows
+``x`` had. The split tensors are integer counts (not differentiable); they are saved for the backward, which
+reads them again there (a host copy: no sync).
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def _split_sizes(send_N: Tensor, recv_N: Tensor) -> tuple[list[int], list[int]]:
+    """Both lists with one host read: one copy for the two where either is on a device."""
+    if send_N.device.type == "cpu" and recv_N.device.type == "cpu":
+        return send_N.tolist(), recv_N.tolist()
+    send, recv = torch.stack([send_N.to(recv_N.device), recv_N]).tolist()
+    return send, recv
+
+
+# No ``from __future__ import annotations`` here: torch.library reads the signature's annotations as types.
+@torch.library.custom_op("relaymoe::split_all_to_all", mutates_args=())
+def split_all_to_all(x: Tensor, send_N: Tensor, recv_N: Tensor, group_name: str,
+                     rows: Optional[int] = None) -> Tensor:
+    """Rows ``send_N[o]`` of ``x`` to rank ``o``, ``recv_N[s]`` rows from rank ``s`` (module docstring)."""
+    send, recv = _split_sizes(send_N, recv_N)
+    if rows is not None and sum(recv) != rows:
+        raise RuntimeError(f"relaymoe::split_all_to_all: the graph expects {rows} rows back but the split sizes "
+                           f"receive {sum(recv)} ({recv}): the split tensors do not describe this all-to-all")
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=_resolve_process_group(group_name))
+    return out
+
+
+@split_all_to_all.register_fake
+def _(x: Tensor, send_N: Tensor, recv_N: Tensor, group_name: str, rows: Optional[int] = None) -> Tensor:
+    if rows is None:
+        rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, send_N, recv_N, group_name, _ = inputs
+    ctx.save_for_backward(send_N, recv_N)
+    ctx.group_name, ctx.rows = group_name, x.shape[0]
+
+
+def _backward(ctx, grad_out: Tensor):
+    send_N, recv_N = ctx.saved_tensors
+    dx = split_all_to_all(grad_out.contiguous(), recv_N, send_N, ctx.group_name, ctx.rows)
+    return dx, None, None, None, None
+
+
+split_all_to_all.register_autograd(_backward, setup_context=_setup_context)
+
+SPLIT_ALL_TO_ALL = torch.ops.relaymoe.split_all_to_all.default
