@@ -192,7 +192,8 @@ def _classify(family: _Family) -> str | None:
             family.asserts.append(n)
             continue
         if not _is_symbolic(n):
-            return f"the split sizes are also read by {n.name} ({n.op} {n.target})"
+            name = qualname(n.target) or getattr(n.target, "__name__", n.target)
+            return f"the split sizes are also read by {n.name} ({name})"
         family.derived.append(n)
         feeds = [u for u in n.users if not _is_symbolic(u) and not is_call(u, *ASSERTS)]
         if feeds and _expr(n) not in totals:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
 
 def _split_sizes(send_N: Tensor, recv_N: Tensor) -> tuple[list[int], list[int]]:
@@ -52,8 +53,21 @@ def split_all_to_all(x: Tensor, send_N: Tensor, recv_N: Tensor, group_name: str,
 @split_all_to_all.register_fake
 def _(x: Tensor, send_N: Tensor, recv_N: Tensor, group_name: str, rows: Optional[int] = None) -> Tensor:
     if rows is None:
-        rows = torch.library.get_ctx().new_dynamic_size()
+        rows = _unbacked_rows()
     return x.new_empty((rows, *x.shape[1:]))
+
+
+def _unbacked_rows() -> torch.SymInt:
+    """A new unbacked size. Not ``ctx.new_dynamic_size()``: it refuses unless Dynamo allows data-dependent
+    output shapes (fullgraph, or ``capture_dynamic_output_shape_ops``), but the graph this op replaces already
+    held data-dependent shapes (its split sizes were unbacked ``.item()`` reads), so it is made as torch's own
+    ``device_mesh`` fake makes one: from the shape env, with the bounds of a size."""
+    shape_env = torch.library.get_ctx()._shape_env
+    if shape_env is None:
+        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(SPLIT_ALL_TO_ALL)
+    rows = shape_env.create_unbacked_symint()
+    _constrain_range_for_size(rows, min=0)
+    return rows
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -490,7 +490,7 @@ class AllToAllPath(DistributedTestCase):
                 mock.patch("relay_compile.report.owner_options", return_value=OwnerOptions((2, 3))):
             torch._dynamo.reset()
             seen = len(compiled_reports())
-            kept = torch.compile(block, backend="relaymoe", options={
+            kept = torch.compile(block, backend="relaymoe", fullgraph=True, options={
                 "inner_compiler": "aot_eager", "ring": "never", "dump_dir": dump})
             for step in range(2):
                 x, ids, scores = inputs(self.rank, world, step)

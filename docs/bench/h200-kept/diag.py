@@ -1,5 +1,6 @@
 """Why a kept region is slower than eager all-to-all at EP=64 (issue 24): the reference layer a2a_moe eager,
-under aot_eager and inductor, and through the relaymoe backend with inductor or aot_eager as inner compiler;
+under aot_eager and inductor, and through the relaymoe backend with inductor or aot_eager as inner compiler
+(``relaymoe/INNER/traced``: with option split_reads off);
 compile seconds (first call), interleaved fwd+bwd medians, GPU kernel time of one step.
 
     python docs/bench/h200-kept/diag.py --ep 64 --tokens 8192 [--rows ...] [--deadline S]
@@ -70,8 +71,9 @@ def build(name):
         return lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group)
     if name == "ring_moe default":
         return lambda x, i, s, *w: ring_moe(x, i, s, *w, group=group)
-    if name.startswith("relaymoe/"):
-        return compiled("relaymoe", {"inner_compiler": name.split("/")[1]})
+    if name.startswith("relaymoe/"):  # relaymoe/INNER[/traced]: traced, the split sizes read as Dynamo traced them
+        inner, *traced = name.split("/")[1:]
+        return compiled("relaymoe", {"inner_compiler": inner, **({"split_reads": False} if traced else {})})
     return compiled(name)
 
 
