@@ -32,7 +32,8 @@ Contract:
   ``t.tolist()``), on a named group.
 - The reads go away with it, so every other use of them must go too. Those it understands: asserts about them
   (the collective checks its splits against its rows), symbolic values equal to the sum of one list (replaced by
-  the rows of the tensor that list sizes), and symbolic arithmetic used only by those. All-to-alls that share
+  the rows of the tensor that list sizes), symbolic arithmetic used only by those, and higher-order ops whose
+  subgraphs were handed them as shape symbols they compute nothing from. All-to-alls that share
   reads are taken together; where any read has another use (``torch.split(out, recv_splits)``, a loop over the
   counts), none of them is changed, and the reason is returned.
 - Values and order are as traced: the op runs where the all-to-all ran; its reads come from the same tensors.
@@ -103,6 +104,7 @@ class _Family:
     asserts: list[fx.Node] = field(default_factory=list)
     sums: list[_Sum] = field(default_factory=list)
     derived: list[fx.Node] = field(default_factory=list)  # symbolic values, erased once unused
+    lifted: list[fx.Node] = field(default_factory=list)  # higher-order ops handed them only as shape symbols
 
     def reads(self) -> set[fx.Node]:
         return {r for m in self.matches for r in (*m.recv.reads, *m.send.reads)}
@@ -191,6 +193,9 @@ def _classify(family: _Family) -> str | None:
         if is_call(n, *ASSERTS):
             family.asserts.append(n)
             continue
+        if _lifted_only(n):
+            family.lifted.append(n)
+            continue
         if not _is_symbolic(n):
             name = qualname(n.target) or getattr(n.target, "__name__", n.target)
             return f"the split sizes are also read by {n.name} ({name})"
@@ -202,6 +207,25 @@ def _classify(family: _Family) -> str | None:
             family.sums.append(_Sum(n, _expr(n), tuple(feeds)))
         todo.extend(u for u in n.users if u not in feeds)
     return None
+
+
+def _lifted_only(n: fx.Node) -> bool:
+    """``n`` calls a higher-order op (``autograd.Function``, checkpoint) whose subgraphs take symbolic sizes as
+    inputs but compute nothing from them: Dynamo lifts the symbols of a tensor operand's shape into every
+    subgraph it calls (transformers' ``_WaitTensor.apply(recv_tokens)`` takes the received rows' split sizes, its
+    forward body returns them for the backward body, which reads none). So in every body a size placeholder at
+    most reaches the body's output, and what the op returns to the graph are tensors only."""
+    owner = n.graph.owning_module
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator) or owner is None:
+        return False
+    bodies = [getattr(owner, str(a.target)) for a in n.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    bodies = [b for b in bodies if isinstance(b, fx.GraphModule)]
+    # A lifted symbol's placeholder is named after it in every body (the backward's carry no fake values).
+    names = {p.name for b in bodies for p in b.graph.find_nodes(op="placeholder")
+             if isinstance(node_value(p), torch.SymInt)}
+    sizes = [p for b in bodies for p in b.graph.find_nodes(op="placeholder") if p.name in names]
+    return (bool(bodies) and all(u.op == "output" for p in sizes for u in p.users)
+            and all(isinstance(node_value(u), torch.Tensor) for u in n.users))
 
 
 def _row(graph: fx.Graph, split: SplitList) -> fx.Node:
@@ -257,6 +281,9 @@ def _rewrite(gm: fx.GraphModule, family: _Family) -> None:
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a, n=t.node: rows if a is n else a)
     for n in family.asserts:
         graph.erase_node(n)
+    gone = family.reads() | set(family.derived)
+    for n in family.lifted:  # its subgraphs read none of them: any size will do
+        n.args = fx.node.map_arg(n.args, lambda a: 0 if a in gone else a)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in sorted(family.derived, key=order.__getitem__, reverse=True):
         if not n.users:  # users come later in the graph: erased before it

@@ -355,6 +355,7 @@ def _kept_variant(pristine: fx.GraphModule, report: GraphReport, opts: Options, 
                                        "decides per call"}
         log.warning("relaymoe %s: no token switch: %s", graph, report.token_switch["none"])
         return None
+    report.token_switch["kept_split_reads"] = kept_report.split_reads  # the kept all-to-alls' split sizes
     kept = _compile_inner(opts, pristine, example_inputs)
     log.info("relaymoe %s: kept variant analyzed and compiled in %.1f s", graph, time.perf_counter() - start)
     return kept

@@ -277,6 +277,11 @@ class DynamicTokenCount(DistributedTestCase):
             # (torchtitan's first call compiles with a static T, which Dynamo makes dynamic at the second.)
             calls = switched[0].token_switch["calls"]
             self.assertTrue(calls["kept"] >= 1 and calls["ring"] == 1, summary)
+            # The kept variant's dispatch and combine take the package's split tensors (passes.split_reads):
+            # transformers reads both lists from one stacked tensor, torchtitan each from its own host copy.
+            folded = switched[0].token_switch["kept_split_reads"]
+            self.assertEqual([line.split(": ")[1].split(",")[0] for line in folded],
+                             ["relaymoe::split_all_to_all"] * 2, f"{name}: {folded}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,26 @@ def dispatcher(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Te
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(out, send, recv, group))
 
 
+class _WaitTensor(torch.autograd.Function):
+    """transformers' expert parallelism hands the experts ``_WaitTensor.apply(recv_tokens)``: Dynamo traces it to a
+    higher-order op whose bodies take the received rows' split sizes as lifted shape symbols."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def dispatcher_with_a_function(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Tensor:
+    recv_NL = funcol.wait_tensor(funcol.all_to_all_single(counts_NL.flatten(), None, None, group)).view(WORLD, -1)
+    send, recv = torch.stack([counts_NL.sum(1), recv_NL.sum(1)]).tolist()
+    got = _WaitTensor.apply(funcol.all_to_all_single_autograd(x, recv, send, group))
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(got.sin(), send, recv, group))
+
+
 def splits_also_split(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Tensor:
     """The received rows split by the same list the all-to-all read: the reads have a use the pass cannot fold."""
     recv_NL = funcol.wait_tensor(funcol.all_to_all_single(counts_NL.flatten(), None, None, group)).view(WORLD, -1)
@@ -113,6 +133,17 @@ class SplitReadsTest(TestCase):
     out = split_all_to_all_default * add
     split_all_to_all_default_1 = torch.ops.relaymoe.split_all_to_all.default(out, getitem_22, getitem_23, G, 10)
     return (split_all_to_all_default_1,)""")
+
+    def test_an_autograd_function_handed_the_sizes_as_shape_symbols_does_not_keep_them(self) -> None:
+        run, graphs, found = compiled(dispatcher_with_a_function, fold=True)
+        c = counts(3)
+        x = torch.randn(PAIRS, 3)
+        for got, want in zip(fwd_bwd(run, x, c, self.group), fwd_bwd(dispatcher_with_a_function, x, c, self.group)):
+            torch.testing.assert_close(got, want)
+        (gm,), [(done, skipped)] = graphs, found
+        self.assertEqual((len(done), skipped), (2, []))
+        self.assertNotIn(".item()", gm.code)
+        self.assertIn("autograd_function_apply", gm.code)
 
     def test_reads_with_a_use_it_cannot_fold_leave_every_all_to_all_that_shares_them_as_traced(self) -> None:
         run, graphs, found = compiled(splits_also_split, fold=True)

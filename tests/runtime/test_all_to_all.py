@@ -521,6 +521,8 @@ class AllToAllPath(DistributedTestCase):
         events = count_comm_events(lambda: kept(x, ids, scores, *weights).sum().backward())
         self.assertGreater(events.all_to_all, 0, events.names)
         self.assertEqual(events.p2p, 0, events.names)
+        # The compiled graph ran (not an eager fallback): both token all-to-alls, forward and backward.
+        self.assertGreater(events.ring_calls.get("relaymoe::split_all_to_all", 0), 0, events.names)
         # Rank 0 keeps the all-to-all, the others run the ring: every rank raises, naming the decision.
         torch._dynamo.reset()
         mixed = torch.compile(block, backend="relaymoe", options={
