@@ -110,14 +110,19 @@ class SplitReadsTest(TestCase):
     def setUpClass(cls) -> None:
         cls.group = standin_group(WORLD).group_name
 
-    def test_both_all_to_alls_take_the_split_tensors_and_every_read_goes(self) -> None:
-        run, graphs, found = compiled(dispatcher, fold=True)
-        for seed in range(3):  # several steps, new counts each: one compile, the sizes read per call
-            c = counts(seed)
-            x = torch.randn(PAIRS, 3)
-            for got, want in zip(fwd_bwd(run, x, c, self.group), fwd_bwd(dispatcher, x, c, self.group)):
+    def folded(self, fn, seeds=(3,)) -> tuple[fx.GraphModule, list, list[str]]:
+        """``fn`` compiled with the pass, equal to eager at each seed's counts (one compile: the sizes are read
+        per call); its graph, what the pass rewrote, and why it left the rest."""
+        run, graphs, found = compiled(fn, fold=True)
+        for seed in seeds:
+            c, x = counts(seed), torch.randn(PAIRS, 3)
+            for got, want in zip(fwd_bwd(run, x, c, self.group), fwd_bwd(fn, x, c, self.group)):
                 torch.testing.assert_close(got, want)
         (gm,), [(done, skipped)] = graphs, found
+        return gm, done, skipped
+
+    def test_both_all_to_alls_take_the_split_tensors_and_every_read_goes(self) -> None:
+        gm, done, skipped = self.folded(dispatcher, seeds=(0, 1, 2))
         self.assertEqual([(str(m.send), str(m.recv)) for m in done],
                          [("stack_host[0]", "stack_host[1]"), ("stack_host[1]", "stack_host[0]")])
         self.assertEqual(skipped, [])
@@ -135,23 +140,13 @@ class SplitReadsTest(TestCase):
     return (split_all_to_all_default_1,)""")
 
     def test_an_autograd_function_handed_the_sizes_as_shape_symbols_does_not_keep_them(self) -> None:
-        run, graphs, found = compiled(dispatcher_with_a_function, fold=True)
-        c = counts(3)
-        x = torch.randn(PAIRS, 3)
-        for got, want in zip(fwd_bwd(run, x, c, self.group), fwd_bwd(dispatcher_with_a_function, x, c, self.group)):
-            torch.testing.assert_close(got, want)
-        (gm,), [(done, skipped)] = graphs, found
+        gm, done, skipped = self.folded(dispatcher_with_a_function)
         self.assertEqual((len(done), skipped), (2, []))
         self.assertNotIn(".item()", gm.code)
         self.assertIn("autograd_function_apply", gm.code)
 
     def test_reads_with_a_use_it_cannot_fold_leave_every_all_to_all_that_shares_them_as_traced(self) -> None:
-        run, graphs, found = compiled(splits_also_split, fold=True)
-        c = counts(5)
-        x = torch.randn(PAIRS, 3)
-        for got, want in zip(fwd_bwd(run, x, c, self.group), fwd_bwd(splits_also_split, x, c, self.group)):
-            torch.testing.assert_close(got, want)
-        (gm,), [(done, skipped)] = graphs, found
+        gm, done, skipped = self.folded(splits_also_split, seeds=(5,))
         self.assertEqual(done, [])
         (reason,) = skipped
         self.assertRegex(reason, "^tensor_1, tensor_2: the split sizes are also read by split \\(split\\)$")
