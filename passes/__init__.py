@@ -18,6 +18,7 @@ and what those two share:
     capacity_pairs.py   a capacity region's (id, score) pairs from its masks, inserted by the rewrite
     liveness.py   the nodes that die when a region's output is replaced
     host_reads.py batch_host_reads: a tensor's elements read on the host (split sizes) through one copy
+    split_reads.py fold_split_reads: an all-to-all whose split lists are such reads takes the tensors instead
     refusals.py   RefusedRegion and the exception the matcher raises internally
 
 The passes import the runtime (the op they insert, the spec they register); the runtime never imports them.
