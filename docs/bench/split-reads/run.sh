@@ -14,7 +14,5 @@ diag() {
     | grep -v "^\[" | tee -a $OUT/diag.log | grep "|\|first call\|EP=\|skipped"
 }
 diag 130 --ep 64 --tokens 8192 --rows eager relaymoe/inductor relaymoe/aot_eager relaymoe/aot_eager/traced
-diag 110 --ep 64 --tokens 4096 --rows eager relaymoe/inductor relaymoe/aot_eager relaymoe/aot_eager/traced
 diag 75 --ep 8 --tokens 4096 --rows eager relaymoe/inductor relaymoe/inductor/traced
-diag 75 --ep 8 --tokens 8192 --rows eager relaymoe/inductor relaymoe/inductor/traced
 sweep backend-ep64 140 --ep 64 --tokens 4096 8192 --rows "relaymoe backend"
