@@ -237,9 +237,9 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
 
     Kept: under ``ring="never"``; under ``"auto"`` / ``"memory"`` where the token count is static, the tokens are
     on CUDA (where the model is calibrated) and ``cost_model.choose`` picks the all-to-all. Kept, the region runs
-    as the original graph computes it, at its memory, compiled (``cost_model.Calibration.kept_a2a_ratio``: ~1.2x
-    a2a eager at EP=64, where its 2N split sizes are unbacked SymInts; the ring op's own all-to-all path
-    recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
+    as the original graph computes it, at its memory, compiled (``cost_model.Calibration.kept_a2a_ratio``: about a2a
+    eager's time once its all-to-alls read their split sizes as tensors, ``passes.split_reads``; the ring op's own
+    all-to-all path recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
     (``cost_model.owner_options`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
     otherwise; FP8 hops' weight bytes under ``fp8``) and the link it will take a hop to cross
     (``transport.group_link_gbps``), against the traced all-to-all the kept region runs, compiled. The op weighs a

@@ -53,8 +53,9 @@ runs anyway and is predicted within ``SAVE_MARGIN`` of the all-to-all; under ``"
 forced ``ring_moe``) wherever the rule grants them.
 
 Which all-to-all is kept (``Kept``): a region the backend keeps at compile time runs the all-to-all traced from
-the model, compiled: about a2a eager's time at EP=8, 1.15-1.30x of it at EP=64, where its 2N split sizes are
-unbacked SymInts (``Calibration.kept_a2a_ratio``); a call of the ring op that does not run the ring runs the op's
+the model, compiled: about a2a eager's time at EP=8 and 64 (0.97-1.05x measured) since its all-to-alls read their
+split sizes as tensors (``passes.split_reads``; 1.15-1.30x at EP=64 before, with 2N unbacked SymInts per call;
+``Calibration.kept_a2a_ratio``); a call of the ring op that does not run the ring runs the op's
 own path (``runtime.all_to_all``), which recomputes its experts in backward and dispatches the rows twice: 1.30-1.85x the
 traced all-to-all on every sweep point measured (``Calibration.op_a2a_ratio``). A call (``agreement``) therefore
 weighs the ring against that path, not against an all-to-all it cannot run: at EP=8 and 16384 tokens per rank the
@@ -258,13 +259,15 @@ def _linked(cal: Calibration, gbps: float | None) -> Calibration:
     return dataclasses.replace(cal, link_gbps=gbps)
 
 
-# The kept (compiled) all-to-all against a2a eager, a line in N through the geometric means of every backend row
-# recorded where the region was kept (inductor inside, Qwen3 layer, stand-in EP): EP=64 0.984 -> 1.214 (H200 1.150x
-# at 8192, 1.19-1.20x at 4096-8192, 1.28x and 1.30x at 16384; H100 1.17x at 16384), EP=8 0.984 (H200 0.965x at
-# 4096, 1.002x and 0.98x at 16384; H100 0.990x at 16384): docs/BENCHMARKS.md, "Kept regions at EP=64" and "Larger
-# stacks". Both kinds alike (too few H100 points for their own line).
+# The kept (compiled) all-to-all against a2a eager, a line in N through the geometric means of the backend rows
+# recorded where the region was kept, since its all-to-alls take their split sizes as tensors (passes.split_reads;
+# inductor inside, Qwen3 layer, stand-in EP): EP=64 1.015 (H100, 2026-12-07: 0.98-0.99x, 0.99-1.05x at 4096 and
+# 8192 over three runs), EP=8 0.984 (H100 0.97-1.02x at 4096-16384; H200 0.965x at 4096, 1.002x and 0.98x at 16384
+# before the pass, which reads 16 sizes there): docs/BENCHMARKS.md, "Kept regions read their split sizes as
+# tensors". Before the pass the EP=64 end was 1.214 (1.15-1.30x: 128 unbacked reads per call). Both kinds alike
+# (no H200 kept row since the pass).
 KEPT_A2A_RANKS = (8, 64)
-KEPT_A2A_PER_RANK = (1.214 - 0.984) / (64 - 8)
+KEPT_A2A_PER_RANK = (1.015 - 0.984) / (64 - 8)
 KEPT_A2A_BASE = 0.984 - 8 * KEPT_A2A_PER_RANK
 # Fitted to H200 measurements (torch 2.11, bf16, Qwen3-30B-A3B layer, stand-in EP 8 and 64, 4096-131072 tokens per
 # rank, 2026-12-06, today's ring: grouped owners per hop, saved projections, the backward's agreement beside the

@@ -124,9 +124,9 @@ class Decision(unittest.TestCase):
             self.assertGreater(link, 0.999 * total / (0.01 * 1e6), (g, g_b))
 
     def test_a_ring_whose_rules_lose_holds_a_larger_stack_before_the_all_to_all_is_kept(self) -> None:
-        # Qwen3, EP=64, 18432 tokens: the rules stop a stack at AUTO_MIN_HOP_ROWS rows (4 / 2 owners), a ring
+        # Qwen3, EP=64, 20480 tokens: the rules stop a stack at AUTO_MIN_HOP_ROWS rows (4 / 2 owners), a ring
         # predicted slower than the kept all-to-all; 8 / 4 owners fit the memory budget and are predicted faster.
-        shape = qwen3(18432, 64)
+        shape = qwen3(20480, 64)
         hop = cost_model._hop_shape(shape)
         self.assertEqual(larger_owners(hop, (4, 2)), [(4, 4), (8, 2), (8, 4)])
         for f, b in larger_owners(hop, (4, 2)):
@@ -158,7 +158,8 @@ class Decision(unittest.TestCase):
             kept = [t for t in range(1024, 131073, 1024)
                     if choose(qwen3(t, 64), routing="auto", ring="auto", cal=cal).execution == "all_to_all"]
             self.assertEqual(kept, list(range(1024, kept[-1] + 1, 1024)), cal.name)
-            self.assertLess(kept[-1], 16384, cal.name)
+            # (A kept region runs at about a2a eager's time since passes.split_reads: kept to 18432 / 20480.)
+            self.assertLess(kept[-1], 24576, cal.name)
 
     def test_decisions_before_the_op_predict_the_owners_per_hop_the_op_holds(self) -> None:
         # The compile-time keep, the token switch and the report predict from the block's sizes
@@ -287,14 +288,15 @@ class Decision(unittest.TestCase):
         self.assertEqual(choose(shape, routing="auto", ring="always", cal=H100, saving=0).saves, False)
 
     def test_auto_saves_projections_where_a_running_ring_is_within_the_models_error_of_the_all_to_all(self) -> None:
-        # H100, EP=64, 16384 tokens: the ring runs, predicted 1.12x a2a eager without saved projections
-        # (measured 1.06x; 0.98x with them): slower, or within SAVE_MARGIN, so "auto" saves. At 65536 it is predicted
-        # ~0.84x: it runs without them, its peak what the ring is for.
-        close = qwen3(16384, 64)
+        # H100, EP=64, 22528 tokens: the ring runs (8 / 4 owners), predicted 0.98x a2a eager without saved
+        # projections: within SAVE_MARGIN, so "auto" saves. At 65536 it is predicted ~0.84x: it runs without them,
+        # its peak what the ring is for. (Until kept regions ran at a2a eager's time, passes.split_reads, this was
+        # 16384 tokens: predicted 1.12x, measured 1.06x, 0.98x saved; now the all-to-all is kept there.)
+        close = qwen3(22528, 64)
         unsaved = choose(close, routing="auto", ring="auto", cal=H100)
         ratio = unsaved.times["expert"].total_ms / unsaved.times["a2a"].total_ms
         self.assertGreater(ratio, 1.0 - SAVE_MARGIN)
-        # It runs: the all-to-all a kept region would run is slower still (compiled at EP=64, kept_a2a_ratio).
+        # It runs: the all-to-all a kept region would run is slower (kept_a2a_ratio).
         self.assertEqual(unsaved.execution, "expert", unsaved.reason)
         self.assertLess(unsaved.times["expert"].total_ms, unsaved.times["kept_a2a"].total_ms)
         saved = choose(close, routing="auto", ring="auto", cal=H100, saving=1)
