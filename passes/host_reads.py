@@ -41,7 +41,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HostReads", "batch_host_reads", "find_host_reads", "on_accelerator"]
+__all__ = ["HostReads", "batch_host_reads", "find_host_reads", "index_step", "is_read", "on_accelerator", "read_path",
+           "written_between"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,14 +65,15 @@ def _value(node: fx.Node) -> object:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def _is_read(node: fx.Node) -> bool:
+def is_read(node: fx.Node) -> bool:
+    """A host read of one element: ``t.item()``."""
     return node.op == "call_method" and node.target == "item"
 
 
-def _index(node: fx.Node) -> tuple[fx.Node, int] | None:
+def index_step(node: fx.Node) -> tuple[fx.Node, int] | None:
     """``(input, i)`` where ``node`` is ``input[i]`` (``getitem`` or ``select(0, i)``), else None. (Dynamo records
     no example value for the index nodes of ``tolist``: whether ``input`` is a tensor is asked of the chain's
-    base, ``_path``.)"""
+    base, ``read_path``.)"""
     if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
         src, i = node.args
     elif node.op == "call_method" and node.target == "select" and node.args[1:2] == (0,) and len(node.args) == 3:
@@ -83,13 +85,13 @@ def _index(node: fx.Node) -> tuple[fx.Node, int] | None:
     return src, i
 
 
-def _path(read: fx.Node) -> tuple[fx.Node, tuple[int, ...], tuple[fx.Node, ...]]:
+def read_path(read: fx.Node) -> tuple[fx.Node, tuple[int, ...], tuple[fx.Node, ...]]:
     """The tensor ``read`` reads an element of, the indices that lead there and their index nodes."""
     node = read.args[0]
     path: list[int] = []
     chain: list[fx.Node] = []
     assert isinstance(node, fx.Node)
-    while (step := _index(node)) is not None:
+    while (step := index_step(node)) is not None:
         chain.append(node)
         node, i = step
         path.append(i)
@@ -102,8 +104,8 @@ def find_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None =
     where = where or on_accelerator
     by_base: dict[fx.Node, list[tuple[fx.Node, tuple[int, ...], tuple[fx.Node, ...]]]] = {}
     for node in gm.graph.nodes:
-        if _is_read(node) and isinstance(node.args[0], fx.Node):
-            base, path, chain = _path(node)
+        if is_read(node) and isinstance(node.args[0], fx.Node):
+            base, path, chain = read_path(node)
             value = _value(base)
             if path and isinstance(value, Tensor) and where(value):
                 by_base.setdefault(base, []).append((node, path, chain))
@@ -122,17 +124,32 @@ def find_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None =
 
 
 def _written_between(gm: fx.GraphModule, reads: HostReads, order: dict[fx.Node, int]) -> bool:
-    """Whether a node between the first and the last read may write ``reads.base``'s storage (an in-place method,
-    ``setitem``, ``out=``, a mutable op, a submodule): one copy would then not hold what a later read reads."""
-    first = min(order[chain[0]] for chain in reads.chains)
-    last = max(order[read] for read in reads.reads)
-    storage = StorageWeakRef(_value(reads.base).untyped_storage())
-    for node in list(gm.graph.nodes)[first:last]:
+    """Whether a node between the first and the last read may write ``reads.base``'s storage: one copy would then
+    not hold what a later read reads."""
+    first = min((chain[0] for chain in reads.chains), key=order.__getitem__)
+    return written_between(gm, reads.base, first, max(reads.reads, key=order.__getitem__))
+
+
+def written_between(gm: fx.GraphModule, base: fx.Node, first: fx.Node, last: fx.Node) -> bool:
+    """Whether a node from ``first`` up to (not including) ``last`` may write ``base``'s storage (an in-place
+    method, ``setitem``, ``out=``, a mutable op, a submodule, a higher-order op)."""
+    nodes = list(gm.graph.nodes)
+    storage = StorageWeakRef(_value(base).untyped_storage())
+    for node in nodes[nodes.index(first):nodes.index(last)]:
         for written in _writes(node):
             value = _value(written) if isinstance(written, fx.Node) else None
+            scalar = isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+            if scalar or _subgraph(gm, written):
+                continue  # no storage: a scalar (a lifted shape symbol), a higher-order op's body
             if not isinstance(value, Tensor) or StorageWeakRef(value.untyped_storage()) == storage:
                 return True
     return False
+
+
+def _subgraph(gm: fx.GraphModule, n: object) -> bool:
+    """``n`` is a ``get_attr`` of a submodule graph (the body a higher-order op runs)."""
+    return isinstance(n, fx.Node) and n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None),
+                                                                          fx.GraphModule)
 
 
 # Python's augmented assignments: Dynamo records ``c += 1`` on a tensor as ``operator.iadd(c, 1)``.

@@ -239,11 +239,10 @@ def analyze(gm: fx.GraphModule, opts: Options, graph: str, rewrite: bool, keep_s
         report.host_reads = [f"{r.base.name}: {len(r.reads)} host reads from one copy"
                              for scope in find_scopes(gm) for r in batch_host_reads(scope.module)]
         report.pass_seconds["host_reads"] = time.perf_counter() - start
-        # ... and the all-to-alls among those take their split sizes as tensors: no unbacked SymInt per split.
-        start = time.perf_counter()
-        report.split_reads = [line for scope in find_scopes(gm) if opts.split_reads
-                              for line in _split_reads(scope.module)]
-        report.pass_seconds["split_reads"] = time.perf_counter() - start
+        if opts.split_reads:  # ... and the all-to-alls among those take them as tensors: no SymInt per split
+            start = time.perf_counter()
+            report.split_reads = [line for scope in find_scopes(gm) for line in _split_reads(scope.module)]
+            report.pass_seconds["split_reads"] = time.perf_counter() - start
         dump.write("1_rewritten_graph.py", gm.print_readable(False),
                    header=f"after relaymoe rewrite ({report.pass_seconds['rewrite']:.3f} s)")
     report.dumps = dump.files + ([str(dump.dir / "report.json")] if dump.dir else [])

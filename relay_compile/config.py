@@ -77,7 +77,8 @@ dynamic_keep: bool = Config(default=True, env_name_default="RELAYMOE_DYNAMIC_KEE
 
 # An all-to-all whose split sizes the graph reads element by element (``splits.tolist()``: 2N unbacked SymInts
 # at EP=N) takes them as tensors instead, in one op (``passes.split_reads``): less host time per call and a far
-# shorter inductor compile at large EP. False leaves such all-to-alls as traced (for comparisons and debugging).
+# shorter inductor compile at large EP. False leaves such all-to-alls as traced (for comparisons and debugging;
+# the cost model's kept all-to-all time, ``Calibration.kept_a2a_ratio``, assumes the pass ran).
 split_reads: bool = Config(default=True, env_name_default="RELAYMOE_SPLIT_READS")
 
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,

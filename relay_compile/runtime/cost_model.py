@@ -227,8 +227,9 @@ class Calibration:
     # twice, ten exchanges) against the traced all-to-all: its measured time ratio (``Kept``).
     op_a2a_ratio: float = 1.0
     # A region kept at compile time runs the traced all-to-all compiled: against a2a eager ``kept_a2a_base +
-    # N * kept_a2a_per_rank`` (its 2N split sizes become unbacked SymInts with their asserts and symbolic
-    # arithmetic per call: docs/BENCHMARKS.md, "Kept regions at EP=64").
+    # N * kept_a2a_per_rank``, fitted with its split sizes read as tensors (``passes.split_reads``, the default;
+    # with option ``split_reads`` off, or a region the pass leaves as traced, its 2N unbacked SymInts make it
+    # 1.15-1.30x at EP=64, which this does not know: docs/BENCHMARKS.md, "Kept regions").
     kept_a2a_base: float = 1.0
     kept_a2a_per_rank: float = 0.0
 

@@ -15,10 +15,12 @@ the output's row count instead, checked at run time.
 
 Differentiable in ``x``: the backward is the same op with the two split tensors swapped, its output the rows
 ``x`` had. The split tensors are integer counts (not differentiable); they are saved for the backward, which
-reads them again there (a host copy: no sync).
+reads them again there (no sync where they are host copies, as ``passes.host_reads`` makes them; one per read
+where they are on a device). A collective: registered as having a side effect, so dead-code elimination keeps
+it where its result is unused (the peers wait in it too).
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,7 @@ def split_all_to_all(x: Tensor, send_N: Tensor, recv_N: Tensor, group_name: str,
 
 @split_all_to_all.register_fake
 def _(x: Tensor, send_N: Tensor, recv_N: Tensor, group_name: str, rows: Optional[int] = None) -> Tensor:
+    """Rows ``rows`` where the graph knows them, else a new unbacked size."""
     if rows is None:
         rows = _unbacked_rows()
     return x.new_empty((rows, *x.shape[1:]))
@@ -64,19 +67,21 @@ def _unbacked_rows() -> torch.SymInt:
     ``device_mesh`` fake makes one: from the shape env, with the bounds of a size."""
     shape_env = torch.library.get_ctx()._shape_env
     if shape_env is None:
-        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(SPLIT_ALL_TO_ALL)
+        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(torch.ops.relaymoe.split_all_to_all.default)
     rows = shape_env.create_unbacked_symint()
     _constrain_range_for_size(rows, min=0)
     return rows
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    """Saves the split tensors, the group and ``x``'s rows (the backward's output rows)."""
     x, send_N, recv_N, group_name, _ = inputs
     ctx.save_for_backward(send_N, recv_N)
     ctx.group_name, ctx.rows = group_name, x.shape[0]
 
 
-def _backward(ctx, grad_out: Tensor):
+def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None]:
+    """The rows' gradients back to their senders: the all-to-all with the two split tensors swapped."""
     send_N, recv_N = ctx.saved_tensors
     dx = split_all_to_all(grad_out.contiguous(), recv_N, send_N, ctx.group_name, ctx.rows)
     return dx, None, None, None, None
@@ -85,3 +90,4 @@ def _backward(ctx, grad_out: Tensor):
 split_all_to_all.register_autograd(_backward, setup_context=_setup_context)
 
 SPLIT_ALL_TO_ALL = torch.ops.relaymoe.split_all_to_all.default
+torch.fx.node.has_side_effect(SPLIT_ALL_TO_ALL)

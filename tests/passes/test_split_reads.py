@@ -55,6 +55,53 @@ def dispatcher_with_a_function(x: torch.Tensor, counts_NL: torch.Tensor, group: 
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(got.sin(), send, recv, group))
 
 
+def round_trip(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Tensor:
+    """The rows sent and straight back: the combine's input is the dispatch's wait, which the rewrite erases."""
+    recv_NL = funcol.wait_tensor(funcol.all_to_all_single(counts_NL.flatten(), None, None, group)).view(WORLD, -1)
+    send, recv = torch.stack([counts_NL.sum(1), recv_NL.sum(1)]).tolist()
+    got = funcol.wait_tensor(funcol.all_to_all_single_autograd(x, recv, send, group))
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(got, send, recv, group)) * 2
+
+
+class _ZerosOfRows(torch.autograd.Function):
+    """A function whose backward builds a tensor of the received rows' size: the lifted symbol is read there."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        ctx.rows = t.shape[0]
+        return t * 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad + grad.new_zeros(ctx.rows, 1)
+
+
+def dispatcher_with_a_sized_backward(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Tensor:
+    recv_NL = funcol.wait_tensor(funcol.all_to_all_single(counts_NL.flatten(), None, None, group)).view(WORLD, -1)
+    send, recv = torch.stack([counts_NL.sum(1), recv_NL.sum(1)]).tolist()
+    got = _ZerosOfRows.apply(funcol.wait_tensor(funcol.all_to_all_single_autograd(x, recv, send, group)))
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(got, send, recv, group))
+
+
+def dispatcher_with_an_expert_loop(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Tensor:
+    """The received rows split by their per-(source, expert) counts, read on their own: torch.split relates those
+    reads to the rows received, a relation of the split sizes to other sizes."""
+    recv_NL = funcol.wait_tensor(funcol.all_to_all_single(counts_NL.flatten(), None, None, group)).view(WORLD, -1)
+    send, recv = torch.stack([counts_NL.sum(1), recv_NL.sum(1)]).tolist()
+    got = funcol.wait_tensor(funcol.all_to_all_single_autograd(x, recv, send, group))
+    blocks = torch.split(got, recv_NL.flatten().tolist())
+    out = torch.cat([b * (i + 1) for i, b in enumerate(blocks)])
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(out, send, recv, group))
+
+
+def part_of_a_row(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Tensor:
+    """Split lists that are the first N elements of longer rows: the op would read the whole row."""
+    recv_NL = funcol.wait_tensor(funcol.all_to_all_single(counts_NL.flatten(), None, None, group)).view(WORLD, -1)
+    padded = torch.nn.functional.pad(torch.stack([counts_NL.sum(1), recv_NL.sum(1)]), (0, 1))
+    send, recv = (row[:WORLD] for row in padded.tolist())
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, recv, send, group))
+
+
 def splits_also_split(x: torch.Tensor, counts_NL: torch.Tensor, group: str) -> torch.Tensor:
     """The received rows split by the same list the all-to-all read: the reads have a use the pass cannot fold."""
     recv_NL = funcol.wait_tensor(funcol.all_to_all_single(counts_NL.flatten(), None, None, group)).view(WORLD, -1)
@@ -77,7 +124,7 @@ def counts(seed: int) -> torch.Tensor:
     return torch.bincount(picks, minlength=2 * WORLD).view(WORLD, 2)
 
 
-def compiled(fn, fold: bool) -> tuple[object, list[fx.GraphModule], list]:
+def compiled(fn, fold: bool, fullgraph: bool = True) -> tuple[object, list[fx.GraphModule], list]:
     """``fn`` through aot_autograd with the backend's two passes before it (``fold``: split_reads too); the
     Dynamo graphs after the passes, and what the pass returned."""
     graphs, found = [], []
@@ -90,7 +137,7 @@ def compiled(fn, fold: bool) -> tuple[object, list[fx.GraphModule], list]:
         return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
 
     torch._dynamo.reset()
-    compiled_fn = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    compiled_fn = torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=False)
 
     def run(*args):
         with torch._dynamo.config.patch(capture_scalar_outputs=True):
@@ -110,10 +157,10 @@ class SplitReadsTest(TestCase):
     def setUpClass(cls) -> None:
         cls.group = standin_group(WORLD).group_name
 
-    def folded(self, fn, seeds=(3,)) -> tuple[fx.GraphModule, list, list[str]]:
+    def folded(self, fn, seeds=(3,), fullgraph: bool = True) -> tuple[fx.GraphModule, list, list[str]]:
         """``fn`` compiled with the pass, equal to eager at each seed's counts (one compile: the sizes are read
         per call); its graph, what the pass rewrote, and why it left the rest."""
-        run, graphs, found = compiled(fn, fold=True)
+        run, graphs, found = compiled(fn, fold=True, fullgraph=fullgraph)
         for seed in seeds:
             c, x = counts(seed), torch.randn(PAIRS, 3)
             for got, want in zip(fwd_bwd(run, x, c, self.group), fwd_bwd(fn, x, c, self.group)):
@@ -145,6 +192,38 @@ class SplitReadsTest(TestCase):
         self.assertNotIn(".item()", gm.code)
         self.assertIn("autograd_function_apply", gm.code)
 
+    def test_a_round_trip_whose_combine_reads_the_dispatchs_erased_wait_is_rewritten(self) -> None:
+        gm, done, skipped = self.folded(round_trip, seeds=(1, 4))
+        self.assertEqual((len(done), skipped), (2, []))
+        self.assertNotIn("wait_tensor(split_all_to_all", gm.code)
+
+    def test_without_fullgraph_the_unbacked_rows_come_from_the_shape_env_not_a_graph_break(self) -> None:
+        # Dynamo allows data-dependent output shapes only under fullgraph (or capture_dynamic_output_shape_ops);
+        # the traced graph had them already, so the op's fake makes its size anyway.
+        torch._dynamo.utils.counters.clear()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False):
+            gm, done, _ = self.folded(dispatcher, fullgraph=False)
+        self.assertEqual(len(done), 2)
+        self.assertEqual(dict(torch._dynamo.utils.counters["graph_break"]), {})
+
+    def test_a_function_whose_backward_reads_the_lifted_size_keeps_the_reads(self) -> None:
+        gm, done, skipped = self.folded(dispatcher_with_a_sized_backward)
+        self.assertEqual(done, [])
+        self.assertRegex(skipped[0], r"the split sizes are also read by autograd_function_apply")
+        self.assertEqual(gm.code.count(".item()"), 2 * WORLD)
+
+    def test_a_relation_to_other_sizes_reads_the_rows_received(self) -> None:
+        # The per-expert reads stay (the loop reads them); what related their sum to the received split sizes now
+        # relates it to the op's row count.
+        gm, done, skipped = self.folded(dispatcher_with_an_expert_loop, seeds=(2, 6))
+        self.assertEqual((len(done), skipped), (2, []))
+        self.assertEqual(gm.code.count(".item()"), 2 * WORLD)
+
+    def test_lists_that_are_part_of_a_row_are_not_matched(self) -> None:
+        gm, done, skipped = self.folded(part_of_a_row)
+        self.assertEqual((done, skipped), ([], []))
+        self.assertNotIn("split_all_to_all", gm.code)
+
     def test_reads_with_a_use_it_cannot_fold_leave_every_all_to_all_that_shares_them_as_traced(self) -> None:
         gm, done, skipped = self.folded(splits_also_split, seeds=(5,))
         self.assertEqual(done, [])
@@ -153,7 +232,7 @@ class SplitReadsTest(TestCase):
         self.assertNotIn("split_all_to_all", gm.code)
         self.assertEqual(gm.code.count(".item()"), 2 * WORLD)
 
-    def test_folded_and_traced_graphs_agree_and_the_folded_one_binds_one_size_per_all_to_all(self) -> None:
+    def test_folded_and_traced_graphs_agree_and_the_folded_one_binds_no_split_size(self) -> None:
         c = counts(7)
         x = torch.randn(PAIRS, 3)
         results = []
