@@ -13,7 +13,7 @@ from relay_compile.bench.inputs import make_inputs
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.reference import a2a_moe
 cfg = QWEN3_30B.with_(device="cuda", dtype="bf16", ep=64, tokens=8192)
-group, inp = standin_group(64), make_inputs(QWEN3_30B.with_(device="cuda", dtype="bf16", ep=64, tokens=8192))
+group, inp = standin_group(64), make_inputs(cfg)
 fn = torch.compile(lambda x, i, s, *w: a2a_moe(x, i, s, *w, group=group.group_name), backend="relaymoe",
                    fullgraph=True, dynamic=False)
 with torch._dynamo.config.patch(capture_scalar_outputs=True):
