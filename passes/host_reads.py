@@ -39,9 +39,11 @@ import torch.fx as fx
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from relay_compile.passes.fx_nodes import is_item
+
 log = logging.getLogger(__name__)
 
-__all__ = ["HostReads", "batch_host_reads", "find_host_reads", "index_step", "is_read", "on_accelerator", "read_path",
+__all__ = ["HostReads", "batch_host_reads", "find_host_reads", "index_step", "on_accelerator", "read_path",
            "written_between"]
 
 
@@ -63,11 +65,6 @@ def on_accelerator(t: Tensor) -> bool:
 
 def _value(node: fx.Node) -> object:
     return node.meta.get("example_value", node.meta.get("val"))
-
-
-def is_read(node: fx.Node) -> bool:
-    """A host read of one element: ``t.item()``."""
-    return node.op == "call_method" and node.target == "item"
 
 
 def index_step(node: fx.Node) -> tuple[fx.Node, int] | None:
@@ -104,7 +101,7 @@ def find_host_reads(gm: fx.GraphModule, where: Callable[[Tensor], bool] | None =
     where = where or on_accelerator
     by_base: dict[fx.Node, list[tuple[fx.Node, tuple[int, ...], tuple[fx.Node, ...]]]] = {}
     for node in gm.graph.nodes:
-        if is_read(node) and isinstance(node.args[0], fx.Node):
+        if is_item(node) and isinstance(node.args[0], fx.Node):
             base, path, chain = read_path(node)
             value = _value(base)
             if path and isinstance(value, Tensor) and where(value):

@@ -52,8 +52,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from relay_compile.passes.fx_nodes import ALL_TO_ALL, ASSERTS, WAIT, all_to_all_args, is_call, node_value, qualname
-from relay_compile.passes.host_reads import index_step, is_read, read_path, written_between
+from relay_compile.passes.fx_nodes import (
+    ALL_TO_ALL, ASSERTS, WAIT, all_to_all_args, is_call, is_item, node_value, qualname,
+)
+from relay_compile.passes.host_reads import index_step, read_path, written_between
 from relay_compile.runtime.split_all_to_all import SPLIT_ALL_TO_ALL
 
 log = logging.getLogger(__name__)
@@ -146,7 +148,7 @@ def _symbols(nodes: Sequence[fx.Node]) -> set[sympy.Symbol]:
 
 def _split_list(sizes: list[object]) -> SplitList | None:
     """``sizes`` as every element of one tensor row read in order, else None."""
-    reads = [s for s in sizes if isinstance(s, fx.Node) and is_read(s)]
+    reads = [s for s in sizes if isinstance(s, fx.Node) and is_item(s)]
     if not sizes or len(reads) != len(sizes) or any(_expr(r) is None for r in reads):
         return None
     paths = [read_path(r) for r in reads]  # (base, path, chain)
