@@ -275,17 +275,25 @@ def _classify(family: _Family) -> str | None:
     return None
 
 
+def _sources(total: sympy.Expr, matches: Sequence[SplitReads]) -> list[_Source]:
+    """The tensors whose rows are ``total``: the input of an all-to-all whose send list sums to it, the output
+    of one whose receive list does."""
+    return ([("input", m) for m in matches if m.send.total() == total]
+            + [("output", m) for m in matches if m.recv.total() == total])
+
+
 def _choose_sources(order: dict[fx.Node, int], family: _Family) -> str | None:
     """For each sum, the rows its reader reads instead: of a tensor defined before the reader (a dispatch's input,
     an all-to-all's output), the earliest; where there is none, an assert's relation goes, anything else is the
     reason the family stays as traced."""
+    def defined_at(source: _Source) -> int:
+        kind, m = source
+        return order[all_to_all_args(m.node).input if kind == "input" else m.node]
+
     for t in list(family.sums):
-        candidates = [(order[all_to_all_args(m.node).input], ("input", m)) for m in family.matches
-                      if t.total == m.send.total()]
-        candidates += [(order[m.node], ("output", m)) for m in family.matches if t.total == m.recv.total()]
-        before = sorted(((at, source) for at, source in candidates if at < order[t.reader]), key=lambda c: c[0])
+        before = [s for s in _sources(t.total, family.matches) if defined_at(s) < order[t.reader]]
         if before:
-            family.sources[t] = before[0][1]
+            family.sources[t] = min(before, key=defined_at)
         elif (chain := _relation(t.reader)) is not None:
             family.sums.remove(t)
             family.dropped.update(chain)
@@ -317,16 +325,22 @@ def _rows_of(graph: fx.Graph, tensor: fx.Node) -> int | fx.Node:
 
 
 class _Rows:
-    """The rows each source stands for, made once (``sym_size`` nodes placed right after their tensor)."""
+    """The rows each source stands for, made once (``sym_size`` nodes placed right after their tensor), from the
+    op each all-to-all became (``add``)."""
 
-    def __init__(self, graph: fx.Graph, new: dict[int, fx.Node]) -> None:
-        self.graph, self.new, self.made = graph, new, {}
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.ops: dict[int, fx.Node] = {}
+        self.made: dict[tuple[str, int], int | fx.Node] = {}
+
+    def add(self, m: SplitReads, op: fx.Node) -> None:
+        self.ops[id(m)] = op
 
     def __call__(self, source: _Source) -> int | fx.Node:
         kind, m = source
         key = (kind, id(m))
         if key not in self.made:
-            op = self.new[id(m)]
+            op = self.ops[id(m)]
             self.made[key] = _rows_of(self.graph, op.args[0] if kind == "input" else op)
         return self.made[key]
 
@@ -334,12 +348,10 @@ class _Rows:
 def _replace_all_to_alls(graph: fx.Graph, family: _Family, order: dict[fx.Node, int]) -> _Rows:
     """Each all-to-all becomes the op, in graph order (a combine's ``rows``: the rows an earlier one sends or
     returns, where its list is one of that one's); returns the rows of each."""
-    rows = _Rows(graph, {})
+    rows = _Rows(graph)
     done: list[SplitReads] = []
     for m in sorted(family.matches, key=lambda m: order[m.node]):
-        total = m.recv.total()
-        known = [("input", d) for d in done if d.send.total() == total]
-        known += [("output", d) for d in done if d.recv.total() == total]
+        known = _sources(m.recv.total(), done)
         size = rows(known[0]) if known else None
         with graph.inserting_before(m.node):
             send, recv = _row(graph, m.send), _row(graph, m.recv)
@@ -352,7 +364,7 @@ def _replace_all_to_alls(graph: fx.Graph, family: _Family, order: dict[fx.Node, 
             for wait in waits:
                 wait.replace_all_uses_with(new)
                 graph.erase_node(wait)
-        rows.new[id(m)] = new
+        rows.add(m, new)
         done.append(m)
     return rows
 

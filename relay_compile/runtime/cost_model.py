@@ -55,8 +55,8 @@ forced ``ring_moe``) wherever the rule grants them.
 Which all-to-all is kept (``Kept``): a region the backend keeps at compile time runs the all-to-all traced from
 the model, compiled: about a2a eager's time at EP=8 and 64 (0.97-1.05x measured) since its all-to-alls read their
 split sizes as tensors (``passes.split_reads``; 1.15-1.30x at EP=64 before, with 2N unbacked SymInts per call;
-``Calibration.kept_a2a_ratio``); a call of the ring op that does not run the ring runs the op's
-own path (``runtime.all_to_all``), which recomputes its experts in backward and dispatches the rows twice: 1.30-1.85x the
+``Calibration.kept_a2a_ratio``); a call of the ring op that does not run the ring runs the op's own path
+(``runtime.all_to_all``), which recomputes its experts in backward and dispatches the rows twice: 1.30-1.85x the
 traced all-to-all on every sweep point measured (``Calibration.op_a2a_ratio``). A call (``agreement``) therefore
 weighs the ring against that path, not against an all-to-all it cannot run: at EP=8 and 16384 tokens per rank the
 ring measured 1.02-1.11x a2a eager where the op's path measured 1.45-1.50x.
@@ -488,8 +488,8 @@ class Choice:
 # How close to the all-to-all a ring predicted without saved projections may come before ``"auto"`` saves them:
 # the time model's error on sweeps it was not fitted to (rms log error 0.09-0.10 on the H100, docs/BENCHMARKS.md,
 # "Saved projections"). A ring predicted 0.98x (now 1.12x) measured 1.06x (EP=64, 16384 tokens, H100) and 0.98x
-# with them;
-# rings predicted 0.85x or less won without them, and at 65536 tokens they bought no time for 2-4x the ring's peak.
+# with them; rings predicted 0.85x or less won without them, and at 65536 tokens they bought no time for 2-4x the
+# ring's peak.
 SAVE_MARGIN = 0.10
 
 

@@ -25,7 +25,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
@@ -44,10 +43,11 @@ def split_all_to_all(x: Tensor, send_N: Tensor, recv_N: Tensor, group_name: str,
                      rows: Optional[int] = None) -> Tensor:
     """Rows ``send_N[o]`` of ``x`` to rank ``o``, ``recv_N[s]`` rows from rank ``s`` (module docstring)."""
     send, recv = _split_sizes(send_N, recv_N)
-    if rows is not None and sum(recv) != rows:
+    received = sum(recv)
+    if rows is not None and received != rows:
         raise RuntimeError(f"relaymoe::split_all_to_all: the graph expects {rows} rows back but the split sizes "
-                           f"receive {sum(recv)} ({recv}): the split tensors do not describe this all-to-all")
-    out = x.new_empty((sum(recv), *x.shape[1:]))
+                           f"receive {received} ({recv}): the split tensors do not describe this all-to-all")
+    out = x.new_empty((received, *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=_resolve_process_group(group_name))
     return out
 
@@ -83,7 +83,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None]:
     """The rows' gradients back to their senders: the all-to-all with the two split tensors swapped."""
     send_N, recv_N = ctx.saved_tensors
-    dx = split_all_to_all(grad_out.contiguous(), recv_N, send_N, ctx.group_name, ctx.rows)
+    dx = split_all_to_all(grad_out, recv_N, send_N, ctx.group_name, ctx.rows)
     return dx, None, None, None, None
 
 
