@@ -19,6 +19,7 @@ from torch import Tensor
 
 from relay_compile import ring_moe
 from relay_compile.bench.configs import BenchOptions, LayerConfig
+from relay_compile.bench.standin_group import standin_group
 from relay_compile.reference import a2a_moe
 
 LayerFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -110,6 +111,16 @@ def ring_builder(**options: Any) -> RowBuilder:
             return ring_moe(x, ids, scores, w1, w2, w3, group=group, **options)
 
         return fn
+
+    return build
+
+
+def link_stream_builder(builder: RowBuilder) -> RowBuilder:
+    """``builder`` on the stand-in group of the same size whose transfers run on a stream of their own
+    (``standin_group(n, link_stream=True)``: overlapped with compute, as NCCL's sends and receives are)."""
+
+    def build(cfg: LayerConfig, group: Any) -> LayerFn:
+        return builder(cfg, standin_group(cfg.ep, link_stream=True))
 
     return build
 

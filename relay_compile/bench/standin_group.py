@@ -25,9 +25,15 @@ partition's):
   (``ids < E_l``): each hop revisits this rank's own tokens with its own experts. The work per hop (about
   ``T*K/N`` pairs under balanced routing) and the buffers are those of a real ring; the numbers are not.
 
-Memory and compute on this rank are exact; link time is not simulated (copies run on the compute stream at
-device memory bandwidth, with no overlap), there are no NCCL buffers, and routing is perfectly symmetric.
-Report link time separately from a stated model (``relay_compile.bench.link_model``).
+Memory and compute on this rank are exact; link time is not simulated (copies run at device memory bandwidth),
+there are no NCCL buffers, and routing is perfectly symmetric. Report link time separately from a stated model
+(``relay_compile.bench.link_model``). By default every copy runs on the compute stream, so a ring's transfers
+add to its step though a real one overlaps them. ``standin_group(n, link_stream=True)`` runs the point-to-point
+copies on a stream of their own (CUDA), as NCCL runs sends and receives: the copy waits for the work queued
+before it was posted, and waiting on its ``Work`` makes the caller's stream wait for it (``_LinkWork``). The
+collectives stay on the compute stream: their callers wait for them at once, so a stream changes nothing there.
+This rank's memory traffic is the same (a real send reads, a real receive writes this rank's memory); what is
+not modeled is the link's bandwidth (the copy is faster than NVLink) and the SMs NCCL's kernels take.
 
 How it is built (docs/ARCHITECTURE.md, section 5 "Measured facts"; shown on torch 2.13 CPU and torch 2.11
 CUDA): a Python subclass of ``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed
@@ -69,7 +75,7 @@ BACKEND = "relaymoe_standin"
 # Size of the stand-in world: a namespace for subgroups only, never used for collectives itself.
 _WORLD_SIZE = 1 << 12
 
-_GROUPS: dict[int, dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[int, bool], dist.ProcessGroup] = {}
 # Group names handed out so far in this process: a restarted world continues the count (see _ensure_world).
 _names_used = 0
 
@@ -105,6 +111,53 @@ _DONE = _DoneWork()
 _skip_frame = getattr(torch._dynamo.decorators, "skip", torch.compiler.disable)
 
 
+class _LinkWork(dist.Work):
+    """A point-to-point copy queued on the link stream (``StandinGroup(link_stream=True)``, CUDA): waiting makes
+    the current stream wait for it, as waiting on an NCCL send or receive does."""
+
+    def __init__(self, done: torch.cuda.Event, device: torch.device) -> None:
+        super().__init__()
+        self.done, self.device = done, device
+
+    def is_completed(self) -> bool:
+        return self.done.query()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.done)
+        return True
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+class _LinkStream:
+    """The stream a group's point-to-point copies run on (one per CUDA device; module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.stream = device, torch.cuda.Stream(device)
+
+    def copy(self, outs: list[Tensor], ins: list[Tensor]) -> dist.Work:
+        """``outs`` take ``ins`` after the work queued so far (what was sent is ready); both sides' tensors are
+        kept from reuse until the copy ran (``record_stream``, as NCCL keeps them); the work waits for it."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for out, t in zip(outs, ins, strict=True):
+                out.copy_(t)
+        for t in (*outs, *ins):
+            t.record_stream(self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return _LinkWork(done, self.device)
+
+
+def _wait_copy(copied: dist.Work | None) -> None:
+    """Wait for the copy that matched a pending send or receive (none: it ran on the compute stream)."""
+    if copied is not None:
+        copied.wait()
+
+
 class _PendingRecvWork(dist.Work):
     """A receive posted before its matching send: completes when the send arrives; waiting earlier is a bug."""
 
@@ -112,9 +165,10 @@ class _PendingRecvWork(dist.Work):
         super().__init__()
         self.tensors, self.src, self.tag = tensors, src, tag
         self.done = False
+        self.copied: dist.Work | None = None  # the link stream's copy, once the send arrived
 
     def is_completed(self) -> bool:
-        return self.done
+        return self.done and (self.copied is None or self.copied.is_completed())
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if not self.done:
@@ -122,6 +176,7 @@ class _PendingRecvWork(dist.Work):
                 f"stand-in group: a receive from rank {self.src} (tag {self.tag}) was waited on before this rank "
                 "posted the send it mirrors; post sends before waiting (batch_isend_irecv does)"
             )
+        _wait_copy(self.copied)
         return True
 
     def get_future(self) -> Future:
@@ -137,15 +192,18 @@ class _PendingSendWork(dist.Work):
         super().__init__()
         self.entry = entry  # the queued message itself: emptied when a receive takes it
         self.snapshotted = False
+        self.copied: dist.Work | None = None  # the link stream's copy, once a receive took the message
 
     def is_completed(self) -> bool:
-        return True
+        return self.copied is None or self.copied.is_completed()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self.entry and not self.snapshotted:
             # Still unmatched: keep a private copy (costs memory only for blocking send-then-recv patterns).
             self.entry[:] = [t.clone() for t in self.entry]
             self.snapshotted = True
+        # Taken by a receive on the link stream: the sender may write its tensors once that copy read them.
+        _wait_copy(self.copied)
         return True
 
     def get_future(self) -> Future:
@@ -178,12 +236,14 @@ class StandinGroup(PythonProcessGroup):
     a completed ``Work``.
     """
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, link_stream: bool = False) -> None:
         super().__init__(rank, size, BACKEND)
         # (peer, tag) -> queued messages: sends waiting for the receive that mirrors them, and receives
         # waiting for their send. A receive from src mirrors the send to (2r - src) mod N.
-        self._sends: dict[tuple[int, int], deque[list[Tensor]]] = defaultdict(deque)
+        self._sends: dict[tuple[int, int], deque[_PendingSendWork]] = defaultdict(deque)
         self._recvs: dict[tuple[int, int], deque[_PendingRecvWork]] = defaultdict(deque)
+        self.link_stream = link_stream
+        self._links: dict[torch.device, _LinkStream] = {}
 
     def drop_pending(self) -> int:
         """Forget unmatched sends and receives (after a failure mid-transfer); how many there were."""
@@ -198,28 +258,45 @@ class StandinGroup(PythonProcessGroup):
 
     # --- point to point -------------------------------------------------------------------------------
 
+    def _copy(self, outs: list[Tensor], ins: list[Tensor]) -> dist.Work | None:
+        """One matched message: ``outs`` take ``ins``, on the link stream where the group has one (its work
+        returned), else now on the compute stream (None: done as far as the caller's stream is concerned)."""
+        link = self._link(outs[0].device) if outs else None
+        if link is None:
+            for out, t in zip(outs, ins, strict=True):
+                out.copy_(t)
+            return None
+        return link.copy(outs, ins)
+
+    def _link(self, device: torch.device) -> _LinkStream | None:
+        """The stream this group's copies on ``device`` run on (``link_stream`` and CUDA), made on first use."""
+        if not (self.link_stream and device.type == "cuda"):
+            return None
+        link = self._links.get(device)
+        if link is None:
+            link = self._links[device] = _LinkStream(device)
+        return link
+
     @_skip_frame
     def send(self, tensors: list[Tensor], dst: int, tag: int = 0) -> dist.Work:
         key = (dst, tag)
         if self._recvs[key]:
             pending = self._recvs[key].popleft()
-            for out, t in zip(pending.tensors, tensors, strict=True):
-                out.copy_(t)
+            pending.copied = self._copy(pending.tensors, tensors)
             pending.done = True
-            return _DONE
-        entry = list(tensors)
-        self._sends[key].append(entry)
-        return _PendingSendWork(entry)
+            return pending.copied or _DONE
+        work = _PendingSendWork(list(tensors))
+        self._sends[key].append(work)
+        return work
 
     @_skip_frame
     def recv(self, tensors: list[Tensor], src: int, tag: int = 0) -> dist.Work:
         key = (self._mirror(src), tag)
         if self._sends[key]:
             sent = self._sends[key].popleft()
-            for out, t in zip(tensors, sent, strict=True):
-                out.copy_(t)
-            sent.clear()
-            return _DONE
+            sent.copied = self._copy(list(tensors), list(sent.entry))
+            sent.entry.clear()
+            return sent.copied or _DONE
         work = _PendingRecvWork(list(tensors), src, tag)
         self._recvs[key].append(work)
         return work
@@ -352,8 +429,9 @@ def _ensure_world(size: int = _WORLD_SIZE) -> None:
     world_state.group_count = max(world_state.group_count, _names_used)
 
 
-def standin_group(size: int) -> dist.ProcessGroup:
-    """The stand-in EP group of ``size`` ranks in which this process is rank 0 (cached per size).
+def standin_group(size: int, *, link_stream: bool = False) -> dist.ProcessGroup:
+    """The stand-in EP group of ``size`` ranks in which this process is rank 0 (cached per size and
+    ``link_stream``: point-to-point copies on a stream of their own, module docstring).
 
     Raises:
         ValueError: ``size`` outside ``[1, 4096]``.
@@ -361,12 +439,13 @@ def standin_group(size: int) -> dist.ProcessGroup:
     """
     if not 1 <= size <= _WORLD_SIZE:
         raise ValueError(f"standin_group: size must be in [1, {_WORLD_SIZE}], got {size}")
-    group = _GROUPS.get(size)
+    group = _GROUPS.get((size, link_stream))
     if group is None:
         _ensure_world()
         group = dist.new_group(ranks=list(range(size)), backend=BACKEND)
         assert isinstance(group, StandinGroup), f"standin_group: new_group returned {type(group).__name__}"
-        _GROUPS[size] = group
+        group.link_stream = link_stream
+        _GROUPS[size, link_stream] = group
         log.debug("stand-in group of %d ranks: %r", size, group)
     return group
 

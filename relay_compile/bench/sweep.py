@@ -14,7 +14,10 @@ of:
 - ``ring auto`` / ``ring expert`` / ``ring token``: the ring forced (``ring="always"``), each routing (``ring
   expert`` recomputing its projections, ``save_projections=False``: the ring the time model was fitted to);
 - ``ring expert saved``: the expert ring forced, reading the projections its forward saved
-  (``save_projections=True``); ``ring auto`` saves where the model grants it, as a user's call would.
+  (``save_projections=True``); ``ring auto`` saves where the model grants it, as a user's call would;
+- ``ring_moe default, link stream`` / ``ring auto, link stream``: those two on the stand-in group whose
+  transfers run on a stream of their own (``standin_group(n, link_stream=True)``), overlapped with the hops'
+  compute as NCCL's are; every other row's transfers are copies on the compute stream.
 
 Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
 points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
@@ -41,6 +44,7 @@ from relay_compile.bench.rows import (
     RowSpec,
     build_eager_a2a,
     compiled_a2a_builder,
+    link_stream_builder,
     ring_builder,
 )
 from relay_compile.bench.standin_group import standin_group
@@ -88,6 +92,10 @@ def _all_rows(opts: BenchOptions) -> list[RowSpec]:
                 kind="ring", note="reading the projections its forward saved"),
         RowSpec(name="ring token", build=ring_builder(routing="token", ring="always"), kind="ring", routing="token",
                 note="stand-in numerics: N x own-expert pairs"),
+        RowSpec(name="ring_moe default, link stream", build=link_stream_builder(ring_builder()), kind="ring",
+                note="transfers on a stream of their own"),
+        RowSpec(name="ring auto, link stream", build=link_stream_builder(ring_builder(ring="always")), kind="ring",
+                note="transfers on a stream of their own"),
     ]
 
 
@@ -139,7 +147,7 @@ def table(points: list[dict[str, Any]]) -> str:
     for p in points:
         by_config.setdefault((p["ep"], p["tokens"]), {})[p["row"]] = p
     names = ("relaymoe backend", "relaymoe backend, dynamic T", "ring_moe default", "ring auto", "ring expert",
-             "ring expert saved", "ring token")
+             "ring expert saved", "ring token", "ring_moe default, link stream", "ring auto, link stream")
     lines = ["| EP | tokens/rank | a2a ms | " + " | ".join(f"{n}: time / a2a peak ÷ peak" for n in names) + " |",
              "|---:|---:|---:|" + "---|" * len(names)]
     for (ep, tokens), rows in sorted(by_config.items()):

@@ -309,5 +309,72 @@ class RingTransfersOnTheStandinGroup(StandinTestCase):
             with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=owners):
                 self.assertEqual(count_sends(), {"forward": forward, "backward": backward}, f"{owners} owners")
 
+class _DeferredLink:
+    """A link stream at its most asynchronous: a copy runs only when its work is waited on, so a receive buffer
+    read, or a sent tensor written, before its transfer's wait shows up as a wrong result (CPU stand-in for
+    ``standin_group._LinkStream``, whose copies run on a CUDA stream of their own)."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def copy(self, outs: list[Tensor], ins: list[Tensor]) -> dist.Work:
+        self.copies += 1
+
+        class Deferred(dist.Work):
+            ran = False
+
+            def is_completed(self) -> bool:
+                return self.ran
+
+            def wait(self, timeout=None) -> bool:
+                if not self.ran:
+                    for out, t in zip(outs, ins, strict=True):
+                        out.copy_(t)
+                    self.ran = True
+                return True
+
+        return Deferred()
+
+
+class TransfersOnALinkStream(StandinTestCase):
+    def test_a_link_stream_group_is_a_group_of_its_own(self) -> None:
+        plain, linked = standin_group(4), standin_group(4, link_stream=True)
+        self.assertIsNot(plain, linked)
+        self.assertNotEqual(plain.group_name, linked.group_name)
+        self.assertIs(standin_group(4, link_stream=True), linked)
+        self.assertEqual((plain.link_stream, linked.link_stream), (False, True))
+
+    def test_the_ring_waits_for_every_transfer_before_it_reads_or_reuses_it(self) -> None:
+        # Expert routing forward and backward (one and several owners per hop, weights and their travelling
+        # gradients), on a link whose copies run only once waited on: every received buffer the ring reads and
+        # every sent tensor it writes again must be waited on first, as NCCL's streams require.
+        world, e_l = 4, 2
+        plain, linked = standin_group(world), standin_group(world, link_stream=True)
+        x, ids, scores, weights = _inputs(world, e_l, seed=3)
+        link = _DeferredLink()
+        for owners in (1, 2):
+            with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=owners):
+                want = _forward_backward(ring_moe, x, ids, scores, weights, group=plain, routing="expert")
+                with unittest.mock.patch.object(StandinGroup, "_link",
+                                                lambda self, device: link if self.link_stream else None):
+                    got = _forward_backward(ring_moe, x, ids, scores, weights, group=linked, routing="expert")
+            for name, g, w in zip(["y", "dx", "d_scores", "dw1", "dw2", "dw3"], got, want, strict=True):
+                self.assertTrue(torch.equal(g, w), f"{name}, {owners} owners per hop")
+        self.assertGreater(link.copies, 0)
+
+    def test_a_send_taken_later_is_waited_for_through_the_send(self) -> None:
+        group = standin_group(4, link_stream=True)
+        link = _DeferredLink()
+        sent, got = torch.arange(4.0), torch.zeros(4)
+        with unittest.mock.patch.object(StandinGroup, "_link", lambda self, device: link):
+            send = dist.isend(sent, 1, group, tag=3)
+            recv = dist.irecv(got, 3, group, tag=3)  # takes the send: the copy is queued, not run
+            self.assertFalse(recv.is_completed())
+            send.wait()  # the sender may write its tensor now: the copy read it first
+            sent.fill_(-1.0)
+            recv.wait()
+        self.assertTrue(torch.equal(got, torch.arange(4.0)))
+
+
 if __name__ == "__main__":
     unittest.main()
