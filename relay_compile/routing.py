@@ -32,6 +32,28 @@ ROUTINGS: tuple[str, ...] = ("auto", "expert", "token")
 
 
 @dataclass(frozen=True, kw_only=True)
+class PairOrder:
+    """The pairs of ``topk_ids`` sorted by global expert, and their scores in that order: what a step plans from
+    its arguments alone, before any count is on the host (``PairRouting.build`` sorts them itself otherwise).
+
+    Attributes:
+        order_P: flattened pair positions sorted by expert (stable) ``(P,)``.
+        tokens_P: the token of each sorted pair, ``order_P // K`` ``(P,)``.
+        scores_S: ``topk_scores`` of each sorted pair ``(P,)``.
+    """
+
+    order_P: Tensor
+    tokens_P: Tensor
+    scores_S: Tensor
+
+    @staticmethod
+    def of(topk_ids_TK: Tensor, topk_scores_TK: Tensor) -> PairOrder:
+        order_P = torch.argsort(topk_ids_TK.reshape(-1), stable=True)
+        return PairOrder(order_P=order_P, tokens_P=order_P // topk_ids_TK.shape[1],
+                         scores_S=torch.index_select(topk_scores_TK.reshape(-1), 0, order_P))
+
+
+@dataclass(frozen=True, kw_only=True)
 class PairRouting:
     """The pairs of one token partition, sorted by global expert.
 
@@ -58,15 +80,21 @@ class PairRouting:
         )
 
     @staticmethod
-    def build(topk_ids_TK: Tensor, counts_host: list[int], experts_per_rank: int) -> PairRouting:
-        """Sort the pairs of ``topk_ids_TK`` given its pairs per expert (read on the host once per step)."""
-        order_P = torch.argsort(topk_ids_TK.reshape(-1), stable=True)
+    def build(topk_ids_TK: Tensor, counts_host: list[int], experts_per_rank: int, order: PairOrder | None = None
+              ) -> PairRouting:
+        """Sort the pairs of ``topk_ids_TK`` given its pairs per expert (read on the host once per step);
+        ``order``: sorted already (``PairOrder.of`` the same ids)."""
+        if order is None:
+            order_P = torch.argsort(topk_ids_TK.reshape(-1), stable=True)
+            tokens_P = order_P // topk_ids_TK.shape[1]
+        else:
+            order_P, tokens_P = order.order_P, order.tokens_P
         starts_host = [0]
         for c in counts_host:
             starts_host.append(starts_host[-1] + c)
         return PairRouting(
             order_P=order_P,
-            tokens_P=order_P // topk_ids_TK.shape[1],
+            tokens_P=tokens_P,
             starts_host=starts_host,
             top_k=topk_ids_TK.shape[1],
             experts_per_rank=experts_per_rank,

@@ -42,7 +42,7 @@ import functools
 import operator
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -282,6 +282,7 @@ def _group_state(ring: RingGroup) -> _GroupState:
 def agree(
     ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, weight_bytes: int, elem_bytes: int,
     grad_bytes: int, sum_elem_bytes: int, sizes: BlockSizes | None = None, counts_agreed: bool = False,
+    before_read: Callable[[], None] | None = None,
 ) -> Agreement:
     """The exchange of one op call; raises ``RingInputError`` (or this rank's own problem) on every rank.
 
@@ -293,9 +294,11 @@ def agree(
     ``counts_agreed``: ``counts_E`` are on the host, as an earlier agreement on these routing arguments read them
     (a backward's, from its forward): the row then holds nothing the device computes, and the exchange does not
     wait for the compute stream (``_exchange``). The table is the same either way.
+    ``before_read``: queues the caller's work that needs no count on the compute stream, after the exchange was
+    posted and before the host waits for it (``runtime.queued_ahead``).
     """
     state = _group_state(ring)
-    table = _exchange(ring, claims, bad_ids, counts_E, state, counts_agreed)
+    table = _exchange(ring, claims, bad_ids, counts_E, state, counts_agreed, before_read)
     _check(ring, claims, table)
     e = len(counts_E)
     counts_NE: list[list[int] | None] = [row[COUNTS : COUNTS + e] if row[_AT["counts_len"]] else None for row in table]
@@ -355,7 +358,7 @@ def fail_together(ring: RingGroup, problem: Exception, device: torch.device) -> 
 
 def _exchange(
     ring: RingGroup, claims: Claims, bad_ids: Tensor, counts_E: Tensor, state: _GroupState,
-    counts_agreed: bool = False,
+    counts_agreed: bool = False, before_read: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """All-gather ``[header, bad flag, unread status, counts padded to the cap]`` (counts only when they
     fit); the table on the host. Consumes the group's unread status.
@@ -367,6 +370,8 @@ def _exchange(
     before it (a backward's exchange would otherwise wait for the rest of the forward, the loss and the later
     layers' backward, and the device would idle while this rank plans its hops). The unread status goes with it
     only where it is computed already (``_GroupState.take_status``). Same row, same table as from the device.
+    A row computed on the device is gathered beside the compute stream too, after the work queued so far (its
+    counts): ``before_read``'s work, queued next, then runs while the host waits for the table (``_read``).
     """
     cap, device = state.counts_cap, bad_ids.device
     fits = 0 < len(counts_E) <= cap
@@ -380,16 +385,32 @@ def _exchange(
         row = torch.cat([header, bad_ids.to(torch.int64).reshape(1), status, counts,
                          header.new_zeros(cap - len(counts))])
         # NOTE: device-to-host sync, once per op call: the table sizes every hop on the host.
-        return all_gather_rows(ring, row).tolist()
+        return _read(ring, device, row, before_read)
     counts = counts_E.tolist()
     host = torch.tensor([*claims.header(len(counts)), 0, 0, *counts, *[0] * (cap - len(counts))], dtype=torch.int64,
                         pin_memory=device.type == "cuda")
     status = state.take_status(waiting=False)
-    with beside_compute(device):
-        row = host.to(device, non_blocking=True)
+    return _read(ring, device, host, before_read, status)
+
+
+def _read(ring: RingGroup, device: torch.device, row: Tensor, before_read: Callable[[], None] | None,
+          status: Tensor | None = None) -> list[list[int]]:
+    """Gather ``row`` (on the device: computed by the work queued so far; on the host: with ``status``, computed
+    already, in its failure column) beside the compute stream, queue ``before_read``, and read the table.
+
+    NOTE: the read waits for this exchange only; the table is copied to the host as it is queued (pinned), so
+    nothing the host does after posting it, ``before_read`` included, waits for the compute stream."""
+    with beside_compute(device, after_queued=row.device.type == "cuda"):
+        row = row.to(device, non_blocking=True)
         if status is not None:
             row[PEER_FAILURE : PEER_FAILURE + 1].copy_(status)
-        return all_gather_rows(ring, row).tolist()  # NOTE: waits for this exchange only
+        table = all_gather_rows(ring, row).to("cpu", non_blocking=True)
+        done = recorded_event(device)
+    if before_read is not None:
+        before_read()
+    if done is not None:
+        done.synchronize()
+    return table.tolist()
 
 
 # The columns that are fine as zeros on every rank, and those every rank must hold alike: one comparison

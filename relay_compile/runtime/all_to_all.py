@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relay_compile.routing import Chunk, PairRouting, plan_chunks, split_experts
+from relay_compile.routing import Chunk, PairOrder, PairRouting, plan_chunks, split_experts
 from relay_compile.runtime.agreement import StepCounts, remember_status
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.segment_compute import ACC_DTYPE, HopRows, RingStepConfig, segment_backward, segment_forward
@@ -77,19 +77,21 @@ class AllToAllStep:
     """One forward or backward of the block through all-to-alls (module docstring).
 
     ``counts``: the agreed counts, every rank's (``runtime.agreement``). ``packed``: the weights in the expert
-    function's packed layout; ``weights``: as given (the gradients return in their layout).
+    function's packed layout; ``weights``: as given (the gradients return in their layout). ``order``: this
+    rank's pairs sorted already (``runtime.queued_ahead``).
     """
 
     def __init__(self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
                  weights: Sequence[Tensor], grad_y_TH: Tensor | None, *, counts: StepCounts, counts_E: Tensor,
-                 packed: list[Tensor]) -> None:
+                 packed: list[Tensor], order: PairOrder | None = None) -> None:
         self.cfg, self.x_TH, self.scores_TK, self.grad_y_TH = cfg, x_TH, topk_scores_TK, grad_y_TH
         self.given_weights, self.packed = list(weights), packed
         ring, e_l = cfg.ring, cfg.experts_per_rank
         own_counts = counts.counts_NE[ring.rank]
         assert own_counts is not None, "ring_moe: a rank knows its own counts"
         # The send side: this rank's pairs sorted by expert, hence by owner.
-        self.send = PairRouting.build(topk_ids_TK, own_counts, e_l)
+        self.send = PairRouting.build(topk_ids_TK, own_counts, e_l, order)
+        self.scores_P = None if order is None else order.scores_S
         self.send_splits = [b - a for a, b in map(self.send.owner_range, range(ring.size))]
         # The receive side: from each source, its rows for this rank's experts, grouped by expert, as the
         # dispatchers learn it: an all-to-all of the counts (exact also on the bench's stand-in group, whose
@@ -132,7 +134,7 @@ class AllToAllStep:
         scores join it as columns and one all-to-all moves both; a single source's rows are sent as gathered
         and the scores apart (packing them would copy the rows)."""
         tok_P, ring = self.send.tokens_P, self.cfg.ring
-        scores_P = self.scores_TK.reshape(-1)[self.send.order_P]
+        scores_P = self.scores_TK.reshape(-1)[self.send.order_P] if self.scores_P is None else self.scores_P
         columns = _value_columns(scores_P, sources_TC[0].dtype) if len(sources_TC) > 1 else None
         if columns is not None:
             packed = torch.cat([*(s[tok_P] for s in sources_TC), columns], dim=1)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.grouped_gemm import grouped_mm_supported
-from relay_compile.routing import PairRouting, plan_chunks, split_experts, split_owners
+from relay_compile.routing import PairOrder, PairRouting, plan_chunks, split_experts, split_owners
 from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.chunk_graphs import PaddedChunks
 from relay_compile.runtime.equal_groups import EqualGroups
@@ -175,6 +175,7 @@ class ExpertRoutingStep:
         self, cfg: RingStepConfig, x_TH: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
         packed: list[Tensor] | None = None, owners_per_hop: int = 1, projections: Tensor | bool = False,
+        order: PairOrder | None = None, sum_TH: RowSum | None = None,
     ) -> None:
         assert projections is False or (cfg.grouped is not None and not cfg.scores_before), (
             "ring_moe: only grouped experts with scores after them save projections")
@@ -193,26 +194,29 @@ class ExpertRoutingStep:
         self.stack_grads_like = [g.new_zeros(()).expand(owners_per_hop * g.shape[0], *g.shape[1:])
                                  for g in self.grads_like]
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
-        _setup(self, ExpertRoutingStep._plan, topk_ids_TK, topk_scores_TK, counts, projections)
+        _setup(self, ExpertRoutingStep._plan, topk_ids_TK, topk_scores_TK, counts, projections, order, sum_TH)
 
     def _group_owners(self, group: int) -> list[int]:
         """The owners of stack ``group`` in slot order (ascending, as their experts sort, unless they wrap)."""
         g, n, r = self.owners_per_hop, self.cfg.ring.size, self.cfg.ring.rank
         return [(r - g * group - g + 1 + s) % n for s in range(g)]
 
-    def _plan(self, topk_ids_TK: Tensor, topk_scores_TK: Tensor, counts: StepCounts, projections: Tensor | bool
-              ) -> None:
+    def _plan(self, topk_ids_TK: Tensor, topk_scores_TK: Tensor, counts: StepCounts, projections: Tensor | bool,
+              order: PairOrder | None, sum_TH: RowSum | None) -> None:
+        """``order``, ``sum_TH``: the pairs' sort and the zeroed sum, queued before the agreement's read
+        (``runtime.queued_ahead``); else made here."""
         cfg, e_l, x_TH, g = self.cfg, self.cfg.experts_per_rank, self.x_TH, self.owners_per_hop
         own = counts.counts_NE[cfg.ring.rank]
         assert own is not None, "ring_moe: the agreement gave no counts of this rank"
-        # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring). Zeroed first:
-        # after the agreement's read of the counts the device has nothing queued, and the fill (the pairs' sort
-        # next) runs while the host plans the chunks below (docs/BENCHMARKS.md, "Where the GPU waits on the host").
+        # y / dx sum a token's pairs over the hops they meet on: in the sum dtype (module docstring). Zeroed first
+        # where not queued ahead: the fill (the pairs' sort next) runs while the host plans the chunks below.
+        if sum_TH is None:
+            sum_TH = RowSum(x_TH, cfg.sum_dtype(x_TH))
         if self.grad_y_TH is None:
-            self.y = RowSum(x_TH, cfg.sum_dtype(x_TH))
+            self.y = sum_TH
         else:
-            self.dx = RowSum(x_TH, cfg.sum_dtype(x_TH))
-        self.routing = routing = PairRouting.build(topk_ids_TK, own, e_l)
+            self.dx = sum_TH
+        self.routing = routing = PairRouting.build(topk_ids_TK, own, e_l, order)
         # One owner per hop, or g: owner stacks (``programs.build``: the grouped rings).
         bounds = [
             split_experts(routing.rows_per_expert(owner), routing.starts_host[owner * e_l], cfg.max_hop_rows)
@@ -222,7 +226,8 @@ class ExpertRoutingStep:
                   for j in range(cfg.ring.size // g)] if g > 1 else []
         chunks = plan_chunks(bounds + groups, [e_l] * len(bounds) + [g * e_l] * len(groups), x_TH.device)
         self.chunks, self.group_chunks = chunks[: len(bounds)], chunks[len(bounds):]
-        self.scores_S = torch.index_select(topk_scores_TK.reshape(-1), 0, routing.order_P)
+        self.scores_S = (torch.index_select(topk_scores_TK.reshape(-1), 0, routing.order_P) if order is None
+                         else order.scores_S)
         self.projections_PU: Tensor | None = None
         if projections is True:  # in the packed first matrix's columns and dtype (``projection_dtype``)
             first = self.weights[0]

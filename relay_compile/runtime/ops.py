@@ -66,6 +66,7 @@ from relay_compile.runtime.hop_compute import (
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule
+from relay_compile.runtime.queued_ahead import QueuedAhead
 from relay_compile.runtime.ring_options import HopShape, MaxHopRows, hop_row_bound
 from relay_compile.runtime.saved_projections import can_save
 from relay_compile.runtime.specs import SpecState, holding, spec_held, spec_state
@@ -179,6 +180,8 @@ def _run(
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y, projections is not False,
                      agreed_counts_E)
+    # The sort and the sum need no count: queued while the host waits for the table (a failed call queues none).
+    ahead = QueuedAhead(state.resolved if local.claims.problem is None else None, cfg, x, topk_ids, topk_scores)
     fp32 = spec.options.fp32_accumulation
     agreed = agree(ring, local.claims, local.bad_ids, local.counts_E,
                    # What circulates: the packed weights (FP8 hops: half the bytes), else the given ones.
@@ -187,7 +190,7 @@ def _run(
                    grad_bytes=sum(w.numel() * summed_bytes(w.element_size(), fp32) for w in weights),
                    sum_elem_bytes=summed_bytes(x.element_size(), fp32),
                    sizes=_block_sizes(spec.options.max_hop_rows, cfg, x, topk_ids, local.packed),
-                   counts_agreed=local.agreed)
+                   counts_agreed=local.agreed, before_read=ahead.queue)
     if agreed.execution != state.resolved:
         log.info("ring_moe: runs as %s (routing asked %s, ring %s): %s; per-hop bytes %s", agreed.execution,
                  spec.options.routing, spec.options.ring, agreed.choice.reason if agreed.choice else "no cost model",
@@ -196,10 +199,11 @@ def _run(
     assert local.packed is not None, "ring_moe: an agreed call has its weights packed"
     reason = agreed.choice.reason if agreed.choice else f"routing {spec.options.routing}"
     counts_E = _own_counts(agreed, ring.rank) if direction == "forward" else None
+    order, sum_TH = ahead.take(agreed.execution)
     if agreed.execution == "all_to_all":
         program_dumps.record(key, direction, "all_to_all", reason, tokens_N=agreed.counts.tokens_N)
         a2a = AllToAllStep(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts,
-                           counts_E=local.counts_E.to(x.device), packed=local.packed)
+                           counts_E=local.counts_E.to(x.device), packed=local.packed, order=order)
         if direction == "backward":
             return a2a.backward(), counts_E
         return a2a.forward() + ((_unwritten(local.packed, topk_ids),) if projections is True else ()), counts_E
@@ -209,11 +213,12 @@ def _run(
     program_dumps.record(key, direction, agreed.routing, reason, tokens_N=agreed.counts.tokens_N, program=program,
                          owners=owners)
     step_cls = ExpertRoutingStep if agreed.routing == "expert" else TokenRoutingStep
+    queued = {"order": order, "sum_TH": sum_TH} if step_cls is ExpertRoutingStep else {}
     # Failure status travels only where results depend on other ranks' hops (trailing accumulators).
     sched: RingSchedule = program.meta["schedule"]
     with RingRun(ring, x.device, direction, carries_status=sched.num_trailing > 0) as run:
         step = step_cls(cfg, x, topk_ids, topk_scores, weights, grad_y, counts=agreed.counts, packed=local.packed,
-                        owners_per_hop=owners, **({} if saving is False else {"projections": saving}))
+                        owners_per_hop=owners, **queued, **({} if saving is False else {"projections": saving}))
         out = run_program(program, step, step.initial_circulating())
     remember_status(ring, run.outcome())  # raises this rank's failure, or a peer's where reading it is free
     if projections is True and saving is False:  # a saving op's call that does not save

@@ -217,16 +217,20 @@ def _exchange_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @contextlib.contextmanager
-def beside_compute(device: torch.device) -> Iterator[None]:
-    """Run a small exchange of host values on a stream of its own (CUDA; elsewhere as it is): its collective then
-    waits for nothing queued on the compute stream (NCCL's stream waits for the current one), and reading its
+def beside_compute(device: torch.device, after_queued: bool = False) -> Iterator[None]:
+    """Run a small exchange on a stream of its own (CUDA; elsewhere as it is): its collective then waits for
+    nothing queued on the compute stream after it (NCCL's stream waits for the current one), and reading its
     result syncs that stream only. The group's collectives stay in the order they were issued (NCCL runs them on
     its own stream). The tensors it reads must be ready without the compute stream: host values, or device ones
-    whose event is done."""
+    whose event is done; ``after_queued``: or computed by the work queued on the compute stream so far, which the
+    exchange then waits for (and for nothing queued after it)."""
     if device.type != "cuda":
         yield
         return
-    with torch.cuda.stream(_exchange_stream(device)):
+    stream = _exchange_stream(device)
+    if after_queued:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
         yield
 
 

@@ -338,8 +338,8 @@ def exchanges() -> Iterator[list[tuple[str, bool, list[list[int]]]]]:
     seen: list[tuple[str, bool, list[list[int]]]] = []
     real = agreement._exchange
 
-    def spy(ring, claims, bad_ids, counts_E, state, counts_agreed=False):
-        table = real(ring, claims, bad_ids, counts_E, state, counts_agreed)
+    def spy(ring, claims, bad_ids, counts_E, state, counts_agreed=False, before_read=None):
+        table = real(ring, claims, bad_ids, counts_E, state, counts_agreed, before_read)
         seen.append((claims.direction, counts_agreed, table))
         return table
 
@@ -383,16 +383,16 @@ class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
         entered = []
         real = agreement.beside_compute
 
-        def spy(device):
-            entered.append(device)
-            return real(device)
+        def spy(device, after_queued=False):
+            entered.append(after_queued)
+            return real(device, after_queued)
 
         with mock.patch.object(agreement, "beside_compute", spy), exchanges() as seen:
             agreement.agree_kept(ring, torch.device("cpu"))
             tokens_N = agreement.agree_tokens(ring, torch.device("cpu"), 7 + self.rank)
         self.assertEqual(tokens_N, [7 + r for r in range(dist.get_world_size())])
         self.assertEqual([host for _, host, _ in seen], [True, True])
-        self.assertEqual(len(entered), 2)
+        self.assertEqual(entered, [False, False])  # host rows: the exchange waits for nothing queued
 
     def check_host_and_device_rows_are_one_table(self) -> None:
         """The same claims and counts, from the device and from the host: the same table, column for column."""
