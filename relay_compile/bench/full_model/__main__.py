@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--static-shapes", action="store_true",
                     help="compiled rows compile each length for its own size (default: one compile, tokens dynamic)")
     ap.add_argument("--link-gbps", type=float, default=450.0, help="modeled link bandwidth, GB/s one direction")
+    ap.add_argument("--link-stream", action="store_true",
+                    help="the stand-in's transfers on a stream of their own, overlapped with compute as NCCL's are "
+                         "(standin_group(n, link_stream=True)); default: copies on the compute stream")
     ap.add_argument("--replot", action="store_true", help="redraw results.md and the PNG from --out/results.json")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -158,10 +161,12 @@ def run(args: argparse.Namespace, out: Path, progress: Progress) -> FullModelRep
     budget = gib(args.memory_gib)
     _cap_memory(cfg, budget)
     settings = _settings(args, budget)
-    trainer = Trainer.build(cfg, standin_group(cfg.ep))
+    trainer = Trainer.build(cfg, standin_group(cfg.ep, link_stream=args.link_stream))
     report = FullModelReport(config=dataclasses.asdict(cfg), label=cfg.label(),
                              settings=dataclasses.asdict(settings))
     report.notes.append("command: python -m relay_compile.bench.full_model " + " ".join(args.argv))
+    if args.link_stream:
+        report.notes.append("the stand-in's transfers run on a stream of their own (--link-stream)")
     report.notes.append(_resident_note(trainer, budget))
     report.notes.append("attention: scaled_dot_product_attention with " + (
         "grouped-query heads (enable_gqa)" if fused_gqa(cfg.device) else "KV heads repeated (no fused GQA kernel)"))
