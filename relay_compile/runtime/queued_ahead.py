@@ -19,12 +19,16 @@ H hidden, K top-k, P = T*K pairs.
 
 from __future__ import annotations
 
+import logging
+
 from torch import Tensor
 
 from relay_compile.routing import PairOrder
 from relay_compile.runtime.cost_model import Execution
 from relay_compile.runtime.row_sum import RowSum
 from relay_compile.runtime.segment_compute import RingStepConfig
+
+log = logging.getLogger(__name__)
 
 
 class QueuedAhead:
@@ -41,9 +45,14 @@ class QueuedAhead:
     def queue(self) -> None:
         if self.predicted not in ("expert", "all_to_all"):
             return
-        self.order = PairOrder.of(self.topk_ids_TK, self.topk_scores_TK)
-        if self.predicted == "expert":
-            self.sum_TH = RowSum(self.x_TH, self.cfg.sum_dtype(self.x_TH))
+        try:
+            self.order = PairOrder.of(self.topk_ids_TK, self.topk_scores_TK)
+            if self.predicted == "expert":
+                self.sum_TH = RowSum(self.x_TH, self.cfg.sum_dtype(self.x_TH))
+        except Exception:  # noqa: BLE001 -- out of memory, say: left to the step, which plans it where a failure
+            # drains (hop_compute._setup) instead of leaving the peers waiting for this rank's transfers
+            log.debug("ring_moe: count-free work not queued ahead", exc_info=True)
+            self.order = self.sum_TH = None
 
     def take(self, execution: Execution) -> tuple[PairOrder | None, RowSum | None]:
         """The sort (expert ring, all-to-all path) and the sum (expert ring) where they were queued for this

@@ -90,6 +90,21 @@ class QueuedAheadOfTheRead(StandinTestCase):
             _call(routing="expert", ring="always")
         self.assertEqual(events, ["exchange", "queue"] * 2)
 
+    def test_a_failure_while_queueing_leaves_the_work_to_the_step(self) -> None:
+        # Out of memory, say, before the table is read: the peers read it and start the ring, so this rank must
+        # not raise there; its step plans the sum itself, where a failure drains (hop_compute._setup).
+        want = _call(routing="expert", ring="always")
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("no room for the sum")
+
+        seen, spy = _spied(ExpertRoutingStep)
+        with unittest.mock.patch.object(queued_ahead, "RowSum", out_of_memory), spy:
+            got = _call(routing="expert", ring="always")
+        self.assertEqual([(k["order"], k["sum_TH"]) for k in seen], [(None, None)] * 2)
+        for a, b in zip(want, got, strict=True):
+            self.assertTrue(torch.equal(a, b))
+
 
 if __name__ == "__main__":
     unittest.main()
