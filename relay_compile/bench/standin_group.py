@@ -29,9 +29,10 @@ Memory and compute on this rank are exact; link time is not simulated (copies ru
 there are no NCCL buffers, and routing is perfectly symmetric. Report link time separately from a stated model
 (``relay_compile.bench.link_model``). By default every copy runs on the compute stream, so a ring's transfers
 add to its step though a real one overlaps them. ``standin_group(n, link_stream=True)`` runs the point-to-point
-copies on a stream of their own (CUDA), as NCCL runs sends and receives: the copy waits for the work queued
-before it was posted, and waiting on its ``Work`` makes the caller's stream wait for it (``_LinkWork``). The
-collectives stay on the compute stream: their callers wait for them at once, so a stream changes nothing there.
+copies on a stream of their own (CUDA), as NCCL runs sends and receives: a copy is queued when the send and the
+receive it mirrors have both been posted, after the work queued by then, and waiting on either side's ``Work``
+makes the waiting stream wait for it (``_LinkWork``). The collectives run on the caller's current stream, as
+before: their callers wait for them at once, so a stream of their own would change nothing there.
 This rank's memory traffic is the same (a real send reads, a real receive writes this rank's memory); what is
 not modeled is the link's bandwidth (the copy is faster than NVLink) and the SMs NCCL's kernels take.
 
@@ -127,6 +128,8 @@ class _LinkWork(dist.Work):
         return True
 
     def get_future(self) -> Future:
+        """Completed at once (nothing in the package waits on the future of a send or receive): unlike NCCL's,
+        which completes with the copy."""
         fut: Future = Future()
         fut.set_result(None)
         return fut

@@ -19,10 +19,12 @@ Contract:
     failed raises its own error. ``routing="auto"`` is resolved from the table at every call (the same on
     every rank).
 
-A backward's row is the same as from the device but built on the host, from the counts its forward agreed on
-(``ops``: the forward op's ``counts_E`` output), and gathered beside the compute stream: its exchange waits for
-no work queued since the forward. A previous ring's status travels in it only once computed (else in a later
-exchange; the table decides what every rank raises, so late is still alike).
+Every exchange is gathered beside the compute stream and read as soon as it is done (``_read``). A forward's row
+is computed on the device, so its exchange waits for the work queued before it (the counts), and for none queued
+after it: the call queues its count-free work there before it reads (``runtime.queued_ahead``). A backward's row
+is the same but built on the host, from the counts its forward agreed on (``ops``: the forward op's ``counts_E``
+output): its exchange waits for no work queued since the forward. A previous ring's status travels in it only
+once computed (else in a later exchange; the table decides what every rank raises, so late is still alike).
 
 Pair counts travel in the same row when they fit the group's counts capacity (the largest expert count an
 agreed call of this group has had, shared state that grows identically on every rank); the first call of a
@@ -395,16 +397,24 @@ def _exchange(
 
 def _read(ring: RingGroup, device: torch.device, row: Tensor, before_read: Callable[[], None] | None,
           status: Tensor | None = None) -> list[list[int]]:
-    """Gather ``row`` (on the device: computed by the work queued so far; on the host: with ``status``, computed
-    already, in its failure column) beside the compute stream, queue ``before_read``, and read the table.
+    """Gather ``row`` beside the compute stream, queue ``before_read``, and read the table. ``row`` on the device:
+    computed by the work queued so far, which the exchange waits for; on the host: ready, with ``status`` (computed
+    already) written into its failure column on the way.
 
-    NOTE: the read waits for this exchange only; the table is copied to the host as it is queued (pinned), so
-    nothing the host does after posting it, ``before_read`` included, waits for the compute stream."""
+    NOTE: the read waits for this exchange (and, for a device row, what was queued before it), not for
+    ``before_read``'s work. Everything that may fail is done before the gather is posted (the pinned buffer the
+    table lands in): a rank must not leave between posting it and reading it, or its peers run on without it."""
+    cuda = device.type == "cuda"
+    host_NR = torch.empty((ring.size, row.numel()), dtype=torch.int64, pin_memory=True) if cuda else None
     with beside_compute(device, after_queued=row.device.type == "cuda"):
         row = row.to(device, non_blocking=True)
         if status is not None:
             row[PEER_FAILURE : PEER_FAILURE + 1].copy_(status)
-        table = all_gather_rows(ring, row).to("cpu", non_blocking=True)
+        if cuda:  # made on the compute stream (a device row), read on this one
+            row.record_stream(torch.cuda.current_stream(device))
+        table = all_gather_rows(ring, row)
+        if host_NR is not None:
+            table = host_NR.copy_(table, non_blocking=True)
         done = recorded_event(device)
     if before_read is not None:
         before_read()

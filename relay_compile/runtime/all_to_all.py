@@ -91,7 +91,7 @@ class AllToAllStep:
         assert own_counts is not None, "ring_moe: a rank knows its own counts"
         # The send side: this rank's pairs sorted by expert, hence by owner.
         self.send = PairRouting.build(topk_ids_TK, own_counts, e_l, order)
-        self.scores_P = None if order is None else order.scores_S
+        self.scores_S = None if order is None else order.scores_S
         self.send_splits = [b - a for a, b in map(self.send.owner_range, range(ring.size))]
         # The receive side: from each source, its rows for this rank's experts, grouped by expert, as the
         # dispatchers learn it: an all-to-all of the counts (exact also on the bench's stand-in group, whose
@@ -134,7 +134,7 @@ class AllToAllStep:
         scores join it as columns and one all-to-all moves both; a single source's rows are sent as gathered
         and the scores apart (packing them would copy the rows)."""
         tok_P, ring = self.send.tokens_P, self.cfg.ring
-        scores_P = self.scores_TK.reshape(-1)[self.send.order_P] if self.scores_P is None else self.scores_P
+        scores_P = self.scores_TK.reshape(-1)[self.send.order_P] if self.scores_S is None else self.scores_S
         columns = _value_columns(scores_P, sources_TC[0].dtype) if len(sources_TC) > 1 else None
         if columns is not None:
             packed = torch.cat([*(s[tok_P] for s in sources_TC), columns], dim=1)

@@ -6,14 +6,16 @@ the program and plans the chunks before it queues the first hop. Whatever the de
 was done by then, so the device idled through that host work: ~0.3 ms after the forward's read and ~0.2 ms
 after the backward's at EP=8, 65536 tokens on an H100 (docs/BENCHMARKS.md, "Where the GPU waits on the host").
 The pairs' sort by expert, their scores in that order and the zeroed sum of ``y`` or ``dx`` need no count. The
-agreement now gathers beside the compute stream and reads the table as soon as its exchange is done
+agreement gathers beside the compute stream and reads the table as soon as its exchange is done
 (``agreement._read``); this work is queued between the exchange and that read (``agree(before_read=...)``), so
 the device sorts and fills while the host waits and plans.
 
 What is queued follows the execution the call's spec ran last (``SpecState.resolved``): the sort for an expert
 ring or the all-to-all path, and the sum only for an expert ring (the all-to-all path allocates its sum after
 its combine, where it sets no peak; token routing sorts each visiting partition, not its own). ``take`` hands the
-queued work to a call that runs what was predicted and drops it otherwise. Legend (docs/ARCHITECTURE.md): T tokens,
+queued work to a call that runs what was predicted and drops it otherwise: a call whose execution changed (a
+token count crossing the cost model's threshold) zero-filled a sum for nothing, at the point where it would have
+allocated it anyway. Legend (docs/ARCHITECTURE.md): T tokens,
 H hidden, K top-k, P = T*K pairs.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import Tensor
 
 from relay_compile.routing import PairOrder
@@ -45,14 +48,16 @@ class QueuedAhead:
     def queue(self) -> None:
         if self.predicted not in ("expert", "all_to_all"):
             return
+        # Out of memory here is left to the step, which plans what is missing where a failure drains
+        # (hop_compute._setup): raising between the exchange and its read would leave the peers waiting for this
+        # rank's transfers.
         try:
             self.order = PairOrder.of(self.topk_ids_TK, self.topk_scores_TK)
             if self.predicted == "expert":
                 self.sum_TH = RowSum(self.x_TH, self.cfg.sum_dtype(self.x_TH))
-        except Exception:  # noqa: BLE001 -- out of memory, say: left to the step, which plans it where a failure
-            # drains (hop_compute._setup) instead of leaving the peers waiting for this rank's transfers
+        except torch.OutOfMemoryError:
             log.debug("ring_moe: count-free work not queued ahead", exc_info=True)
-            self.order = self.sum_TH = None
+            self.sum_TH = None
 
     def take(self, execution: Execution) -> tuple[PairOrder | None, RowSum | None]:
         """The sort (expert ring, all-to-all path) and the sum (expert ring) where they were queued for this

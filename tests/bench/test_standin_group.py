@@ -345,21 +345,22 @@ class TransfersOnALinkStream(StandinTestCase):
         self.assertEqual((plain.link_stream, linked.link_stream), (False, True))
 
     def test_the_ring_waits_for_every_transfer_before_it_reads_or_reuses_it(self) -> None:
-        # Expert routing forward and backward (one and several owners per hop, weights and their travelling
-        # gradients), on a link whose copies run only once waited on: every received buffer the ring reads and
-        # every sent tensor it writes again must be waited on first, as NCCL's streams require.
+        # Forward and backward on a link whose copies run only once waited on: every received buffer the ring
+        # reads and every sent tensor it writes again must be waited on first, as NCCL's streams require. Expert
+        # routing with one and several owners per hop (weights and their travelling gradients), token routing
+        # (partitions and the partial sums added into on arrival).
         world, e_l = 4, 2
         plain, linked = standin_group(world), standin_group(world, link_stream=True)
         x, ids, scores, weights = _inputs(world, e_l, seed=3)
         link = _DeferredLink()
-        for owners in (1, 2):
+        for routing, owners in (("expert", 1), ("expert", 2), ("token", 1)):
             with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=owners):
-                want = _forward_backward(ring_moe, x, ids, scores, weights, group=plain, routing="expert")
+                want = _forward_backward(ring_moe, x, ids, scores, weights, group=plain, routing=routing)
                 with unittest.mock.patch.object(StandinGroup, "_link",
                                                 lambda self, device: link if self.link_stream else None):
-                    got = _forward_backward(ring_moe, x, ids, scores, weights, group=linked, routing="expert")
+                    got = _forward_backward(ring_moe, x, ids, scores, weights, group=linked, routing=routing)
             for name, g, w in zip(["y", "dx", "d_scores", "dw1", "dw2", "dw3"], got, want, strict=True):
-                self.assertTrue(torch.equal(g, w), f"{name}, {owners} owners per hop")
+                self.assertTrue(torch.equal(g, w), f"{name}, {routing}, {owners} owners per hop")
         self.assertGreater(link.copies, 0)
 
     def test_a_send_taken_later_is_waited_for_through_the_send(self) -> None:

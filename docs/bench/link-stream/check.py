@@ -39,7 +39,11 @@ for name, b, a, l in zip(names, base, again, linked):
     scale = b.float().abs().max().item()
     print(f"{name:9s} max|plain - plain| {(a.float() - b.float()).abs().max().item() / scale:.2e}  "
           f"max|link - plain| {(l.float() - b.float()).abs().max().item() / scale:.2e}  (relative to max|plain|)")
-    torch.testing.assert_close(l, b, rtol=2e-2, atol=2e-2 * scale)
+    # A copy racing its reader would corrupt whole rows (errors of the order of the values): far above the
+    # run-to-run differences of the fp32 atomics, which bound it here.
+    plain_diff = (a.float() - b.float()).abs().max().item()
+    link_diff = (l.float() - b.float()).abs().max().item()
+    assert link_diff <= max(4 * plain_diff, 1e-3 * scale), f"{name}: link stream differs by {link_diff:.3e}"
 times: dict[str, list[float]] = {k: [] for k in groups}
 for _ in range(5):
     for label, group in groups.items():
