@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The stand-in with its transfers on a stream of their own (standin_group(n, link_stream=True)): the numerics
 # check and step times on CUDA (check.py); the forced ring ("ring auto") on both stand-ins beside a2a eager,
-# 5 interleaved rounds, at the bar's token counts (16384 and 65536; EP=8 131072); the EP=8 65536 idle gaps after runtime.queued_ahead (compare
-# docs/bench/gpu-idle/raw-1-h100). Usage: bash docs/bench/link-stream/run.sh OUT
+# 5 interleaved rounds, at the bar's token counts (16384 and 65536; EP=8 131072); the EP=8 65536 idle gaps after
+# runtime.queued_ahead (compare docs/bench/gpu-idle/raw-1-h100). SHORT=1: EP=8 16384/65536 and EP=64 65536 only.
+# Usage: [SHORT=1] bash docs/bench/link-stream/run.sh OUT
 set -uo pipefail
 OUT=$1
 source docs/bench/h200-sweep-2/setup.sh
 timeout 120 python docs/bench/link-stream/check.py --ep 8 --tokens 16384 2>&1 | quiet | tee $OUT/check.txt
 rows=("ring auto" "ring auto, link stream" "ring_moe default, link stream")
-sweep link-ep8 150 --ep 8 --tokens 16384 65536 131072 --no-compile --rows "${rows[@]}"
-sweep link-ep64 120 --ep 64 --tokens 16384 65536 --no-compile --rows "${rows[@]}"
-timeout 100 python -m relay_compile.bench.gpu_idle --ep 8 --tokens 65536 --rows "a2a eager" "ring expert" 2>&1 \
+if [ "${SHORT:-0}" = 1 ]; then
+  sweep link-ep8 130 --ep 8 --tokens 16384 65536 --no-compile --rows "${rows[@]}"
+  sweep link-ep64 100 --ep 64 --tokens 65536 --no-compile --rows "${rows[@]}"
+else
+  sweep link-ep8 150 --ep 8 --tokens 16384 65536 131072 --no-compile --rows "${rows[@]}"
+  sweep link-ep64 120 --ep 64 --tokens 16384 65536 --no-compile --rows "${rows[@]}"
+fi
+timeout 90 python -m relay_compile.bench.gpu_idle --ep 8 --tokens 65536 --rows "a2a eager" "ring expert" 2>&1 \
   | quiet > $OUT/idle-ep8-65536.log; grep -v "^\[" $OUT/idle-ep8-65536.log | head -40
