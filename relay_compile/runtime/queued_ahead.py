@@ -15,8 +15,7 @@ ring or the all-to-all path, and the sum only for an expert ring (the all-to-all
 its combine, where it sets no peak; token routing sorts each visiting partition, not its own). ``take`` hands the
 queued work to a call that runs what was predicted and drops it otherwise: a call whose execution changed (a
 token count crossing the cost model's threshold) zero-filled a sum for nothing, at the point where it would have
-allocated it anyway. Legend (docs/ARCHITECTURE.md): T tokens,
-H hidden, K top-k, P = T*K pairs.
+allocated it anyway. Legend (docs/ARCHITECTURE.md): T tokens, H hidden, K top-k, P = T*K pairs.
 """
 
 from __future__ import annotations
