@@ -45,23 +45,46 @@ def shape_of(layer: dict[str, int], ep: int, tokens: int) -> BlockShape:
                       group_size=ep, elem_bytes=elem, expert_bytes=3 * h * f * elem, expert_params=3 * h * f)
 
 
+# Rows run on the stand-in whose transfers take a stream of their own (``standin_group(n, link_stream=True)``):
+# the same calls as the row without the suffix, their transfers overlapped with the hops' compute.
+LINK_STREAM = ", link stream"
+
+
 def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -> float | None:
     """Predicted ms of one measured point (None: a row the model does not describe). A ``ring_moe default`` point
-    is predicted where it carries the ring its call ran (``call``, from the sweep's decisions: ``with_calls``)."""
+    is predicted where it carries the ring its call ran (``call``, from the sweep's decisions: ``with_calls``);
+    ``ring auto`` (routing auto, forced) as ``choose`` resolves a forced call.
+
+    A ``LINK_STREAM`` row runs what its plain row runs (a call decides as on the plain stand-in: neither group has a
+    link, ``transport.link_gbps``), timed with the transfers as a link at the copies' bandwidth: hidden behind each
+    hop's compute but for what exceeds it, where the plain stand-in adds every copy to the GPU's time."""
+    row = str(point["row"])
+    if row.endswith(LINK_STREAM):
+        return _predict(cal, cal.with_link(cal.copy_gbps), layer, {**point, "row": row.removesuffix(LINK_STREAM)})
+    return _predict(cal, cal, layer, point)
+
+
+def _predict(cal: Calibration, timing: Calibration, layer: dict[str, int], point: dict[str, object]) -> float | None:
+    """``predict``: what runs decided under ``cal``, its time under ``timing``."""
     shape = shape_of(layer, int(point["ep"]), int(point["tokens"]))  # type: ignore[arg-type]
     row = point["row"]
     if row == "a2a eager":
-        return a2a_time(shape, cal).total_ms
+        return a2a_time(shape, timing).total_ms
     if row in ("ring expert", "ring expert saved", "ring token"):
         routing = "token" if row == "ring token" else "expert"
         forward, backward = grouped_owners(shape) if routing == "expert" else (1, 1)
-        return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward,
+        return ring_time(shape, routing, timing, owners_per_hop=forward, backward_owners=backward,
                          saved=row == "ring expert saved").total_ms
-    call = point.get("call")
-    if row == "ring_moe default" and isinstance(call, dict) and call.get("execution") in ("expert", "token"):
+    if row == "ring auto":  # as the forced call decides: saving where the model says (``saved_projections``)
+        choice = choose(shape, routing="auto", ring="always", cal=cal, saving=1, kept="op")
+        call: object = {"execution": choice.execution, "owners_per_hop": list(choice.owners),
+                        "saves_projections": choice.saves}
+    else:
+        call = point.get("call") if row == "ring_moe default" else None
+    if isinstance(call, dict) and call.get("execution") in ("expert", "token"):
         forward, backward = (call.get("owners_per_hop") or grouped_owners(shape)) if call["execution"] == "expert" \
             else (1, 1)
-        return ring_time(shape, call["execution"], cal, owners_per_hop=forward, backward_owners=backward,
+        return ring_time(shape, call["execution"], timing, owners_per_hop=forward, backward_owners=backward,
                          saved=bool(call.get("saves_projections"))).total_ms
     return None
 
@@ -74,7 +97,8 @@ def with_calls(sweep: dict[str, object], rows: Sequence[dict[str, object]]) -> l
     calls = {(int(d["ep"]), int(d["tokens"])):  # type: ignore[index]
              {"owners_per_hop": d.get("owners_per_hop"), **d["call"]}  # type: ignore[index]
              for d in sweep.get("decisions", ()) if "call" in d}  # type: ignore[union-attr]
-    return [{**r, "call": calls[key]} if r["row"] == "ring_moe default" and (key := (int(r["ep"]), int(r["tokens"])))
+    defaults = ("ring_moe default", "ring_moe default" + LINK_STREAM)
+    return [{**r, "call": calls[key]} if r["row"] in defaults and (key := (int(r["ep"]), int(r["tokens"])))
             in calls else r for r in rows]
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from relay_compile.bench.calibrate import predict, shape_of
+from relay_compile.bench.calibrate import predict, shape_of, with_calls
 from relay_compile.bench.configs import QWEN3_30B, BenchOptions, LayerConfig
 from relay_compile.bench.inputs import LayerInputs, make_inputs
 from relay_compile.bench.measure import LayerResult
@@ -126,7 +126,8 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
             point: dict[str, Any] = {"ep": cfg.ep, "tokens": cfg.tokens, "row": row.row, "ms": round(row.total_ms, 3),
                                      "spread": row.spread, "peak_bytes": row.peak_bytes,
                                      "time_ratio": row.time_ratio, "peak_ratio": row.peak_ratio}
-            predicted = predict(cal, layer, point)
+            # A default call is predicted as the ring it runs (``calibrate.with_calls``), the others by their name.
+            predicted = predict(cal, layer, with_calls({"decisions": decisions[-1:]}, [point])[0])
             if predicted is not None:
                 point["predicted_ms"] = round(predicted, 3)
             points.append(point)
