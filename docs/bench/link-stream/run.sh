@@ -2,7 +2,9 @@
 # The stand-in with its transfers on a stream of their own (standin_group(n, link_stream=True)): the numerics
 # check and step times on CUDA (check.py); the forced ring ("ring auto") on both stand-ins beside a2a eager,
 # 5 interleaved rounds, at the bar's token counts (16384 and 65536; EP=8 131072); the EP=8 65536 idle gaps after
-# runtime.queued_ahead (compare docs/bench/gpu-idle/raw-1-h100). SHORT=1: EP=8 16384/65536 and EP=64 65536 only.
+# runtime.queued_ahead (compare docs/bench/gpu-idle/raw-1-h100); the host time per step against the device's of the
+# forced ring at EP=64 16384 (whether its grouped owners make it GPU-bound). SHORT=1: EP=8 16384/65536 and EP=64
+# 65536 only.
 # Usage: [SHORT=1] bash docs/bench/link-stream/run.sh OUT
 set -uo pipefail
 OUT=$1
@@ -18,3 +20,5 @@ else
 fi
 timeout 90 python -m relay_compile.bench.gpu_idle --ep 8 --tokens 65536 --rows "a2a eager" "ring expert" 2>&1 \
   | quiet > $OUT/idle-ep8-65536.log; grep -v "^\[" $OUT/idle-ep8-65536.log | head -40
+timeout 45 python docs/bench/hop-host/host_profile.py --ep 64 --tokens 16384 --top 15 2>&1 | quiet \
+  > $OUT/host-ep64-16384.log; head -3 $OUT/host-ep64-16384.log
