@@ -3,7 +3,7 @@
 # check and step times on CUDA (check.py); the forced ring ("ring auto") on both stand-ins beside a2a eager,
 # 5 interleaved rounds, at the bar's token counts (16384 and 65536; EP=8 131072); the EP=8 65536 idle gaps after
 # runtime.queued_ahead (compare docs/bench/gpu-idle/raw-1-h100); the host time per step against the device's of the
-# forced ring at EP=64 16384 (whether its grouped owners make it GPU-bound). SHORT=1: EP=8 16384/65536 and EP=64
+# forced ring at EP=64 and EP=8 16384 (GPU-bound or not, and where its host time goes). SHORT=1: EP=8 16384/65536 and EP=64
 # 65536 only.
 # Usage: [SHORT=1] bash docs/bench/link-stream/run.sh OUT
 set -uo pipefail
@@ -18,7 +18,9 @@ else
   sweep link-ep8 150 --ep 8 --tokens 16384 65536 131072 --no-compile --rows "${rows[@]}"
   sweep link-ep64 120 --ep 64 --tokens 16384 65536 --no-compile --rows "${rows[@]}"
 fi
+for ep in 64 8; do  # the forced ring's host time per step against the device's, and where it goes (cProfile)
+  timeout 45 python docs/bench/hop-host/host_profile.py --ep $ep --tokens 16384 --top 30 2>&1 | quiet \
+    > $OUT/host-ep$ep-16384.log; head -1 $OUT/host-ep$ep-16384.log
+done
 timeout 90 python -m relay_compile.bench.gpu_idle --ep 8 --tokens 65536 --rows "a2a eager" "ring expert" 2>&1 \
   | quiet > $OUT/idle-ep8-65536.log; grep -v "^\[" $OUT/idle-ep8-65536.log | head -40
-timeout 45 python docs/bench/hop-host/host_profile.py --ep 64 --tokens 16384 --top 15 2>&1 | quiet \
-  > $OUT/host-ep64-16384.log; head -3 $OUT/host-ep64-16384.log
