@@ -46,7 +46,7 @@ def shape_of(layer: dict[str, int], ep: int, tokens: int) -> BlockShape:
 
 
 # Rows run on the stand-in whose transfers take a stream of their own (``standin_group(n, link_stream=True)``):
-# the same calls as the row without the suffix, their transfers overlapped with the hops' compute.
+# the same calls as the row without the suffix.
 LINK_STREAM = ", link stream"
 
 
@@ -55,25 +55,21 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
     is predicted where it carries the ring its call ran (``call``, from the sweep's decisions: ``with_calls``);
     ``ring auto`` (routing auto, forced) as ``choose`` resolves a forced call.
 
-    A ``LINK_STREAM`` row runs what its plain row runs (a call decides as on the plain stand-in: neither group has a
-    link, ``transport.link_gbps``), timed with the transfers as a link at the copies' bandwidth: hidden behind each
-    hop's compute but for what exceeds it, where the plain stand-in adds every copy to the GPU's time."""
+    A ``LINK_STREAM`` row as its plain row, copies included: a call decides alike on both stand-ins (neither has a
+    link, ``transport.link_gbps``), and the copies on a stream of their own cost the step what they cost on the
+    compute stream (one H100, EP 8 and 64: within 1%, docs/bench/link-stream/raw-1-h100; timing them as a link
+    hidden behind the hops' compute predicted 0.74-0.93x of what they measured)."""
     row = str(point["row"])
     if row.endswith(LINK_STREAM):
-        return _predict(cal, cal.with_link(cal.copy_gbps), layer, {**point, "row": row.removesuffix(LINK_STREAM)})
-    return _predict(cal, cal, layer, point)
-
-
-def _predict(cal: Calibration, timing: Calibration, layer: dict[str, int], point: dict[str, object]) -> float | None:
-    """``predict``: what runs decided under ``cal``, its time under ``timing``."""
+        point = {**point, "row": row.removesuffix(LINK_STREAM)}
     shape = shape_of(layer, int(point["ep"]), int(point["tokens"]))  # type: ignore[arg-type]
-    row = point["row"]
+    row = str(point["row"])
     if row == "a2a eager":
-        return a2a_time(shape, timing).total_ms
+        return a2a_time(shape, cal).total_ms
     if row in ("ring expert", "ring expert saved", "ring token"):
         routing = "token" if row == "ring token" else "expert"
         forward, backward = grouped_owners(shape) if routing == "expert" else (1, 1)
-        return ring_time(shape, routing, timing, owners_per_hop=forward, backward_owners=backward,
+        return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward,
                          saved=row == "ring expert saved").total_ms
     if row == "ring auto":  # as the forced call decides: saving where the model says (``saved_projections``)
         choice = choose(shape, routing="auto", ring="always", cal=cal, saving=1, kept="op")
@@ -84,7 +80,7 @@ def _predict(cal: Calibration, timing: Calibration, layer: dict[str, int], point
     if isinstance(call, dict) and call.get("execution") in ("expert", "token"):
         forward, backward = (call.get("owners_per_hop") or grouped_owners(shape)) if call["execution"] == "expert" \
             else (1, 1)
-        return ring_time(shape, call["execution"], timing, owners_per_hop=forward, backward_owners=backward,
+        return ring_time(shape, call["execution"], cal, owners_per_hop=forward, backward_owners=backward,
                          saved=bool(call.get("saves_projections"))).total_ms
     return None
 
