@@ -16,8 +16,9 @@ of:
 - ``ring expert saved``: the expert ring forced, reading the projections its forward saved
   (``save_projections=True``); ``ring auto`` saves where the model grants it, as a user's call would;
 - ``ring_moe default, link stream`` / ``ring auto, link stream``: those two on the stand-in group whose
-  transfers run on a stream of their own (``standin_group(n, link_stream=True)``), overlapped with the hops'
-  compute as NCCL's are; every other row's transfers are copies on the compute stream.
+  transfers run on a stream of their own (``standin_group(n, link_stream=True)``), beside the hops' compute as
+  NCCL's are (measured: within 1% of the plain rows on an H100); every other row's transfers are copies on the
+  compute stream.
 
 Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
 points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
