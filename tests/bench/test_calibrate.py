@@ -120,6 +120,11 @@ class Calibration(unittest.TestCase):
         self.assertEqual(calls["decisions"][0]["call"]["execution"], "all_to_all")
         self.assertNotIn("predicted_ms", calls["rows"][0])
         self.assertIn("predicted_ms", calls["rows"][1])
+        ran = sweep_points([dataclasses.replace(result, config={**config, "tokens": 131072, "ep": 8}, rows=[
+            dataclasses.replace(result.rows[1], row="ring_moe default")])])
+        self.assertEqual(ran["decisions"][0]["call"]["execution"], "expert")
+        self.assertEqual(ran["rows"][0]["predicted_ms"], round(predict(
+            H200, LAYER, with_calls(ran, [ran["rows"][0]])[0]), 3))
         (decision,) = data["decisions"]
         self.assertEqual((decision["ep"], decision["tokens"], decision["execution"]), (64, 4096, "all_to_all"))
         text = table(data["rows"])
