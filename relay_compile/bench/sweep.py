@@ -17,8 +17,8 @@ of:
   (``save_projections=True``); ``ring auto`` saves where the model grants it, as a user's call would;
 - ``ring_moe default, link stream`` / ``ring auto, link stream``: those two on the stand-in group whose
   transfers run on a stream of their own (``standin_group(n, link_stream=True)``), beside the hops' compute as
-  NCCL's are (measured: within 1% of the plain rows on an H100); every other row's transfers are copies on the
-  compute stream.
+  NCCL's are (measured: within 1% of the plain rows on an H100; run where named, ``--rows``); every other row's
+  transfers are copies on the compute stream.
 
 Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
 points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from relay_compile.bench.calibrate import predict, shape_of, with_calls
+from relay_compile.bench.calibrate import LINK_STREAM, predict, shape_of, with_calls
 from relay_compile.bench.configs import QWEN3_30B, BenchOptions, LayerConfig
 from relay_compile.bench.inputs import LayerInputs, make_inputs
 from relay_compile.bench.measure import LayerResult
@@ -57,10 +57,11 @@ RING_ROWS = {"ring expert": "expert", "ring expert saved": "expert", "ring token
 
 def token_sweep_rows(opts: BenchOptions, only: Sequence[str] | None = None) -> list[RowSpec]:
     """The sweep's rows (module docstring); ``only``: those named, beside a2a eager (``ValueError`` naming the
-    valid rows on an unknown name)."""
+    valid rows on an unknown name). Without ``only``, every row but the link-stream ones, which run only where
+    named: they measured as their plain rows (docs/bench/link-stream/raw-1-h100) and would lengthen every sweep."""
     rows = _all_rows(opts)
     if only is None:
-        return rows
+        return [r for r in rows if not r.name.endswith(LINK_STREAM)]
     unknown = sorted(set(only) - {r.name for r in rows})
     if unknown:
         raise ValueError(f"--rows: unknown sweep row(s) {unknown}; the sweep's rows are {[r.name for r in rows]}")
