@@ -18,6 +18,7 @@ ap.add_argument("out", type=Path)
 ap.add_argument("--ep", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=65536)
 args = ap.parse_args()
+args.out.mkdir(parents=True, exist_ok=True)
 STEPS = 2
 
 
