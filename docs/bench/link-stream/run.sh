@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The stand-in with its transfers on a stream of their own (standin_group(n, link_stream=True)): the numerics
-# check and step times on CUDA (check.py); the forced ring ("ring auto") on both stand-ins beside a2a eager,
+# check and step times on CUDA (check.py); whether the link stream's copies run beside kernels (overlap.py); the forced ring ("ring auto") on both stand-ins beside a2a eager,
 # 5 interleaved rounds, at the bar's token counts (16384 and 65536; EP=8 131072); the EP=8 65536 idle gaps after
 # runtime.queued_ahead (compare docs/bench/gpu-idle/raw-1-h100); the host time per step against the device's of the
 # forced ring at EP=64 and EP=8 16384 (GPU-bound or not, and where its host time goes). SHORT=1: EP=8 16384/65536 and EP=64
@@ -10,6 +10,8 @@ set -uo pipefail
 OUT=$1
 source docs/bench/h200-sweep-2/setup.sh
 timeout 120 python docs/bench/link-stream/check.py --ep 8 --tokens 16384 2>&1 | quiet | tee $OUT/check.txt
+timeout 120 python docs/bench/link-stream/overlap.py $OUT 2>&1 | quiet | grep -v "^\[" | tee $OUT/overlap-ep8-65536.txt
+rm -f $OUT/overlap_*.json  # the traces (large); the table above is what they give
 rows=("ring auto" "ring auto, link stream" "ring_moe default, link stream")
 if [ "${SHORT:-0}" = 1 ]; then
   sweep link-ep8 130 --ep 8 --tokens 16384 65536 --no-compile --rows "${rows[@]}"
