@@ -58,7 +58,7 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
     A ``LINK_STREAM`` row as its plain row, copies included: a call decides alike on both stand-ins (neither has a
     link, ``transport.link_gbps``), and the copies on a stream of their own cost the step what they cost on the
     compute stream (one H100, EP 8 and 64: within 1%, docs/bench/link-stream/raw-1-h100; timing them as a link
-    hidden behind the hops' compute predicted 0.74-0.93x of what they measured)."""
+    hidden behind the hops' compute predicted 0.74-0.81x of what EP=8 16384 measured, the raw JSONs' ``predicted_ms``)."""
     row = str(point["row"])
     if row.endswith(LINK_STREAM):
         point = {**point, "row": row.removesuffix(LINK_STREAM)}
@@ -124,13 +124,16 @@ def recorded_calls(sweep: dict[str, object]) -> dict[tuple[int, int], str]:
             for d in sweep.get("decisions", ()) if "call" in d}  # type: ignore[union-attr]
 
 
+def _fitted(points: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+    """The points the fit counts: all but link-stream rows, which are predicted as their plain rows (a sweep
+    measures those beside them) and would count them twice."""
+    return [p for p in points if not str(p["row"]).endswith(LINK_STREAM)]
+
+
 def loss(cal: Calibration, layer: dict[str, int], points: Sequence[dict[str, object]]) -> float:
-    """Squared log error over the points the model predicts, but link-stream rows: predicted as their plain rows,
-    which a sweep measures beside them, they would count those twice."""
+    """Squared log error over the points the model predicts (``_fitted``)."""
     total = 0.0
-    for p in points:
-        if str(p["row"]).endswith(LINK_STREAM):
-            continue
+    for p in _fitted(points):
         got = predict(cal, layer, p)
         if got is not None:
             total += math.log(got / float(p["ms"])) ** 2  # type: ignore[arg-type]
@@ -199,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [got / float(q["ms"]) for q in points if (got := predict(cal, layer, q)) is not None]  # type: ignore[arg-type]
     print(f"{sum(abs(math.log(r)) <= math.log(1.25) for r in ratios)} of {len(ratios)} points within 25% "
           f"(predicted/measured {min(ratios):.2f}-{max(ratios):.2f})")
-    fitted = [q for q in points if not str(q["row"]).endswith(LINK_STREAM) and predict(cal, layer, q) is not None]
-    print(f"rms log error {math.sqrt(loss(cal, layer, points) / max(1, len(fitted))):.3f} over the points it predicts "
+    fitted = sum(predict(cal, layer, q) is not None for q in _fitted(points))
+    print(f"rms log error {math.sqrt(loss(cal, layer, points) / max(1, fitted)):.3f} over the points it predicts "
           "(link-stream rows apart)")
     kept = [r for rows, calls in sweeps for r in op_a2a_ratios(cal, layer, rows, calls)]  # per sweep: its a2a rows
     if kept:

@@ -36,7 +36,8 @@ before: their callers wait for them at once, so a stream of their own would chan
 This rank's memory traffic is the same (a real send reads, a real receive writes this rank's memory); what is
 not modeled is the link's bandwidth (the copy is faster than NVLink) and the SMs NCCL's kernels take. Measured on
 an H100 (EP 8 and 64, Qwen3 layer): a forced ring's step is within 1% on either stand-in
-(docs/bench/link-stream/raw-1-h100): the copies cost the step as much beside the kernels as between them.
+(docs/bench/link-stream/raw-1-h100): the copies cost the step as much on a stream of their own as on the compute
+stream (whether they ran beside the kernels is what docs/bench/link-stream/overlap.py measures; not run yet).
 
 How it is built (docs/ARCHITECTURE.md, section 5 "Measured facts"; shown on torch 2.13 CPU and torch 2.11
 CUDA): a Python subclass of ``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed

@@ -51,10 +51,9 @@ with quiet_warnings():
         copies = [e for e in device if e["cat"] == "gpu_memcpy" and "DtoD" in e["name"]]
         kernels = [e for e in device if e["cat"] == "kernel"]
         spans = lambda es: [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in es]  # noqa: E731
-        beside = 0.0
-        for c in copies:
-            others = union(spans([k for k in kernels if k.get("tid") != c.get("tid")]))
-            beside += overlap(spans([c])[0], others)
+        others = {tid: union(spans([k for k in kernels if k.get("tid") != tid]))  # per copy stream, merged once
+                  for tid in {c.get("tid") for c in copies}}
+        beside = sum(overlap(spans([c])[0], others[c.get("tid")]) for c in copies)
         busy = sum(b - a for a, b in union(spans(device)))
         print(f"| {name} | {sum(float(c['dur']) for c in copies) / 1e3 / STEPS:.2f} ({len(copies) // STEPS}) | "
               f"{beside / 1e3 / STEPS:.2f} | {sorted({str(c.get('tid')) for c in copies})} | "
