@@ -1,0 +1,65 @@
+"""Can a device-to-device copy on one stream run beside a GEMM on another, on this GPU? (The stand-in's link
+stream, ``standin_group(n, link_stream=True)``, copies with ``Tensor.copy_``, a DtoD ``cudaMemcpyAsync``.)
+
+For a hop-sized GEMM (the EP=8, 65536-token hop: 65536 rows x 2048 -> 1536, bf16) and a transfer-sized copy
+(``--mib``, default 453: one backward transfer, 16 experts' bf16 weights and fp32 gradient sums), each alone and
+then both queued together on two streams, with the copy as a DtoD memcpy and as an elementwise kernel (``add``
+of zero: what a copy costs when SMs, not a copy engine, move it). CUDA events, medians of 20. "overlap" is how
+much of the shorter one the pair hid: (alone_a + alone_b - together) / min(alone_a, alone_b).
+
+    python docs/bench/link-stream/concurrency.py [--mib 453]
+"""
+import argparse
+import statistics
+
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--mib", type=int, default=453)
+args = ap.parse_args()
+dev = torch.device("cuda")
+compute, link = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
+a = torch.randn(65536, 2048, device=dev, dtype=torch.bfloat16)
+w = torch.randn(2048, 1536, device=dev, dtype=torch.bfloat16)
+src = torch.empty(args.mib << 20, device=dev, dtype=torch.uint8).view(torch.bfloat16)
+dst = torch.empty_like(src)
+
+
+def gemm() -> None:
+    torch.mm(a, w)
+
+
+def memcpy() -> None:
+    with torch.cuda.stream(link):
+        dst.copy_(src)
+
+
+def kernel_copy() -> None:
+    with torch.cuda.stream(link):
+        torch.add(src, 0, out=dst)
+
+
+def timed(*fns) -> float:
+    """Milliseconds from queueing all of ``fns`` (each on its own stream) until all are done."""
+    times = []
+    for _ in range(22):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        link.wait_stream(compute)
+        for fn in fns:
+            fn()
+        compute.wait_stream(link)
+        end.record(compute)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+g = timed(gemm)
+print(f"{torch.cuda.get_device_name()}; GEMM 65536x2048x1536 bf16 alone {g:.3f} ms; copy of {args.mib} MiB")
+print("| copy as | copy alone ms | GEMM + copy together ms | overlap of the shorter |")
+print("|---|---:|---:|---:|")
+for name, fn in (("DtoD memcpy (Tensor.copy_)", memcpy), ("elementwise kernel (add 0)", kernel_copy)):
+    c, both = timed(fn), timed(gemm, fn)
+    print(f"| {name} | {c:.3f} | {both:.3f} | {(g + c - both) / min(g, c):.0%} |")
