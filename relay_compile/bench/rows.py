@@ -47,6 +47,8 @@ class RowSpec:
     note: str = ""
     # Compiles on first use (seconds to minutes): a run on a time budget may measure these rows last.
     compiles: bool = False
+    # Runs only where a table names it (the sweep's ``--rows``): a stand-in variant, not a way the block runs.
+    named_only: bool = False
 
 
 class RowSkipped(Exception):
@@ -115,12 +117,13 @@ def ring_builder(**options: Any) -> RowBuilder:
     return build
 
 
-def link_stream_builder(builder: RowBuilder) -> RowBuilder:
+def link_stream_builder(builder: RowBuilder, ctas: int = 0) -> RowBuilder:
     """``builder`` on the stand-in group of the same size whose transfers run on a stream of their own
-    (``standin_group(n, link_stream=True)``: overlapped with compute, as NCCL's sends and receives are)."""
+    (``standin_group(n, link_stream=True)``: overlapped with compute, as NCCL's sends and receives are);
+    ``ctas``: each copy by that many thread blocks (``link_ctas``), as NCCL's channels."""
 
     def build(cfg: LayerConfig, group: Any) -> LayerFn:
-        return builder(cfg, standin_group(cfg.ep, link_stream=True))
+        return builder(cfg, standin_group(cfg.ep, link_stream=True, link_ctas=ctas))
 
     return build
 

@@ -34,10 +34,13 @@ receive it mirrors have both been posted, after the work queued by then, and wai
 makes the waiting stream wait for it (``_LinkWork``). The collectives run on the caller's current stream, as
 before: their callers wait for them at once, so a stream of their own would change nothing there.
 This rank's memory traffic is the same (a real send reads, a real receive writes this rank's memory); what is
-not modeled is the link's bandwidth (the copy is faster than NVLink) and the SMs NCCL's kernels take. Measured on
-an H100 (EP 8 and 64, Qwen3 layer): a forced ring's step is within 1% on either stand-in
-(docs/bench/link-stream/raw-1-h100): the copies cost the step as much on a stream of their own as on the compute
-stream (whether they ran beside the kernels is what docs/bench/link-stream/overlap.py measures; not run yet).
+not modeled is the link's bandwidth (the copy is faster than NVLink). Measured on an H100 (EP 8 and 64, Qwen3
+layer): a forced ring's step is within 1% on either stand-in (docs/bench/link-stream/raw-1-h100), and the link
+stream's copies ran beside a kernel for 0.02 of their 3.04 ms per step at EP=8, 65536 tokens
+(docs/bench/h100-recheck): a ``Tensor.copy_`` within one GPU runs over a grid as large as the message, which the
+hops' persistent GEMMs do not share their SMs with (13% of a 453 MiB copy overlapped a GEMM with no dependency
+between them). ``link_ctas=n`` copies by ``n`` thread blocks instead (``kernels.bounded_copy``), as NCCL's
+channels take a few SMs and leave the rest to compute.
 
 How it is built (docs/ARCHITECTURE.md, section 5 "Measured facts"; shown on torch 2.13 CPU and torch 2.11
 CUDA): a Python subclass of ``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed
@@ -65,6 +68,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from relay_compile.bench.python_group import PythonProcessGroup, completed_work
+from relay_compile.kernels.bounded_copy import bounded_copy_
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ BACKEND = "relaymoe_standin"
 # Size of the stand-in world: a namespace for subgroups only, never used for collectives itself.
 _WORLD_SIZE = 1 << 12
 
-_GROUPS: dict[tuple[int, bool], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[int, bool, int], dist.ProcessGroup] = {}
 # Group names handed out so far in this process: a restarted world continues the count (see _ensure_world).
 _names_used = 0
 
@@ -139,10 +143,11 @@ class _LinkWork(dist.Work):
 
 
 class _LinkStream:
-    """The stream a group's point-to-point copies run on (one per CUDA device; module docstring)."""
+    """The stream a group's point-to-point copies run on (one per CUDA device; module docstring); ``ctas`` > 0:
+    each copy by that many thread blocks (``kernels.bounded_copy``), else ``Tensor.copy_``."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.stream = device, torch.cuda.Stream(device)
+    def __init__(self, device: torch.device, ctas: int = 0) -> None:
+        self.device, self.stream, self.ctas = device, torch.cuda.Stream(device), ctas
 
     def copy(self, outs: list[Tensor], ins: list[Tensor]) -> dist.Work:
         """``outs`` take ``ins`` after the work queued so far (what was sent is ready); both sides' tensors are
@@ -150,7 +155,7 @@ class _LinkStream:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for out, t in zip(outs, ins, strict=True):
-                out.copy_(t)
+                bounded_copy_(out, t, self.ctas)
         for t in (*outs, *ins):
             t.record_stream(self.stream)
         done = torch.cuda.Event()
@@ -242,13 +247,13 @@ class StandinGroup(PythonProcessGroup):
     a completed ``Work``.
     """
 
-    def __init__(self, rank: int, size: int, link_stream: bool = False) -> None:
+    def __init__(self, rank: int, size: int, link_stream: bool = False, link_ctas: int = 0) -> None:
         super().__init__(rank, size, BACKEND)
         # (peer, tag) -> queued messages: sends waiting for the receive that mirrors them, and receives
         # waiting for their send. A receive from src mirrors the send to (2r - src) mod N.
         self._sends: dict[tuple[int, int], deque[_PendingSendWork]] = defaultdict(deque)
         self._recvs: dict[tuple[int, int], deque[_PendingRecvWork]] = defaultdict(deque)
-        self.link_stream = link_stream
+        self.link_stream, self.link_ctas = link_stream, link_ctas
         self._links: dict[torch.device, _LinkStream] = {}
 
     def drop_pending(self) -> int:
@@ -280,7 +285,7 @@ class StandinGroup(PythonProcessGroup):
             return None
         link = self._links.get(device)
         if link is None:
-            link = self._links[device] = _LinkStream(device)
+            link = self._links[device] = _LinkStream(device, self.link_ctas)
         return link
 
     @_skip_frame
@@ -435,23 +440,28 @@ def _ensure_world(size: int = _WORLD_SIZE) -> None:
     world_state.group_count = max(world_state.group_count, _names_used)
 
 
-def standin_group(size: int, *, link_stream: bool = False) -> dist.ProcessGroup:
-    """The stand-in EP group of ``size`` ranks in which this process is rank 0 (cached per size and
-    ``link_stream``: point-to-point copies on a stream of their own, module docstring).
+def standin_group(size: int, *, link_stream: bool = False, link_ctas: int = 0) -> dist.ProcessGroup:
+    """The stand-in EP group of ``size`` ranks in which this process is rank 0 (cached per size, ``link_stream``:
+    point-to-point copies on a stream of their own, and ``link_ctas``: with ``link_stream``, each copy by that
+    many thread blocks, as NCCL's channels; module docstring).
 
     Raises:
-        ValueError: ``size`` outside ``[1, 4096]``.
+        ValueError: ``size`` outside ``[1, 4096]``, or ``link_ctas`` negative or set without ``link_stream``.
         StandinError: torch.distributed already runs another backend in this process.
     """
     if not 1 <= size <= _WORLD_SIZE:
         raise ValueError(f"standin_group: size must be in [1, {_WORLD_SIZE}], got {size}")
-    group = _GROUPS.get((size, link_stream))
+    if link_ctas < 0 or (link_ctas and not link_stream):
+        raise ValueError(f"standin_group: link_ctas={link_ctas} needs link_stream=True and a count >= 0 (0: the "
+                         "copies are Tensor.copy_)")
+    key = (size, link_stream, link_ctas)
+    group = _GROUPS.get(key)
     if group is None:
         _ensure_world()
         group = dist.new_group(ranks=list(range(size)), backend=BACKEND)
         assert isinstance(group, StandinGroup), f"standin_group: new_group returned {type(group).__name__}"
-        group.link_stream = link_stream
-        _GROUPS[size, link_stream] = group
+        group.link_stream, group.link_ctas = link_stream, link_ctas
+        _GROUPS[key] = group
         log.debug("stand-in group of %d ranks: %r", size, group)
     return group
 

@@ -18,7 +18,10 @@ of:
 - ``ring_moe default, link stream`` / ``ring auto, link stream``: those two on the stand-in group whose
   transfers run on a stream of their own (``standin_group(n, link_stream=True)``), beside the hops' compute as
   NCCL's are (measured: within 1% of the plain rows on an H100; run where named, ``--rows``); every other row's
-  transfers are copies on the compute stream.
+  transfers are copies on the compute stream;
+- ``ring auto, link stream of 16 CTAs``: ``ring auto`` on a link stream whose copies take 16 thread blocks
+  (``link_ctas``), as NCCL's channels take a few SMs: a ``Tensor.copy_`` runs over a grid the hops' GEMMs do not run
+  beside (run where named; not predicted).
 
 Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
 points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from relay_compile.bench.calibrate import LINK_STREAM, predict, shape_of, with_calls
+from relay_compile.bench.calibrate import predict, shape_of, with_calls
 from relay_compile.bench.configs import QWEN3_30B, BenchOptions, LayerConfig
 from relay_compile.bench.inputs import LayerInputs, make_inputs
 from relay_compile.bench.measure import LayerResult
@@ -61,11 +64,17 @@ def token_sweep_rows(opts: BenchOptions, only: Sequence[str] | None = None) -> l
     named: they measured as their plain rows (docs/bench/link-stream/raw-1-h100) and would lengthen every sweep."""
     rows = _all_rows(opts)
     if only is None:
-        return [r for r in rows if not r.name.endswith(LINK_STREAM)]
+        return [r for r in rows if not r.named_only]
     unknown = sorted(set(only) - {r.name for r in rows})
     if unknown:
         raise ValueError(f"--rows: unknown sweep row(s) {unknown}; the sweep's rows are {[r.name for r in rows]}")
     return [r for r in rows if r.name == A2A_EAGER or r.name in only]
+
+
+# The forced ring on a stand-in whose copies leave most SMs to compute, as NCCL's channels do (``link_ctas``):
+# what its transfers could overlap on this GPU, where a ``Tensor.copy_`` beside the hops' GEMMs barely does.
+NCCL_LIKE_CTAS = 16
+NCCL_LIKE_ROW = f"ring auto, link stream of {NCCL_LIKE_CTAS} CTAs"
 
 
 def standin_rows(ep: int, tokens: int, rows: Sequence[str], layer: LayerConfig = QWEN3_30B.with_(
@@ -95,9 +104,12 @@ def _all_rows(opts: BenchOptions) -> list[RowSpec]:
         RowSpec(name="ring token", build=ring_builder(routing="token", ring="always"), kind="ring", routing="token",
                 note="stand-in numerics: N x own-expert pairs"),
         RowSpec(name="ring_moe default, link stream", build=link_stream_builder(ring_builder()), kind="ring",
-                note="transfers on a stream of their own"),
+                note="transfers on a stream of their own", named_only=True),
         RowSpec(name="ring auto, link stream", build=link_stream_builder(ring_builder(ring="always")), kind="ring",
-                note="transfers on a stream of their own"),
+                note="transfers on a stream of their own", named_only=True),
+        RowSpec(name=NCCL_LIKE_ROW, build=link_stream_builder(ring_builder(ring="always"), ctas=NCCL_LIKE_CTAS),
+                kind="ring", note=f"transfers on a stream of their own, each by {NCCL_LIKE_CTAS} thread blocks",
+                named_only=True),
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,3 +22,9 @@ def triton_kernel(build: Callable[[Any, Any], Callable]) -> Callable[[], Callabl
         return build(triton, tl)
 
     return compiled
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``): then the kernels run on CPU
+    tensors too, which is how their logic is tested without a GPU (``tests/triton_interpreter.py``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -13,13 +13,13 @@ interpreter. Legend: S rows sorted by expert, E experts, O/I the weight's output
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from relay_compile.kernels import interpreted as _interpreted
 from relay_compile.kernels import triton_kernel
 
 
@@ -76,10 +76,6 @@ def _config(width_o: int, width_i: int) -> tuple[int, int, int, int, int]:
     if _interpreted():  # the interpreter runs each program in numpy: small tiles keep the CPU tests quick
         return (16, 16, 16, 1, 1)
     return _CONFIG
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _build(triton: Any, tl: Any) -> Callable:

@@ -11,7 +11,6 @@ Legend: S rows, F expert FFN width, U = 2F (gate and up stacked).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor
 
+from relay_compile.kernels import interpreted as _interpreted
 from relay_compile.kernels import triton_kernel
 
 
@@ -61,10 +61,6 @@ _BLOCK_F = 256
 def _config() -> tuple[int, int]:
     """``(BLOCK_F, num_warps)``; small under the interpreter, which runs each program in numpy."""
     return (16, 1) if _interpreted() else (_BLOCK_F, 2)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _build(triton: Any, tl: Any) -> Callable:

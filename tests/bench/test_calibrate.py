@@ -148,6 +148,8 @@ class SweepRows(unittest.TestCase):
         self.assertFalse([name for name in every if "link stream" in name])  # where named only
         self.assertEqual([r.name for r in token_sweep_rows(BenchOptions(), ["ring auto, link stream"])],
                          ["a2a eager", "ring auto, link stream"])
+        self.assertEqual([r.name for r in token_sweep_rows(BenchOptions(), ["ring auto, link stream of 16 CTAs"])],
+                         ["a2a eager", "ring auto, link stream of 16 CTAs"])
         picked = token_sweep_rows(BenchOptions(), ["ring expert", "relaymoe backend"])
         self.assertEqual([r.name for r in picked], ["a2a eager", "relaymoe backend", "ring expert"])
         with self.assertRaisesRegex(ValueError, r"unknown sweep row\(s\) \['ring fast'\]; the sweep's rows are"):

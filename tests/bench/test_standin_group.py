@@ -344,6 +344,15 @@ class TransfersOnALinkStream(StandinTestCase):
         self.assertIs(standin_group(4, link_stream=True), linked)
         self.assertEqual((plain.link_stream, linked.link_stream), (False, True))
 
+    def test_copies_by_a_few_blocks_are_a_link_stream_group_of_their_own(self) -> None:
+        linked, bounded = standin_group(4, link_stream=True), standin_group(4, link_stream=True, link_ctas=16)
+        self.assertIsNot(linked, bounded)
+        self.assertIs(standin_group(4, link_stream=True, link_ctas=16), bounded)
+        self.assertEqual((linked.link_ctas, bounded.link_ctas), (0, 16))
+        for bad in ({"link_ctas": 16}, {"link_stream": True, "link_ctas": -1}):
+            with self.assertRaisesRegex(ValueError, "link_ctas"):
+                standin_group(4, **bad)
+
     def test_the_ring_waits_for_every_transfer_before_it_reads_or_reuses_it(self) -> None:
         # Forward and backward on a link whose copies run only once waited on: every received buffer the ring
         # reads and every sent tensor it writes again must be waited on first, as NCCL's streams require. Expert

@@ -3,8 +3,9 @@ stream, ``standin_group(n, link_stream=True)``, copies with ``Tensor.copy_``, a 
 
 For a hop-sized GEMM (the EP=8, 65536-token hop: 65536 rows x 2048 -> 1536, bf16) and a transfer-sized copy
 (``--mib``, default 453: one backward transfer, 16 experts' bf16 weights and fp32 gradient sums), each alone and
-then both queued together on two streams, with the copy as a DtoD memcpy and as an elementwise kernel (``add``
-of zero: what a copy costs when SMs, not a copy engine, move it). CUDA events, medians of 20. "overlap" is how
+then both queued together on two streams, with the copy as a DtoD memcpy, as an elementwise kernel (``add`` of
+zero) and as ``kernels.bounded_copy`` over 8, 16 and 32 thread blocks (the stand-in's ``link_ctas``: NCCL's
+channels take a few SMs). CUDA events, medians of 20. "overlap" is how
 much of the shorter one the pair hid: (alone_a + alone_b - together) / min(alone_a, alone_b).
 
     python docs/bench/link-stream/concurrency.py [--mib 453]
@@ -14,6 +15,8 @@ import statistics
 
 import torch
 
+from relay_compile.kernels.bounded_copy import bounded_copy_
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--mib", type=int, default=453)
 args = ap.parse_args()
@@ -21,7 +24,7 @@ dev = torch.device("cuda")
 compute, link = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
 a = torch.randn(65536, 2048, device=dev, dtype=torch.bfloat16)
 w = torch.randn(2048, 1536, device=dev, dtype=torch.bfloat16)
-src = torch.empty(args.mib << 20, device=dev, dtype=torch.uint8).view(torch.bfloat16)
+src = torch.randint(0, 256, (args.mib << 20,), device=dev, dtype=torch.uint8).view(torch.bfloat16)
 dst = torch.empty_like(src)
 
 
@@ -37,6 +40,14 @@ def memcpy() -> None:
 def kernel_copy() -> None:
     with torch.cuda.stream(link):
         torch.add(src, 0, out=dst)
+
+
+def bounded(ctas: int):
+    def fn() -> None:
+        with torch.cuda.stream(link):
+            bounded_copy_(dst, src, ctas)
+
+    return fn
 
 
 def timed(*fns) -> float:
@@ -60,6 +71,12 @@ g = timed(gemm)
 print(f"{torch.cuda.get_device_name()}; GEMM 65536x2048x1536 bf16 alone {g:.3f} ms; copy of {args.mib} MiB")
 print("| copy as | copy alone ms | GEMM + copy together ms | overlap of the shorter |")
 print("|---|---:|---:|---:|")
-for name, fn in (("DtoD memcpy (Tensor.copy_)", memcpy), ("elementwise kernel (add 0)", kernel_copy)):
+variants = [("DtoD memcpy (Tensor.copy_)", memcpy), ("elementwise kernel (add 0)", kernel_copy)]
+variants += [(f"bounded_copy, {n} blocks", bounded(n)) for n in (8, 16, 32)]
+for name, fn in variants:
+    dst.zero_()
+    fn()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.view(torch.int16), src.view(torch.int16)), name
     c, both = timed(fn), timed(gemm, fn)
     print(f"| {name} | {c:.3f} | {both:.3f} | {(g + c - both) / min(g, c):.0%} |")

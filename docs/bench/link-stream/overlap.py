@@ -5,7 +5,7 @@ copies by stream and by the host code that queued them (this package's innermost
 with Python stacks): count, MiB, time, the time beside another stream's kernel, and the time no other stream ran
 anything (a copy the rest of the device waited for).
 
-    python docs/bench/link-stream/overlap.py [--ep 8] [--tokens 65536] [--places] OUT
+    python docs/bench/link-stream/overlap.py [--ep 8] [--tokens 65536] [--places] [--rows NAME ...] OUT
 """
 import argparse
 import collections
@@ -22,6 +22,7 @@ ap.add_argument("out", type=Path)
 ap.add_argument("--ep", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=65536)
 ap.add_argument("--places", action="store_true")
+ap.add_argument("--rows", nargs="+", default=["ring auto", "ring auto, link stream"])
 args = ap.parse_args()
 args.out.mkdir(parents=True, exist_ok=True)
 STEPS = 2
@@ -77,7 +78,7 @@ def places(events: list[dict], copies: list[dict], device: list[dict]) -> None:
 
 
 with quiet_warnings():
-    inp, fns = standin_rows(args.ep, args.tokens, ["ring auto", "ring auto, link stream"])
+    inp, fns = standin_rows(args.ep, args.tokens, args.rows)
     print("| row | copies ms/step (n) | copies beside a kernel ms/step | copy streams | kernels ms/step | busy ms/step |")
     print("|---|---:|---:|---|---:|---:|")
     for name, fn in fns.items():

@@ -1,0 +1,62 @@
+"""``dst.copy_(src)`` by a fixed number of thread blocks: a copy that leaves most of the SMs to other streams.
+
+The stand-in group's link stream (``bench.standin_group``, ``link_ctas``) copies a transfer with it to model what
+an NCCL send/receive takes from the GPU it runs on: a few CTAs (NCCL's channels) looping over the message, beside
+whatever the compute stream runs. A ``Tensor.copy_`` between two buffers of one GPU is a copy over a grid as large
+as the message, which the hops' persistent GEMMs keep from running beside them (one H100: 13% of a 453 MiB copy
+overlapped a 65536x2048x1536 GEMM; docs/bench/h100-recheck). Elsewhere (no Triton, CPU, mismatched tensors):
+``Tensor.copy_``, the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from relay_compile.kernels import interpreted, triton_kernel
+
+# Bytes each block moves per loop step (256 threads x 16-byte vectors x 4).
+_BLOCK_BYTES = 16384
+
+
+def _applies(dst: Tensor, src: Tensor) -> bool:
+    """Both on CUDA (or under Triton's interpreter), contiguous, the same bytes and dtype, 16-byte aligned (the
+    kernel moves int32 words)."""
+    return ((dst.is_cuda and src.is_cuda or interpreted()) and dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+            and dst.numel() == src.numel() and dst.nbytes % 16 == 0
+            and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0)
+
+
+def bounded_copy_(dst: Tensor, src: Tensor, ctas: int) -> None:
+    """``dst.copy_(src)`` by ``ctas`` thread blocks where the kernel applies, else ``Tensor.copy_``."""
+    kernel = _triton_kernel() if ctas > 0 and _applies(dst, src) else None
+    if kernel is None:
+        dst.copy_(src)
+        return
+    words = dst.nbytes // 4
+    if words:
+        block = 16 if interpreted() else _BLOCK_BYTES // 4  # the interpreter: several steps per block
+        grid = (min(ctas, -(-words // block)),)
+        kernel[grid](dst.view(-1).view(torch.int32), src.view(-1).view(torch.int32), words, BLOCK=block,
+                     num_warps=8)
+
+
+def _build(triton: Any, tl: Any) -> Callable:
+    @triton.jit
+    def bounded_copy_kernel(dst_ptr, src_ptr, words, BLOCK: tl.constexpr):
+        # Block b copies steps b, b + nblocks, ...: a fixed grid, however large the message.
+        step = tl.program_id(0).to(tl.int64) * BLOCK
+        stride = tl.num_programs(0).to(tl.int64) * BLOCK
+        while step < words:
+            offs = step + tl.arange(0, BLOCK)
+            mask = offs < words
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+            step += stride
+
+    return bounded_copy_kernel
+
+
+_triton_kernel = triton_kernel(_build)
