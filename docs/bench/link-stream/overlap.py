@@ -1,8 +1,8 @@
 """Whether the link stream's copies run beside the hops' kernels (``standin_group(n, link_stream=True)``): two
 profiled steps of the forced ring on each stand-in; per row, the copies' time, how much of it overlaps a kernel
 of another stream, the kernels' time, and the union of all device work (busy). ``--places``: then, per row, the
-copies by stream and by the host code that queued them (this package's innermost frames, from a second profile
-with Python stacks): count, MiB, time, the time beside another stream's kernel, and the time no other stream ran
+copies by stream and by the host code that queued them (the pass, then this package's innermost frames, from a
+second profile with Python stacks): count, MiB, time, the time beside another stream's kernel, and the time no other stream ran
 anything (a copy the rest of the device waited for).
 
     python docs/bench/link-stream/overlap.py [--ep 8] [--tokens 65536] [--places] [--rows NAME ...] OUT
@@ -60,7 +60,8 @@ def places(events: list[dict], copies: list[dict], device: list[dict]) -> None:
         if launch is not None:
             chain = nesting.get((launch.get("pid"), launch.get("tid")))
             named = [f for f in map(_frame, chain.around(float(launch["ts"])) if chain else []) if f]
-            place = " > ".join(named[-3:]) or "?"
+            direction = "backward" if any("ring_moe_backward_op" in f for f in named) else "forward"
+            place = f"{direction}: " + (" > ".join(named[-3:]) or "?")
         others = union([span(d) for d in device if d.get("tid") != c.get("tid")])
         kernels = union([span(d) for d in device if d.get("tid") != c.get("tid") and d["cat"] == "kernel"])
         a, b = span(c)
