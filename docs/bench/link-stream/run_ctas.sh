@@ -9,7 +9,7 @@ OUT=$1
 source docs/bench/h200-sweep-2/setup.sh
 python -m pytest -q tests/test_bounded_copy.py 2>&1 | tail -2 | tee $OUT/tests.txt
 timeout 60 python docs/bench/link-stream/concurrency.py 2>&1 | quiet | tee $OUT/concurrency.txt
-timeout 150 python docs/bench/link-stream/overlap.py --places $OUT --rows "ring auto, link stream" "ring auto, link stream of 16 CTAs" \
+timeout 120 python docs/bench/link-stream/overlap.py --places $OUT --rows "ring auto, link stream of 16 CTAs" \
   2>&1 | quiet | grep -v "^\[" | tee $OUT/overlap-ctas-ep8-65536.txt
 rm -f $OUT/overlap_*.json
 rows=("ring auto" "ring auto, link stream of 16 CTAs")
