@@ -23,19 +23,22 @@ class BoundedCopy(unittest.TestCase):
             import torch
             from relay_compile.kernels import bounded_copy as k
             gen = torch.Generator().manual_seed(0)
-            # Sizes around the 16-word step of the interpreter's blocks: fewer words than one step, several
-            # steps per block, a last step cut short; bf16 and fp32; more blocks than steps.
-            for numel, dtype in ((8, torch.bfloat16), (200, torch.bfloat16), (1000, torch.float32), (4, torch.float32)):
+            # Sizes around the 16-word step of the interpreter's blocks: one step, several steps per block, more
+            # blocks than steps; bf16 and fp32.
+            sizes = ((32, torch.bfloat16), (320, torch.bfloat16), (1008, torch.float32), (16, torch.float32))
+            for numel, dtype in sizes:
                 src = torch.randn(numel, generator=gen).to(dtype)
+                words = torch.int16 if dtype == torch.bfloat16 else torch.int32
                 for ctas in (1, 3, 64):
                     dst = torch.full_like(src, float("nan"))
                     assert k._applies(dst, src), (numel, dtype)
                     k.bounded_copy_(dst, src, ctas)
-                    assert torch.equal(dst.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                                       src.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (numel, ctas)
-            # What the kernel does not take is copied by Tensor.copy_: unaligned bytes, strided, mixed dtypes.
-            odd, strided = torch.randn(7), torch.randn(16, 2)[:, 0]
-            for dst, src in ((torch.empty(7), odd), (torch.empty(16), strided), (torch.empty(8).double(), torch.randn(8))):
+                    assert torch.equal(dst.view(words), src.view(words)), (numel, ctas)
+            # What the kernel does not take is copied by Tensor.copy_: not a multiple of 64 bytes, strided, mixed
+            # dtypes, a negative view.
+            cases = ((torch.empty(4), torch.randn(4)), (torch.empty(16), torch.randn(16, 2)[:, 0]),
+                     (torch.empty(16).double(), torch.randn(16)), (torch.empty(16), torch.randn(16)._neg_view()))
+            for dst, src in cases:
                 assert not k._applies(dst, src)
                 k.bounded_copy_(dst, src, 2)
                 assert torch.equal(dst, src.to(dst.dtype))

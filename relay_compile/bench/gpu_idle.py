@@ -120,20 +120,38 @@ def _frame(name: str) -> str | None:
     return f"{path.split('(')[0]}:{func}"
 
 
-def idle_gaps(events: Sequence[dict[str, Any]], min_us: float = 10.0) -> list[Gap]:
-    """The trace's device idle intervals of at least ``min_us`` between its first and last device work, in order."""
+def launch_sites(events: Sequence[dict[str, Any]]) -> Callable[[dict[str, Any]], tuple[str, list[str], list[str]]]:
+    """Where the host queued each device event of the trace: a function of the event giving the launch's name (the
+    runtime or driver call with its correlation id; ``"?"`` if none), the ``cpu_op`` chain around the launch and
+    this package's Python frames around it (outermost first; empty without stacks)."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     by_thread: dict[tuple[Any, Any, str], list[_Span]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "python_function") and "dur" in e:
+            by_thread[(e.get("pid"), e.get("tid"), e["cat"])].append(
+                _Span(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+    nesting = {key: _Nesting(spans) for key, spans in by_thread.items()}
+
+    def site(device_event: dict[str, Any]) -> tuple[str, list[str], list[str]]:
+        launch = launches.get(device_event.get("args", {}).get("correlation"))
+        if launch is None:
+            return "?", [], []
+        at, thread = float(launch["ts"]), (launch.get("pid"), launch.get("tid"))
+        ops = nesting[(*thread, "cpu_op")].around(at) if (*thread, "cpu_op") in nesting else []
+        py = nesting[(*thread, "python_function")].around(at) if (*thread, "python_function") in nesting else []
+        return launch["name"], ops, [f for f in map(_frame, py) if f is not None]
+
+    return site
+
+
+def idle_gaps(events: Sequence[dict[str, Any]], min_us: float = 10.0) -> list[Gap]:
+    """The trace's device idle intervals of at least ``min_us`` between its first and last device work, in order."""
+    site = launch_sites(events)
     syncs: list[tuple[float, float, str]] = []  # (end, start, name)
     for e in events:
-        cat = e.get("cat")
-        if cat in ("cpu_op", "python_function") and "dur" in e:
-            by_thread[(e.get("pid"), e.get("tid"), cat)].append(
-                _Span(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
-        if cat in LAUNCH_CATEGORIES and "dur" in e and any(s in e["name"] + "\0" for s in SYNC_CALLS):
+        if e.get("cat") in LAUNCH_CATEGORIES and "dur" in e and any(s in e["name"] + "\0" for s in SYNC_CALLS):
             syncs.append((float(e["ts"]) + float(e["dur"]), float(e["ts"]), e["name"]))
-    nesting = {key: _Nesting(spans) for key, spans in by_thread.items()}
     syncs.sort()
     sync_ends = [t for t, _, _ in syncs]
     busy = _busy(events)
@@ -141,14 +159,7 @@ def idle_gaps(events: Sequence[dict[str, Any]], min_us: float = 10.0) -> list[Ga
     for (_, prev_end, _), (start, _, first) in zip(busy, busy[1:]):
         if start - prev_end < min_us:
             continue
-        launch = launches.get(first.get("args", {}).get("correlation"))
-        ops: list[str] = []
-        frames: list[str] = []
-        if launch is not None:
-            at, thread = float(launch["ts"]), (launch.get("pid"), launch.get("tid"))
-            ops = nesting[(*thread, "cpu_op")].around(at) if (*thread, "cpu_op") in nesting else []
-            py = nesting[(*thread, "python_function")].around(at) if (*thread, "python_function") in nesting else []
-            frames = [f for f in map(_frame, py) if f is not None]
+        launch, ops, frames = site(first)
         # A sync that was waiting when the device went idle and returned inside the gap: the host waited for the
         # device, then had to queue work anew.
         after = None
@@ -158,9 +169,8 @@ def idle_gaps(events: Sequence[dict[str, Any]], min_us: float = 10.0) -> list[Ga
             if began <= prev_end + SYNC_SLACK_US:
                 after = name
                 break
-        gaps.append(Gap(start_us=prev_end, dur_us=start - prev_end, next_kernel=first["name"],
-                        launch=launch["name"] if launch is not None else "?", ops=tuple(ops), frames=tuple(frames),
-                        after_sync=after))
+        gaps.append(Gap(start_us=prev_end, dur_us=start - prev_end, next_kernel=first["name"], launch=launch,
+                        ops=tuple(ops), frames=tuple(frames), after_sync=after))
     return gaps
 
 

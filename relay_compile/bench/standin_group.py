@@ -36,11 +36,12 @@ before: their callers wait for them at once, so a stream of their own would chan
 This rank's memory traffic is the same (a real send reads, a real receive writes this rank's memory); what is
 not modeled is the link's bandwidth (the copy is faster than NVLink). Measured on an H100 (EP 8 and 64, Qwen3
 layer): a forced ring's step is within 1% on either stand-in (docs/bench/link-stream/raw-1-h100), and the link
-stream's copies ran beside a kernel for 0.02 of their 3.04 ms per step at EP=8, 65536 tokens
-(docs/bench/h100-recheck): a ``Tensor.copy_`` within one GPU runs over a grid as large as the message, which the
-hops' persistent GEMMs do not share their SMs with (13% of a 453 MiB copy overlapped a GEMM with no dependency
-between them). ``link_ctas=n`` copies by ``n`` thread blocks instead (``kernels.bounded_copy``), as NCCL's
-channels take a few SMs and leave the rest to compute.
+stream's copies ran beside a kernel for 0.02-0.26 of their 3.04-3.13 ms per step at EP=8, 65536 tokens (three
+profiles, docs/bench/h100-recheck): a ``Tensor.copy_`` within one GPU runs over a grid as large as the message,
+and it barely runs beside the hops' persistent GEMMs (13% of a 453 MiB copy overlapped a GEMM with no dependency
+between them; whether the grid is the reason is what ``link_ctas`` tests). ``link_ctas=n`` copies by ``n`` thread
+blocks instead (``kernels.bounded_copy``), as NCCL's channels take a few SMs and leave the rest to compute (not yet
+run on a GPU).
 
 How it is built (docs/ARCHITECTURE.md, section 5 "Measured facts"; shown on torch 2.13 CPU and torch 2.11
 CUDA): a Python subclass of ``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed

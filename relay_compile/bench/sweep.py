@@ -54,14 +54,20 @@ from relay_compile.bench.rows import (
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.runtime.cost_model import H200, calibration_for, choose
 
+# The forced ring on a stand-in whose copies leave most SMs to compute, as NCCL's channels do (``link_ctas``):
+# what its transfers could overlap on this GPU, where a ``Tensor.copy_`` beside the hops' GEMMs barely does.
+NCCL_LIKE_CTAS = 16
+NCCL_LIKE_ROW = f"ring auto, link stream of {NCCL_LIKE_CTAS} CTAs"
+
 # Row names as the calibration reads them (``bench.calibrate.predict``).
 RING_ROWS = {"ring expert": "expert", "ring expert saved": "expert", "ring token": "token"}
 
 
 def token_sweep_rows(opts: BenchOptions, only: Sequence[str] | None = None) -> list[RowSpec]:
     """The sweep's rows (module docstring); ``only``: those named, beside a2a eager (``ValueError`` naming the
-    valid rows on an unknown name). Without ``only``, every row but the link-stream ones, which run only where
-    named: they measured as their plain rows (docs/bench/link-stream/raw-1-h100) and would lengthen every sweep."""
+    valid rows on an unknown name). Without ``only``, every row but the ``RowSpec.named_only`` ones: the stand-in's
+    link-stream variants, which are ways of simulating the link, not ways the block runs (the plain link stream
+    measured as the plain rows, docs/bench/link-stream/raw-1-h100) and would lengthen every sweep."""
     rows = _all_rows(opts)
     if only is None:
         return [r for r in rows if not r.named_only]
@@ -69,12 +75,6 @@ def token_sweep_rows(opts: BenchOptions, only: Sequence[str] | None = None) -> l
     if unknown:
         raise ValueError(f"--rows: unknown sweep row(s) {unknown}; the sweep's rows are {[r.name for r in rows]}")
     return [r for r in rows if r.name == A2A_EAGER or r.name in only]
-
-
-# The forced ring on a stand-in whose copies leave most SMs to compute, as NCCL's channels do (``link_ctas``):
-# what its transfers could overlap on this GPU, where a ``Tensor.copy_`` beside the hops' GEMMs barely does.
-NCCL_LIKE_CTAS = 16
-NCCL_LIKE_ROW = f"ring auto, link stream of {NCCL_LIKE_CTAS} CTAs"
 
 
 def standin_rows(ep: int, tokens: int, rows: Sequence[str], layer: LayerConfig = QWEN3_30B.with_(
@@ -162,7 +162,8 @@ def table(points: list[dict[str, Any]]) -> str:
     for p in points:
         by_config.setdefault((p["ep"], p["tokens"]), {})[p["row"]] = p
     names = ("relaymoe backend", "relaymoe backend, dynamic T", "ring_moe default", "ring auto", "ring expert",
-             "ring expert saved", "ring token", "ring_moe default, link stream", "ring auto, link stream")
+             "ring expert saved", "ring token", "ring_moe default, link stream", "ring auto, link stream",
+             NCCL_LIKE_ROW)
     lines = ["| EP | tokens/rank | a2a ms | " + " | ".join(f"{n}: time / a2a peak ÷ peak" for n in names) + " |",
              "|---:|---:|---:|" + "---|" * len(names)]
     for (ep, tokens), rows in sorted(by_config.items()):

@@ -1,4 +1,5 @@
-"""Hand-written device kernels of the hop loop (Triton on CUDA; every kernel has an eager reference)."""
+"""Hand-written device kernels of the hop loop, and the stand-in's link copies (Triton on CUDA; every kernel has
+an eager reference)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 The stand-in group's link stream (``bench.standin_group``, ``link_ctas``) copies a transfer with it to model what
 an NCCL send/receive takes from the GPU it runs on: a few CTAs (NCCL's channels) looping over the message, beside
 whatever the compute stream runs. A ``Tensor.copy_`` between two buffers of one GPU is a copy over a grid as large
-as the message, which the hops' persistent GEMMs keep from running beside them (one H100: 13% of a 453 MiB copy
-overlapped a 65536x2048x1536 GEMM; docs/bench/h100-recheck). Elsewhere (no Triton, CPU, mismatched tensors):
+as the message, and it barely runs beside the hops' persistent GEMMs (one H100: 13% of a 453 MiB copy
+overlapped a 65536x2048x1536 GEMM; docs/bench/h100-recheck; whether a copy over fewer blocks runs beside it is
+what docs/bench/link-stream/run_ctas.sh measures). Elsewhere (no Triton, CPU, mismatched tensors):
 ``Tensor.copy_``, the same bytes.
 """
 
@@ -23,10 +24,13 @@ _BLOCK_BYTES = 16384
 
 
 def _applies(dst: Tensor, src: Tensor) -> bool:
-    """Both on CUDA (or under Triton's interpreter), contiguous, the same bytes and dtype, 16-byte aligned (the
-    kernel moves int32 words)."""
-    return ((dst.is_cuda and src.is_cuda or interpreted()) and dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
-            and dst.numel() == src.numel() and dst.nbytes % 16 == 0
+    """Both on one CUDA device (or under Triton's interpreter), contiguous, plain (not a conjugate or negative
+    view), the same dtype and size, a multiple of 64 bytes from 16-byte aligned addresses: the kernel moves int32
+    words, and a word count that is a multiple of 16 lets Triton move them as 16-byte vectors."""
+    on_device = dst.is_cuda and src.is_cuda and dst.device == src.device
+    return ((on_device or interpreted()) and dst.is_contiguous() and src.is_contiguous()
+            and not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg())
+            and dst.dtype == src.dtype and dst.numel() == src.numel() and dst.nbytes % 64 == 0
             and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0)
 
 
@@ -45,6 +49,8 @@ def bounded_copy_(dst: Tensor, src: Tensor, ctas: int) -> None:
 
 
 def _build(triton: Any, tl: Any) -> Callable:
+    """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
+
     @triton.jit
     def bounded_copy_kernel(dst_ptr, src_ptr, words, BLOCK: tl.constexpr):
         # Block b copies steps b, b + nblocks, ...: a fixed grid, however large the message.

@@ -6,6 +6,7 @@ this rank's own pairs), eager and compiled (``relay_compile.bench.rows.compiled_
 from __future__ import annotations
 
 import collections
+import sys
 import unittest
 import unittest.mock
 
@@ -352,6 +353,25 @@ class TransfersOnALinkStream(StandinTestCase):
         for bad in ({"link_ctas": 16}, {"link_stream": True, "link_ctas": -1}):
             with self.assertRaisesRegex(ValueError, "link_ctas"):
                 standin_group(4, **bad)
+
+    def test_a_link_of_a_few_blocks_copies_with_the_bounded_kernel(self) -> None:
+        """The CUDA calls are stood in for (no GPU here): what is checked is that each copy of a ``link_ctas``
+        group goes through ``bounded_copy_`` with the group's block count, on the link stream."""
+        sg = sys.modules["relay_compile.bench.standin_group"]  # the package's ``standin_group`` is the function
+        group = standin_group(4, link_stream=True, link_ctas=16)
+        copies: list[tuple[int, bool]] = []
+        with unittest.mock.patch.object(torch.cuda, "Stream"), unittest.mock.patch.object(torch.cuda, "stream"), \
+                unittest.mock.patch.object(torch.cuda, "current_stream"), \
+                unittest.mock.patch.object(torch.cuda, "Event"), \
+                unittest.mock.patch.object(Tensor, "record_stream"), \
+                unittest.mock.patch.object(sg, "bounded_copy_", lambda d, s, n: (copies.append((n, torch.equal(
+                    d.copy_(s), s))))):
+            link = group._link(torch.device("cuda"))
+            self.assertEqual(link.ctas, 16)
+            outs, ins = [torch.zeros(8), torch.zeros(2)], [torch.arange(8.0), torch.ones(2)]
+            link.copy(outs, ins)
+        self.assertEqual(copies, [(16, True), (16, True)])
+        self.assertTrue(torch.equal(outs[0], ins[0]) and torch.equal(outs[1], ins[1]))
 
     def test_the_ring_waits_for_every_transfer_before_it_reads_or_reuses_it(self) -> None:
         # Forward and backward on a link whose copies run only once waited on: every received buffer the ring

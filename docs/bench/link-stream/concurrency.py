@@ -2,23 +2,24 @@
 stream, ``standin_group(n, link_stream=True)``, copies with ``Tensor.copy_``, a DtoD ``cudaMemcpyAsync``.)
 
 For a hop-sized GEMM (the EP=8, 65536-token hop: 65536 rows x 2048 -> 1536, bf16) and a transfer-sized copy
-(``--mib``, default 453: one backward transfer, 16 experts' bf16 weights and fp32 gradient sums), each alone and
+(``--mib``, default 432: one backward transfer, 16 experts' bf16 weights and fp32 gradient sums, 453 MB), each alone and
 then both queued together on two streams, with the copy as a DtoD memcpy, as an elementwise kernel (``add`` of
 zero) and as ``kernels.bounded_copy`` over 8, 16 and 32 thread blocks (the stand-in's ``link_ctas``: NCCL's
 channels take a few SMs). CUDA events, medians of 20. "overlap" is how
 much of the shorter one the pair hid: (alone_a + alone_b - together) / min(alone_a, alone_b).
 
-    python docs/bench/link-stream/concurrency.py [--mib 453]
+    python docs/bench/link-stream/concurrency.py [--mib 432]
 """
 import argparse
 import statistics
+from collections.abc import Callable
 
 import torch
 
 from relay_compile.kernels.bounded_copy import bounded_copy_
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--mib", type=int, default=453)
+ap.add_argument("--mib", type=int, default=432)
 args = ap.parse_args()
 dev = torch.device("cuda")
 compute, link = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
@@ -42,7 +43,7 @@ def kernel_copy() -> None:
         torch.add(src, 0, out=dst)
 
 
-def bounded(ctas: int):
+def bounded(ctas: int) -> Callable[[], None]:
     def fn() -> None:
         with torch.cuda.stream(link):
             bounded_copy_(dst, src, ctas)
@@ -50,7 +51,7 @@ def bounded(ctas: int):
     return fn
 
 
-def timed(*fns) -> float:
+def timed(*fns: Callable[[], None]) -> float:
     """Milliseconds from queueing all of ``fns`` (each on its own stream) until all are done."""
     times = []
     for _ in range(22):

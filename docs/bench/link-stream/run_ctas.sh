@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The stand-in's link copies by a few thread blocks (standin_group(n, link_stream=True, link_ctas=16)), as NCCL's
 # channels: the kernel's CUDA test; whether a copy beside a GEMM overlaps it (concurrency.py: Tensor.copy_, an
-# elementwise copy, bounded_copy over 8/16/32 blocks); the forced ring's copies beside its kernels on either link
-# stream (overlap.py); the forced ring on the plain stand-in and on the 16-block link, 5 interleaved rounds.
+# elementwise copy, bounded_copy over 8/16/32 blocks); the 16-block row's copies beside its kernels, by pass and
+# place (overlap.py --places); the forced ring on the plain stand-in and on the 16-block link, 5 interleaved rounds.
 # Usage: [SHORT=1] bash docs/bench/link-stream/run_ctas.sh OUT   (SHORT=1: the rows at EP=8 65536 only)
 set -uo pipefail
 OUT=$1
