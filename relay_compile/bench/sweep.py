@@ -20,8 +20,8 @@ of:
   NCCL's are (measured: within 1% of the plain rows on an H100; run where named, ``--rows``); every other row's
   transfers are copies on the compute stream;
 - ``ring auto, link stream of 16 CTAs``: ``ring auto`` on a link stream whose copies take 16 thread blocks
-  (``link_ctas``), as NCCL's channels take a few SMs: a ``Tensor.copy_`` runs over a grid the hops' GEMMs do not run
-  beside (run where named; not predicted).
+  (``link_ctas``), as NCCL's channels take a few SMs: a ``Tensor.copy_`` runs over a grid as large as the message
+  and barely ran beside the hops' GEMMs on an H100 (run where named; not predicted; not yet run on a GPU).
 
 Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
 points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
