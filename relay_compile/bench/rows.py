@@ -117,13 +117,15 @@ def ring_builder(**options: Any) -> RowBuilder:
     return build
 
 
-def link_stream_builder(builder: RowBuilder, ctas: int = 0) -> RowBuilder:
+def link_stream_builder(builder: RowBuilder, ctas: int = 0, high_priority: bool = False) -> RowBuilder:
     """``builder`` on the stand-in group of the same size whose transfers run on a stream of their own
     (``standin_group(n, link_stream=True)``: overlapped with compute, as NCCL's sends and receives are);
-    ``ctas``: each copy by that many thread blocks (``link_ctas``), as NCCL's channels."""
+    ``ctas``: each copy by that many thread blocks (``link_ctas``), as NCCL's channels; ``high_priority``: that
+    stream of the device's highest priority (``link_high_priority``)."""
 
     def build(cfg: LayerConfig, group: Any) -> LayerFn:
-        return builder(cfg, standin_group(cfg.ep, link_stream=True, link_ctas=ctas))
+        return builder(cfg, standin_group(cfg.ep, link_stream=True, link_ctas=ctas,
+                                          link_high_priority=high_priority))
 
     return build
 

@@ -40,8 +40,9 @@ stream's copies ran beside a kernel for 0.02-0.26 of their 3.04-3.13 ms per step
 profiles, docs/bench/h100-recheck): a ``Tensor.copy_`` within one GPU runs over a grid as large as the message,
 and it barely runs beside the hops' persistent GEMMs (13% of a 453 MiB copy overlapped a GEMM with no dependency
 between them; whether the grid is the reason is what ``link_ctas`` tests). ``link_ctas=n`` copies by ``n`` thread
-blocks instead (``kernels.bounded_copy``), as NCCL's channels take a few SMs and leave the rest to compute (not yet
-run on a GPU).
+blocks instead (``kernels.bounded_copy``), as NCCL's channels take a few SMs and leave the rest to compute
+(``link_high_priority`` puts that stream at the device's highest priority, as ``is_high_priority_stream`` does
+NCCL's; measurements in docs/BENCHMARKS.md, "The stand-in's link by a few blocks").
 
 How it is built (docs/ARCHITECTURE.md, section 5 "Measured facts"; shown on torch 2.13 CPU and torch 2.11
 CUDA): a Python subclass of ``torch.distributed.ProcessGroup`` (a ``Backend`` subclass cannot be constructed
@@ -84,7 +85,9 @@ BACKEND = "relaymoe_standin"
 # Size of the stand-in world: a namespace for subgroups only, never used for collectives itself.
 _WORLD_SIZE = 1 << 12
 
-_GROUPS: dict[tuple[int, bool, int], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[int, bool, int, bool], dist.ProcessGroup] = {}
+# CUDA stream priority of a ``link_high_priority`` link: lower is higher; torch clamps it to the device's range.
+HIGH_PRIORITY = -1
 # Group names handed out so far in this process: a restarted world continues the count (see _ensure_world).
 _names_used = 0
 
@@ -145,10 +148,13 @@ class _LinkWork(dist.Work):
 
 class _LinkStream:
     """The stream a group's point-to-point copies run on (one per CUDA device; module docstring); ``ctas`` > 0:
-    each copy by that many thread blocks (``kernels.bounded_copy``), else ``Tensor.copy_``."""
+    each copy by that many thread blocks (``kernels.bounded_copy``), else ``Tensor.copy_``; ``high_priority``: a
+    stream of the device's highest priority, whose blocks the scheduler places before those of waiting kernels of
+    lower priority (as ``ProcessGroupNCCL.Options.is_high_priority_stream`` makes NCCL's)."""
 
-    def __init__(self, device: torch.device, ctas: int = 0) -> None:
-        self.device, self.stream, self.ctas = device, torch.cuda.Stream(device), ctas
+    def __init__(self, device: torch.device, ctas: int = 0, high_priority: bool = False) -> None:
+        self.device, self.ctas = device, ctas
+        self.stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY if high_priority else 0)
 
     def copy(self, outs: list[Tensor], ins: list[Tensor]) -> dist.Work:
         """``outs`` take ``ins`` after the work queued so far (what was sent is ready); both sides' tensors are
@@ -248,13 +254,14 @@ class StandinGroup(PythonProcessGroup):
     a completed ``Work``.
     """
 
-    def __init__(self, rank: int, size: int, link_stream: bool = False, link_ctas: int = 0) -> None:
+    def __init__(self, rank: int, size: int, link_stream: bool = False, link_ctas: int = 0,
+                 link_high_priority: bool = False) -> None:
         super().__init__(rank, size, BACKEND)
         # (peer, tag) -> queued messages: sends waiting for the receive that mirrors them, and receives
         # waiting for their send. A receive from src mirrors the send to (2r - src) mod N.
         self._sends: dict[tuple[int, int], deque[_PendingSendWork]] = defaultdict(deque)
         self._recvs: dict[tuple[int, int], deque[_PendingRecvWork]] = defaultdict(deque)
-        self.link_stream, self.link_ctas = link_stream, link_ctas
+        self.link_stream, self.link_ctas, self.link_high_priority = link_stream, link_ctas, link_high_priority
         self._links: dict[torch.device, _LinkStream] = {}
 
     def drop_pending(self) -> int:
@@ -286,7 +293,7 @@ class StandinGroup(PythonProcessGroup):
             return None
         link = self._links.get(device)
         if link is None:
-            link = self._links[device] = _LinkStream(device, self.link_ctas)
+            link = self._links[device] = _LinkStream(device, self.link_ctas, self.link_high_priority)
         return link
 
     @_skip_frame
@@ -441,13 +448,17 @@ def _ensure_world(size: int = _WORLD_SIZE) -> None:
     world_state.group_count = max(world_state.group_count, _names_used)
 
 
-def standin_group(size: int, *, link_stream: bool = False, link_ctas: int = 0) -> dist.ProcessGroup:
+def standin_group(
+    size: int, *, link_stream: bool = False, link_ctas: int = 0, link_high_priority: bool = False
+) -> dist.ProcessGroup:
     """The stand-in EP group of ``size`` ranks in which this process is rank 0 (cached per size, ``link_stream``:
-    point-to-point copies on a stream of their own, and ``link_ctas``: with ``link_stream``, each copy by that
-    many thread blocks, as NCCL's channels; module docstring).
+    point-to-point copies on a stream of their own, ``link_ctas``: with ``link_stream``, each copy by that many
+    thread blocks, as NCCL's channels, and ``link_high_priority``: with ``link_stream``, that stream of the
+    highest priority, as NCCL's streams with ``is_high_priority_stream``; module docstring).
 
     Raises:
-        ValueError: ``size`` outside ``[1, 4096]``, or ``link_ctas`` negative or set without ``link_stream``.
+        ValueError: ``size`` outside ``[1, 4096]``, or ``link_ctas`` negative, or it or ``link_high_priority``
+            set without ``link_stream``.
         StandinError: torch.distributed already runs another backend in this process.
     """
     if not 1 <= size <= _WORLD_SIZE:
@@ -455,13 +466,16 @@ def standin_group(size: int, *, link_stream: bool = False, link_ctas: int = 0) -
     if link_ctas < 0 or (link_ctas and not link_stream):
         raise ValueError(f"standin_group: link_ctas={link_ctas} needs link_stream=True and a count >= 0 (0: the "
                          "copies are Tensor.copy_)")
-    key = (size, link_stream, link_ctas)
+    if link_high_priority and not link_stream:
+        raise ValueError("standin_group: link_high_priority=True needs link_stream=True (without it the copies "
+                         "run on the compute stream)")
+    key = (size, link_stream, link_ctas, link_high_priority)
     group = _GROUPS.get(key)
     if group is None:
         _ensure_world()
         group = dist.new_group(ranks=list(range(size)), backend=BACKEND)
         assert isinstance(group, StandinGroup), f"standin_group: new_group returned {type(group).__name__}"
-        group.link_stream, group.link_ctas = link_stream, link_ctas
+        group.link_stream, group.link_ctas, group.link_high_priority = link_stream, link_ctas, link_high_priority
         _GROUPS[key] = group
         log.debug("stand-in group of %d ranks: %r", size, group)
     return group

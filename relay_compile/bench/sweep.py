@@ -21,7 +21,9 @@ of:
   transfers are copies on the compute stream;
 - ``ring auto, link stream of 16 CTAs``: ``ring auto`` on a link stream whose copies take 16 thread blocks
   (``link_ctas``), as NCCL's channels take a few SMs: a ``Tensor.copy_`` runs over a grid as large as the message
-  and barely ran beside the hops' GEMMs on an H100 (run where named; not predicted; not yet run on a GPU).
+  and barely ran beside the hops' GEMMs on an H100 (run where named; not predicted); ``..., high priority``: the
+  same on a stream of the device's highest priority (``link_high_priority``), as NCCL's with
+  ``is_high_priority_stream``.
 
 Besides the results of ``measure_layer`` (results.json, results.md) it writes ``sweep.json``: the measured
 points in ``bench.calibrate``'s format, each beside the cost model's prediction, and the decision the model makes
@@ -110,6 +112,9 @@ def _all_rows(opts: BenchOptions) -> list[RowSpec]:
         RowSpec(name=NCCL_LIKE_ROW, build=link_stream_builder(ring_builder(ring="always"), ctas=NCCL_LIKE_CTAS),
                 kind="ring", note=f"transfers on a stream of their own, each by {NCCL_LIKE_CTAS} thread blocks",
                 named_only=True),
+        RowSpec(name=f"{NCCL_LIKE_ROW}, high priority",
+                build=link_stream_builder(ring_builder(ring="always"), ctas=NCCL_LIKE_CTAS, high_priority=True),
+                kind="ring", note="the same, the stream at the device's highest priority", named_only=True),
     ]
 
 

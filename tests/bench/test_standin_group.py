@@ -354,6 +354,20 @@ class TransfersOnALinkStream(StandinTestCase):
             with self.assertRaisesRegex(ValueError, "link_ctas"):
                 standin_group(4, **bad)
 
+    def test_a_high_priority_link_is_a_group_of_its_own_whose_stream_has_the_highest_priority(self) -> None:
+        sg = sys.modules["relay_compile.bench.standin_group"]
+        bounded = standin_group(4, link_stream=True, link_ctas=16)
+        high = standin_group(4, link_stream=True, link_ctas=16, link_high_priority=True)
+        self.assertIsNot(bounded, high)
+        self.assertIs(standin_group(4, link_stream=True, link_ctas=16, link_high_priority=True), high)
+        with self.assertRaisesRegex(ValueError, "link_high_priority"):
+            standin_group(4, link_high_priority=True)
+        with unittest.mock.patch.object(torch.cuda, "Stream") as stream:
+            for group, priority in ((bounded, 0), (high, sg.HIGH_PRIORITY)):
+                group._link(torch.device("cuda"))
+                self.assertEqual(stream.call_args.kwargs["priority"], priority)
+        self.assertLess(sg.HIGH_PRIORITY, 0)  # CUDA: lower numbers run first
+
     def test_a_link_of_a_few_blocks_copies_with_the_bounded_kernel(self) -> None:
         """The CUDA calls are stood in for (no GPU here): what is checked is that each copy of a ``link_ctas``
         group goes through ``bounded_copy_`` with the group's block count, on the link stream."""
