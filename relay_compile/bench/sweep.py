@@ -162,13 +162,14 @@ def write_sweep(results: list[LayerResult], out: Path) -> Path:
 
 
 def table(points: list[dict[str, Any]]) -> str:
-    """Markdown: per (EP, tokens), a2a eager's ms and every row's time and peak against it."""
+    """Markdown: per (EP, tokens), a2a eager's ms and the time and peak against it of every row the points hold
+    (the sweep's rows in their order, then any others as they come)."""
     by_config: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     for p in points:
         by_config.setdefault((p["ep"], p["tokens"]), {})[p["row"]] = p
-    names = ("relaymoe backend", "relaymoe backend, dynamic T", "ring_moe default", "ring auto", "ring expert",
-             "ring expert saved", "ring token", "ring_moe default, link stream", "ring auto, link stream",
-             NCCL_LIKE_ROW)
+    present = list(dict.fromkeys(p["row"] for p in points if p["row"] != A2A_EAGER))
+    order = [r.name for r in _all_rows(BenchOptions())]
+    names = [n for n in order if n in present] + [n for n in present if n not in order]
     lines = ["| EP | tokens/rank | a2a ms | " + " | ".join(f"{n}: time / a2a peak ÷ peak" for n in names) + " |",
              "|---:|---:|---:|" + "---|" * len(names)]
     for (ep, tokens), rows in sorted(by_config.items()):

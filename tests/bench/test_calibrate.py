@@ -130,7 +130,12 @@ class Calibration(unittest.TestCase):
         (decision,) = data["decisions"]
         self.assertEqual((decision["ep"], decision["tokens"], decision["execution"]), (64, 4096, "all_to_all"))
         text = table(data["rows"])
-        self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | - | - | - | 6.67x / 5.0x | - | - |", text)
+        # One column per row the points hold, in the sweep's order.
+        self.assertIn("| a2a ms | relaymoe backend: time / a2a peak ÷ peak | ring expert: time / a2a peak ÷ peak |",
+                      text)
+        self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | 6.67x / 5.0x |", text)
+        later = table([*data["rows"], {**data["rows"][-1], "row": "another row"}])
+        self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | 6.67x / 5.0x | 1.04x / 1.0x |", later)
 
 
 if __name__ == "__main__":
