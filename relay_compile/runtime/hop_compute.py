@@ -114,6 +114,12 @@ def _stack_partials(step: RingStep, group: int, *args: object) -> tuple[Tensor, 
     return tuple(_zeros_like(g, ExpertRoutingStep.partial_dtype(step.cfg, group, g)) for g in step.stack_grads_like)
 
 
+def _arrived_sums(transfer: RingTransfer, first: int) -> tuple[Tensor, ...]:
+    """The sums arriving with ``transfer`` from its received position ``first`` on, once their batch arrived."""
+    assert transfer.trailing_from in (0, first), "hop_compute: the sums start where the transfer split its batches"
+    return transfer.wait_trailing() if transfer.trailing_from else transfer.wait()[first:]
+
+
 def _incoming_sums(step: RingStep, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
     """The incoming weight-gradient sums, unchanged (expert routing backward, a hop summing in place)."""
     return transfer.wait()[first:]
@@ -324,7 +330,7 @@ class ExpertRoutingStep:
         """``backward_hop`` whose weight gradients add into the sums travelling in ``transfer`` (its received
         tensors from position ``first``): waited for right before the hop's first weight-gradient GEMM, so
         the hop keeps no partial of its own; returns those sums, now including this hop."""
-        dw = WeightGrads(self.grads_like, self.cfg.acc_dtype, into=lambda: transfer.wait()[first:])
+        dw = WeightGrads(self.grads_like, self.cfg.acc_dtype, into=lambda: _arrived_sums(transfer, first))
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._rows(hop), self.x_TH, weights, self.grad_y_TH, self.dx, self.ds_S, dw)
         return dw.result()
@@ -344,7 +350,7 @@ class ExpertRoutingStep:
                             ) -> tuple[Tensor, ...]:
         """``backward_group`` adding into the stack's gradient sums arriving with ``transfer`` (as
         ``backward_hop_into``)."""
-        dw = WeightGrads(self.stack_grads_like, self.cfg.acc_dtype, into=lambda: transfer.wait()[first:])
+        dw = WeightGrads(self.stack_grads_like, self.cfg.acc_dtype, into=lambda: _arrived_sums(transfer, first))
         assert self.grad_y_TH is not None
         segment_backward(self.cfg, self._group_rows(group), self.x_TH, stacked, self.grad_y_TH, self.dx, self.ds_S,
                          dw)

@@ -270,6 +270,28 @@ class RingTransfer:
     status_in: Tensor | None = None
     done: bool = False
     stride: int = 1
+    # The works of the accumulators' batch, posted first (``start_transfer``'s ``trailing_from``), the first of
+    # ``works``; empty: one batch. ``trailing_arrived``: ``wait_trailing`` waited for them.
+    trailing_works: list[dist.Work] = field(default_factory=list)
+    trailing_from: int = 0
+    trailing_arrived: bool = False
+
+    def wait_trailing(self) -> tuple[Tensor, ...]:
+        """Block until the trailing accumulators' batch completes; their receive buffers (``received[first:]``,
+        ``first`` the number of circulating tensors). A transfer posted as one batch waits for all of it."""
+        if self.done or self.trailing_arrived:
+            return tuple(self.received[self.trailing_from:])
+        if not self.trailing_works:
+            return self.wait()[self.trailing_from:]
+        try:
+            for work in self.trailing_works:
+                work.wait()
+        except RuntimeError as e:
+            raise RingTransportError(self._failed(e)) from e
+        # Never waited again: a gloo work waited twice waits for a second completion that never comes.
+        self.works = self.works[len(self.trailing_works):]
+        self.trailing_arrived = True
+        return tuple(self.received[self.trailing_from:])
 
     def wait(self) -> tuple[Tensor, ...]:
         """Block until both sides complete; the receive buffers. Waiting again returns them at once (a hop
@@ -305,17 +327,55 @@ class RingTransfer:
 
 
 def start_transfer(
-    ring: RingGroup, index: int, payload: list[Tensor], receive: list[Tensor], *, stride: int = 1
+    ring: RingGroup, index: int, payload: list[Tensor], receive: list[Tensor], *, stride: int = 1,
+    trailing_from: int | None = None,
 ) -> RingTransfer:
     """Post ``payload`` to the rank ``stride`` on and ``receive`` (preallocated, contiguous) from the one ``stride``
     back (1: the next and the previous rank).
 
-    Inside a ``RingRun`` the transfer also carries the run's failure status and is tracked until waited on.
+    ``trailing_from``: where a payload of both circulating tensors and trailing accumulators (``receive``'s
+    groups split there too) starts its accumulators. They are posted first, as a batch of their own: the hop
+    that posts the transfer adds into the accumulators it receives (``RingTransfer.wait_trailing``), while the
+    circulating tensors are needed only at the next hop. A link moves one batch after the other (NCCL's stream,
+    the stand-in's link stream), so the accumulators arrive in their own time instead of the whole payload's.
+
+    Inside a ``RingRun`` the transfer also carries the run's failure status (with the accumulators, whose
+    values are what other ranks computed) and is tracked until waited on.
     """
     assert len(payload) == len(receive) <= TAGS_PER_TRANSFER, "ring transport: payload and receive disagree"
     sent = [t.contiguous() for t in payload]
     if ring.size == 1:
         return RingTransfer(sent=[], received=sent)
+    split = trailing_from if trailing_from is not None and 0 < trailing_from < len(sent) else 0
+    circulating = _tagged_ops(index, 0, sent[:split], receive[:split])
+    trailing = _tagged_ops(index, len(circulating) // 2, sent[split:], receive[split:])
+    run = active_run()
+    status_in = None
+    status_out = run.status if run is not None else None
+    if status_out is not None:
+        # Never written in place (a received status or a merge is a tensor of its own): sent as it is.
+        status_in = torch.empty_like(status_out)
+        sent.append(status_out)
+        trailing += [(True, status_out, STATUS_TAG + index), (False, status_in, STATUS_TAG + index)]
+    device = receive[0].device
+    works = _post(ring, device, trailing, stride)
+    trailing_works = list(works) if split else []
+    if circulating:
+        works += _post(ring, device, circulating, stride)
+    xfer = RingTransfer(sent=sent, received=receive, works=works, index=index,
+                        seq=run.num_posted if run is not None else 0, ring=ring, run=run, status_in=status_in,
+                        stride=stride, trailing_works=trailing_works, trailing_from=split)
+    if run is not None:
+        run.num_posted += 1
+        run.posted.append(xfer)
+    return xfer
+
+
+def _tagged_ops(
+    index: int, first_pos: int, sent: list[Tensor], receive: list[Tensor]
+) -> list[tuple[bool, Tensor, int]]:
+    """``(is_send, tensor, tag)`` for one batch of transfer ``index``: each span (``_spans``) sent and received
+    under tag ``index * TAGS_PER_TRANSFER + pos``, positions from ``first_pos`` on."""
     send_spans, recv_spans = _spans(sent), _spans(receive)
     # Decided by structure only, never by sizes: each rank decides for its own sends and receives, and sizes
     # differ across ranks (token routing receives another source's partition than it sends), while the
@@ -326,24 +386,10 @@ def start_transfer(
         else zip(sent, receive, strict=True)
     )
     ops: list[tuple[bool, Tensor, int]] = []
-    for pos, (send_t, recv_t) in enumerate(pairs):
+    for pos, (send_t, recv_t) in enumerate(pairs, start=first_pos):
         tag = index * TAGS_PER_TRANSFER + pos
         ops += [(True, send_t, tag), (False, recv_t, tag)]
-    run = active_run()
-    status_in = None
-    status_out = run.status if run is not None else None
-    if status_out is not None:
-        # Never written in place (a received status or a merge is a tensor of its own): sent as it is.
-        status_in = torch.empty_like(status_out)
-        sent.append(status_out)
-        ops += [(True, status_out, STATUS_TAG + index), (False, status_in, STATUS_TAG + index)]
-    xfer = RingTransfer(sent=sent, received=receive, works=_post(ring, receive[0].device, ops, stride), index=index,
-                        seq=run.num_posted if run is not None else 0, ring=ring, run=run, status_in=status_in,
-                        stride=stride)
-    if run is not None:
-        run.num_posted += 1
-        run.posted.append(xfer)
-    return xfer
+    return ops
 
 
 def _post(

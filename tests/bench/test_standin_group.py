@@ -279,9 +279,11 @@ class RingTransfersOnTheStandinGroup(StandinTestCase):
         # hops 1..N-2 forward what they received (1 span each); with four owners per hop, the first three
         # transfers send the local weights and then the slots received (2 tensors each: slots of two stacks), the
         # one stack transfer the first stack (2 tensors: not a received group). Backward (+1 status send per
-        # transfer): hop 0's weights (2), hop 1's weights and the fresh sums of hop 0 (4), hops 2..N-2 forward the
-        # weights and the sums they added into (2 spans: weights and sums are separate buffers), hop N-1 the sums
-        # (1), the return to the owners (2, separate tensors: they become the op's outputs).
+        # transfer): hop 0's weights (2), hop 1's weights as received (1 span) and the fresh sums of hop 0 (2:
+        # the sums travel as a batch of their own, so each part is matched to its receive buffers alone), hops
+        # 2..N-2 forward the weights and the sums they added into (2 spans: weights and sums are separate
+        # buffers), hop N-1 the sums (1), the return to the owners (2, separate tensors: they become the op's
+        # outputs).
         n, hidden, experts, tokens, top_k = 8, 16, 16, 64, 4
         group = standin_group(n)
         w = moe_weights(0, hidden, 8, experts, experts=range(experts // n))
@@ -305,7 +307,7 @@ class RingTransfersOnTheStandinGroup(StandinTestCase):
                 y.sum().backward()
             return sends
 
-        backward = (2 + 4 + 2 * (n - 3) + 1 + 2) + n + 1
+        backward = (2 + 3 + 2 * (n - 3) + 1 + 2) + n + 1
         for owners, forward in ((1, 2 + (n - 2)), (4, 3 * 2 + 2)):
             with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=owners):
                 self.assertEqual(count_sends(), {"forward": forward, "backward": backward}, f"{owners} owners")

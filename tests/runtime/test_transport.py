@@ -171,6 +171,51 @@ class OpsOfALargerRing(unittest.TestCase):
                          [(torch.bfloat16, 22, 128), (torch.bfloat16, 22, 128), (torch.float32, 40, 129),
                           (torch.float32, 40, 129)])
 
+    def test_trailing_accumulators_travel_first_as_a_batch_of_their_own_under_the_same_tags(self) -> None:
+        """A hop adds into the sums it receives while the weights beside them are for the next hop: the sums'
+        batch is posted first and can be waited for alone (NCCL: its own coalesced group)."""
+        circ, trail = [((4,), torch.bfloat16), ((3,), torch.bfloat16)], [((5,), torch.float32), ((2,), torch.float32)]
+        arrived = receive_buffers(circ, "cpu") + receive_buffers(trail, "cpu")
+        receive = receive_buffers(circ, "cpu") + receive_buffers(trail, "cpu")
+        ring = self.ring()
+        xfer = start_transfer(ring, 2, arrived, receive, trailing_from=2)
+        ops = ring.group.ops
+        # The same spans and tags as one batch (position 0: the weights, 1: the sums), the sums posted first.
+        self.assertEqual([(op[0], op[1].dtype, op[3]) for op in ops],
+                         [("send", torch.float32, 129), ("recv", torch.float32, 129),
+                          ("send", torch.bfloat16, 128), ("recv", torch.bfloat16, 128)])
+        works = ring.group.works
+        sums = xfer.wait_trailing()
+        self.assertEqual([id(t) for t in sums], [id(t) for t in receive[2:]])
+        for w in works[:2]:
+            w.wait.assert_called_once_with()
+        for w in works[2:]:
+            w.wait.assert_not_called()  # the weights still travel
+        self.assertFalse(xfer.done)
+        self.assertEqual([id(t) for t in xfer.wait_trailing()], [id(t) for t in receive[2:]])  # no second wait
+        self.assertEqual([id(t) for t in xfer.wait()], [id(t) for t in receive])
+        for w in works:
+            # Each work waited exactly once: a gloo work waited again waits for a completion that never comes.
+            w.wait.assert_called_once_with()
+        # Without accumulators (or without circulating tensors) a transfer is one batch, as before.
+        for split in (None, 0, 4):
+            ring = self.ring()
+            one = start_transfer(ring, 2, arrived, receive, trailing_from=split)
+            self.assertEqual([op[3] for op in ring.group.ops], [128, 128, 129, 129])
+            self.assertEqual(one.trailing_works, [])
+
+    def test_a_coalescing_backend_gets_each_batch_of_a_split_transfer_as_its_own_group(self) -> None:
+        group = mock.create_autospec(dist.ProcessGroup, instance=True)
+        ring = RingGroup(group=group, rank=1, size=3, next_global=12, prev_global=10)
+        payload, receive = [torch.ones(2), torch.zeros(3)], [torch.empty(2), torch.empty(3)]
+        with mock.patch.object(transport, "_coalesces", return_value=True):
+            xfer = start_transfer(ring, 0, payload, receive, trailing_from=1)
+        names = [c[0] for c in group.method_calls]
+        self.assertEqual(names, ["_start_coalescing", "send", "recv", "_end_coalescing"] * 2)
+        self.assertIs(group.method_calls[1].args[0][0], payload[1])  # the accumulator first
+        self.assertEqual(len(xfer.works), 2)
+        self.assertEqual(xfer.trailing_works, xfer.works[:1])
+
     def test_whether_groups_travel_as_buffers_is_decided_by_structure_never_by_sizes(self) -> None:
         """Token routing sends one source's partition and receives another's: the sizes differ on one rank and
         may agree on its neighbour, so a size test would split a link's two sides differently (a hang)."""

@@ -25,7 +25,8 @@ def ring_start(
     ``slot``: received into that slot of the step's first owner stack (a grouped ring's gather).
     """
     receive = step.receive_buffers(hop, num_circulating, payload, slot=slot)
-    return start_transfer(step.cfg.ring, index, list(payload), receive, stride=stride)
+    return start_transfer(step.cfg.ring, index, list(payload), receive, stride=stride,
+                          trailing_from=num_circulating)
 
 
 def ring_wait(transfer: RingTransfer) -> tuple[Tensor, ...]:
