@@ -1,8 +1,9 @@
 """Ring transport: one hop's asynchronous P2P transfer, sent to the next rank and received from the previous.
 
 Every transfer of a ring program is a ``RingTransfer``: ``start`` posts the sends and receives of a payload
-(several tensors in one batch, as ``batch_isend_irecv`` posts them: weights and trailing gradients travel
-merged), ``wait`` blocks until both sides complete and returns the receive buffers. All ranks run the same
+(several tensors in one batch, as ``batch_isend_irecv`` posts them; where circulating tensors and trailing
+accumulators travel together, the accumulators in a batch of their own posted first, which ``wait_trailing``
+waits for alone), ``wait`` blocks until both sides complete and returns the receive buffers. All ranks run the same
 program, so they post the same transfers in the same order; tags keep concurrent transfers to the same peer
 apart (gloo matches by tag, NCCL by order).
 
