@@ -289,8 +289,10 @@ class RingTransfer:
                 work.wait()
         except RuntimeError as e:
             raise RingTransportError(self._failed(e)) from e
-        # Never waited again: a gloo work waited twice waits for a second completion that never comes.
-        self.works = self.works[len(self.trailing_works):]
+        finally:
+            # Never waited again (``wait``, a failed run's ``_settle``): a gloo work waited twice waits for a
+            # second completion that never comes.
+            self.works = self.works[len(self.trailing_works):]
         self.trailing_arrived = True
         return tuple(self.received[self.trailing_from:])
 
