@@ -42,7 +42,7 @@ and it barely runs beside the hops' persistent GEMMs (13% of a 453 MiB copy over
 between them). ``link_ctas=n`` copies by ``n`` thread blocks instead (``kernels.bounded_copy``), as NCCL's
 channels take a few SMs and leave the rest to compute; ``link_high_priority`` puts that stream at the device's
 highest priority, as ``is_high_priority_stream`` does NCCL's. On an H100 (EP=8, 65536 tokens) 16 blocks copy at
-~330 GB/s, about NVLink's rate, and at high priority 92% of the forward's copies ran beside its kernels
+~330 GB/s, about NVLink's rate; at high priority the step moved less than its spread between runs
 (docs/BENCHMARKS.md, "The scatter-add's row order, and the stand-in's link by a few blocks").
 
 How it is built (docs/ARCHITECTURE.md, section 5 "Measured facts"; shown on torch 2.13 CPU and torch 2.11
