@@ -293,8 +293,17 @@ class RingTransfer:
             # Never waited again (``wait``, a failed run's ``_settle``): a gloo work waited twice waits for a
             # second completion that never comes.
             self.works = self.works[len(self.trailing_works):]
+            self.trailing_works = []
         self.trailing_arrived = True
+        # The status travels in this batch: heard now, as ``wait`` would (a later transfer of the program may be
+        # posted before this one's ``wait``, and must carry what this one brought).
+        self._hear(self.run)
         return tuple(self.received[self.trailing_from:])
+
+    def _hear(self, run: RingRun | None) -> None:
+        """Record the status this transfer brought as the run's latest heard (if it is the latest posted)."""
+        if run is not None and self.status_in is not None and self.seq > run.heard_seq:
+            run.heard, run.heard_seq = self.status_in, self.seq
 
     def wait(self) -> tuple[Tensor, ...]:
         """Block until both sides complete; the receive buffers. Waiting again returns them at once (a hop
@@ -310,8 +319,7 @@ class RingTransfer:
         except RuntimeError as e:
             raise RingTransportError(self._failed(e)) from e
         self.sent, self.done = [], True
-        if run is not None and self.status_in is not None and self.seq > run.heard_seq:
-            run.heard, run.heard_seq = self.status_in, self.seq
+        self._hear(run)
         return tuple(self.received)
 
     def _failed(self, e: Exception) -> str:

@@ -347,6 +347,39 @@ def exchanges() -> Iterator[list[tuple[str, bool, list[list[int]]]]]:
         yield seen
 
 
+class FailuresInsideALongerRing(ShortTimeoutCase):
+    """Four ranks: a backward transfer posted before the previous one's ``wait`` (``overlap``) must still carry
+    the status that previous one brought, which arrives with the sums (``RingTransfer.wait_trailing``)."""
+
+    e_l = 1
+    run_failing = FailuresInsideTheRing.run_failing
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_a_failure_at_any_backward_hop_never_leaves_a_dependent_rank_with_wrong_gradients(self) -> None:
+        self.init_pg()
+        world = dist.get_world_size()
+        x, ids, scores, weights = self.inputs(seed=4)
+        want = forward_backward(a2a_moe, x, ids, scores, weights, 0)
+        names = ("y", "dx", "d_scores", "dw1", "dw2", "dw3")
+        for fault in range(world):
+            for hop in range(world):  # expert calls 1..N are the forward's hops, N+1.. the backward's
+                call = functools.partial(self.run_failing, world + 1 + hop if self.rank == fault else None,
+                                         "expert")
+                try:
+                    got = call()
+                except (RingPeerError, SimulatedOOM):
+                    got = None  # raised: this rank knows its results are incomplete
+                if got is not None:
+                    for name, g, w in zip(names, got, want, strict=True):
+                        assert_close_rel(g, w, 1e-5, f"rank {self.rank} returned {name} with rank {fault} "
+                                                     f"failing at backward hop {hop}")
+                dist.barrier()
+        self.assert_group_usable()
+
+
 class BackwardAgreesOnItsForwardsCounts(ShortTimeoutCase):
     def test_the_backward_exchange_is_built_from_the_forwards_counts_into_the_same_table(self) -> None:
         # The backward's row comes from the counts its forward agreed on (runtime.ops: counts_E, a host output

@@ -18,6 +18,8 @@ from relay_compile.runtime import transport
 from relay_compile.runtime.transport import (
     TAGS_PER_TRANSFER,
     RingGroup,
+    RingRun,
+    RingTransportError,
     all_gather_rows,
     receive_buffers,
     start_transfer,
@@ -206,6 +208,8 @@ class OpsOfALargerRing(unittest.TestCase):
 
     def test_a_coalescing_backend_gets_each_batch_of_a_split_transfer_as_its_own_group(self) -> None:
         group = mock.create_autospec(dist.ProcessGroup, instance=True)
+        first, second = mock.Mock(), mock.Mock()
+        group._end_coalescing.side_effect = [first, second]
         ring = RingGroup(group=group, rank=1, size=3, next_global=12, prev_global=10)
         payload, receive = [torch.ones(2), torch.zeros(3)], [torch.empty(2), torch.empty(3)]
         with mock.patch.object(transport, "_coalesces", return_value=True):
@@ -213,8 +217,43 @@ class OpsOfALargerRing(unittest.TestCase):
         names = [c[0] for c in group.method_calls]
         self.assertEqual(names, ["_start_coalescing", "send", "recv", "_end_coalescing"] * 2)
         self.assertIs(group.method_calls[1].args[0][0], payload[1])  # the accumulator first
-        self.assertEqual(len(xfer.works), 2)
-        self.assertEqual(xfer.trailing_works, xfer.works[:1])
+        self.assertEqual(xfer.works, [first, second])
+        xfer.wait_trailing()
+        first.wait.assert_called_once_with()
+        second.wait.assert_not_called()
+        xfer.wait()
+        first.wait.assert_called_once_with()
+        second.wait.assert_called_once_with()
+
+    def test_the_status_travels_with_the_sums_and_is_heard_when_they_arrive(self) -> None:
+        """A later transfer may be posted before this one's ``wait``: it must carry the status this one brought."""
+        ring = self.ring()
+        arrived = receive_buffers([((4,), torch.float32)], "cpu") + receive_buffers([((2,), torch.float32)], "cpu")
+        receive = receive_buffers([((4,), torch.float32)], "cpu") + receive_buffers([((2,), torch.float32)], "cpu")
+        with RingRun(ring, torch.device("cpu"), "test") as run:
+            xfer = start_transfer(ring, 3, arrived, receive, trailing_from=1)
+            tags = [op[3] for op in ring.group.ops]
+            self.assertEqual(tags, [193, 193, transport.STATUS_TAG + 3, transport.STATUS_TAG + 3, 192, 192])
+            assert xfer.status_in is not None
+            xfer.status_in.fill_(3)  # what the previous rank's status brings: rank 2 failed
+            xfer.wait_trailing()
+            self.assertIs(run.heard, xfer.status_in)
+            self.assertEqual(run.status.tolist(), [3])
+            xfer.wait()
+        self.assertEqual(run.heard_seq, 0)
+
+    def test_a_failed_early_wait_is_not_waited_again(self) -> None:
+        ring = self.ring()
+        arrived = receive_buffers([((4,), torch.float32)], "cpu") + receive_buffers([((2,), torch.float32)], "cpu")
+        receive = receive_buffers([((4,), torch.float32)], "cpu") + receive_buffers([((2,), torch.float32)], "cpu")
+        xfer = start_transfer(ring, 3, arrived, receive, trailing_from=1)
+        works = ring.group.works
+        works[1].wait.side_effect = RuntimeError("peer gone")
+        with self.assertRaisesRegex(RingTransportError, "transfer 3 of rank 1.*peer gone"):
+            xfer.wait_trailing()
+        xfer.wait()  # what a failed run's settling does: the weights' batch only
+        for w in works:
+            self.assertEqual(w.wait.call_count, 1)
 
     def test_whether_groups_travel_as_buffers_is_decided_by_structure_never_by_sizes(self) -> None:
         """Token routing sends one source's partition and receives another's: the sizes differ on one rank and

@@ -21,12 +21,14 @@ def ring_start(
     slot: int | None = None,
 ) -> RingTransfer:
     """Post transfer ``index`` (tags), sent at ``hop`` of its ring: ``payload[:num_circulating]`` moves on,
-    the rest are trailing accumulators. ``stride``: sent ``stride`` ranks on (received from as many back);
-    ``slot``: received into that slot of the step's first owner stack (a grouped ring's gather).
+    the rest are trailing accumulators, posted first as a batch of their own where the step's hops add into them
+    on arrival (``sums_travel_first``; ``start_transfer``'s ``trailing_from``). ``stride``: sent ``stride`` ranks
+    on (received from as many back); ``slot``: received into that slot of the step's first owner stack (a grouped
+    ring's gather).
     """
     receive = step.receive_buffers(hop, num_circulating, payload, slot=slot)
     return start_transfer(step.cfg.ring, index, list(payload), receive, stride=stride,
-                          trailing_from=num_circulating)
+                          trailing_from=num_circulating if step.sums_travel_first else None)
 
 
 def ring_wait(transfer: RingTransfer) -> tuple[Tensor, ...]:
