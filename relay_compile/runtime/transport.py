@@ -358,7 +358,7 @@ def start_transfer(
     if ring.size == 1:
         return RingTransfer(sent=[], received=sent)
     split = trailing_from if trailing_from is not None and 0 < trailing_from < len(sent) else 0
-    circulating = _tagged_ops(index, 0, sent[:split], receive[:split])
+    circulating = _tagged_ops(index, 0, sent[:split], receive[:split]) if split else []
     trailing = _tagged_ops(index, len(circulating) // 2, sent[split:], receive[split:])
     run = active_run()
     status_in = None
