@@ -4,8 +4,9 @@ The stand-in group's link stream (``bench.standin_group``, ``link_ctas``) copies
 an NCCL send/receive takes from the GPU it runs on: a few CTAs (NCCL's channels) looping over the message, beside
 whatever the compute stream runs. A ``Tensor.copy_`` between two buffers of one GPU is a copy over a grid as large
 as the message, and it barely runs beside the hops' persistent GEMMs (one H100: 13% of a 453 MiB copy
-overlapped a 65536x2048x1536 GEMM; docs/bench/h100-recheck; whether a copy over fewer blocks runs beside it is
-what docs/bench/link-stream/run_ctas.sh measures). Elsewhere (no Triton, CPU, mismatched tensors):
+overlapped a 65536x2048x1536 GEMM; docs/bench/h100-recheck). Over 8-32 blocks, queued before such a GEMM, two
+thirds to three quarters of it overlapped; queued after it, the pair took 1.9-2.9x as long as the two in turn
+(docs/bench/link-stream/raw-3-h100/concurrency.txt). Elsewhere (no Triton, CPU, mismatched tensors):
 ``Tensor.copy_``, the same bytes.
 """
 

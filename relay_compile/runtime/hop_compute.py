@@ -191,9 +191,6 @@ class ExpertRoutingStep:
         self.grads_like = grads_like(cfg.grouped, self.weights, weights)
         self.grad_y_TH = grad_y_TH
         self.backward = grad_y_TH is not None
-        # The backward's hops add into the sums they receive (``sum_in_place``): its transfers send the sums
-        # ahead of the weights, as a batch of their own (``ring_start``, ``RingTransfer.wait_trailing``).
-        self.sums_travel_first = self.backward
         self.topk_shape = topk_scores_TK.shape
         assert owners_per_hop == 1 or cfg.grouped is not None, (
             "ring_moe: only a grouped expert function holds several owners per hop")
@@ -259,6 +256,12 @@ class ExpertRoutingStep:
 
     def initial_circulating(self) -> list[Tensor]:
         return self.weights
+
+    @property
+    def sums_travel_first(self) -> bool:
+        """The backward's hops add into the sums they receive (``sum_in_place``): its transfers send the sums
+        ahead of the weights, as a batch of their own (``ring_start``, ``RingTransfer.wait_trailing``)."""
+        return self.backward
 
     def receive_buffers(
         self, hop: int, num_circulating: int, payload: Sequence[Tensor], slot: int | None = None
@@ -410,8 +413,6 @@ class TokenRoutingStep:
             self.circulating.append(grad_y_TH)
             self.dw = WeightGrads(self.grads_like, cfg.acc_dtype)
         self.backward = grad_y_TH is not None
-        # Its travelling partial sums are added to after the whole transfer arrived: one batch.
-        self.sums_travel_first = False
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
         # Per source rank: its token count, then its pairs per global expert (every rank's: token routing).
         self.rows_N = counts.tokens_N
@@ -433,6 +434,9 @@ class TokenRoutingStep:
 
     def _source(self, hop: int) -> int:
         return (self.cfg.ring.rank - hop) % self.cfg.ring.size
+
+    # Its travelling partial sums are added to once the whole transfer arrived: one batch.
+    sums_travel_first = False
 
     def receive_buffers(
         self, hop: int, num_circulating: int, payload: Sequence[Tensor], slot: int | None = None

@@ -143,16 +143,6 @@ def main() -> None:
         us = gpu_us_per_call(lambda: dst.copy_(src))
         print(f"| {chunks} per hop | {S} | | copy of the same bytes | {us:.1f} | {S * H * 10 / us / 1e6:.2f} | |")
         del src, dst
-    try:
-        compiled = sar._triton_kernel()
-        for cache in compiled.device_caches.values():
-            for kernel in cache[0].values():
-                lines = [ln.strip() for ln in kernel.asm["ptx"].splitlines() if "atom" in ln or "red." in ln]
-                print("library kernel atomics:", sorted(set(ln.split()[0] for ln in lines))[:6])
-                break
-            break
-    except Exception as e:  # the PTX is a diagnostic only
-        print("library kernel PTX not read:", type(e).__name__, e)
 
 
 if __name__ == "__main__":
