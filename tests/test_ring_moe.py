@@ -417,6 +417,21 @@ class RingMoEMatchesAllToAllWorld4(RingMoEMatchesAllToAll):
         self.assertTrue(rule.called and backward_rule.called)
         self.check_a_call_holds_the_owners_its_decision_chose()
 
+    def test_token_routing_with_two_sources_per_hop_matches_a2a_for_every_routing_case(self) -> None:
+        # Two sources' tokens per forward and per backward hop (the rules keep one at these tiny shapes: forced
+        # here): stacks of neighbours' partitions of different sizes ("uneven", "halves"), wrapping around on
+        # rank 2; their y (dx, d_scores) sums trail the stacks and each slot returns to its source.
+        self.init_pg()
+        with mock.patch.object(pipeline, "token_partitions_per_hop", return_value=2) as rule, \
+                mock.patch.object(pipeline, "token_backward_partitions_per_hop", return_value=2) as backward_rule:
+            for case in ROUTER_CASES:
+                for overlap in (True, False):
+                    self.assert_matches_a2a(case, routing="token", overlap=overlap)
+            self.assert_matches_a2a("uneven", routing="token", max_hop_rows=2)
+            self.assert_matches_a2a("halves", routing="token", remat=False)
+            self.assert_matches_a2a("random", ring=ring_with_plain_ffn, routing="token")
+        self.assertTrue(rule.called and backward_rule.called)
+
     def check_a_call_holds_the_owners_its_decision_chose(self) -> None:
         # Where the rules' ring would lose, the cost model may choose a larger stack (cost_model.choose, "beyond
         # the rules'"); the op then holds the choice's owners per hop, not the rules' (one at these shapes). The

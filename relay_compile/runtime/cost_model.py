@@ -12,7 +12,8 @@ Memory (the big buffers only, element counts times bytes):
   an upper bound, the accumulators take the tokens' dtype), current + prefetched partition and two gradient
   buffers (``4 * E_l * W``), and one hop's (or chunk's) rows ``S``: rows in and out, their gradients and the
   recomputed intermediates (~``S*(4*H + 4*F)``); an expert ring of ``g`` owners per hop holds ``g - 1`` more
-  owners' rows and partitions (``ring_options.grouped_extra_bytes``).
+  owners' rows and partitions (``ring_options.grouped_extra_bytes``), a token ring of ``g`` sources per hop ``g - 1``
+  more sources' tokens and sums (``ring_options.token_extra_bytes``).
 
 Time of one forward + backward on one rank (``Calibration`` holds the machine's constants):
 
@@ -82,6 +83,9 @@ from relay_compile.runtime.ring_options import (
     hop_row_bound,
     larger_owners,
     owners_per_hop,
+    token_backward_partitions_per_hop,
+    token_extra_bytes,
+    token_partitions_per_hop,
 )
 
 Execution = Literal["expert", "token", "all_to_all"]
@@ -137,6 +141,9 @@ class OwnerOptions:
 
     rules: tuple[int, int]
     larger: tuple[tuple[int, int], ...] = ()
+    # Token routing's sources per forward and per backward hop (``ring_options.token_partitions_per_hop``,
+    # ``token_backward_partitions_per_hop``): any expert function.
+    token: tuple[int, int] = (1, 1)
 
 
 def owner_options(shape: BlockShape, min_tokens: int | None = None, *, fp8: bool = False) -> OwnerOptions:
@@ -150,7 +157,12 @@ def stacks_of(hop: HopShape) -> OwnerOptions:
     reads ``hop`` off its packed weights (``ops``), a compile-time decision off the block's sizes
     (``owner_options``)."""
     rules = (owners_per_hop(hop), backward_owners_per_hop(hop))
-    return OwnerOptions(rules, tuple(larger_owners(hop, rules)))
+    return OwnerOptions(rules, tuple(larger_owners(hop, rules)), token_partitions(hop))
+
+
+def token_partitions(hop: HopShape) -> tuple[int, int]:
+    """Token routing's sources per forward and per backward hop at ``hop`` (the rules: any expert function)."""
+    return token_partitions_per_hop(hop), token_backward_partitions_per_hop(hop)
 
 
 def _hop_shape(shape: BlockShape, min_tokens: int | None = None, fp8: bool = False) -> HopShape:
@@ -161,6 +173,7 @@ def _hop_shape(shape: BlockShape, min_tokens: int | None = None, fp8: bool = Fal
         ranks=s.group_size, max_tokens=s.tokens, min_tokens=s.tokens if min_tokens is None else min_tokens,
         top_k=s.top_k, row_bytes=(2 * s.hidden + s.params // max(1, s.hidden)) * s.elem_bytes,
         partition_bytes=s.experts_per_rank * expert_bytes, token_bytes=s.hidden * s.elem_bytes,
+        elem_bytes=s.elem_bytes,
     )
 
 
@@ -176,10 +189,11 @@ def saved_projection_bytes(shape: BlockShape) -> int:
 
 
 def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
-                         owners: tuple[int, int] = (1, 1), saved: bool = False) -> dict[str, int]:
+                         owners: tuple[int, int] = (1, 1), saved: bool = False,
+                         sources: tuple[int, int] = (1, 1)) -> dict[str, int]:
     """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring); ``owners``:
     the expert ring's owners per forward / backward hop, whose stacks add to the ring's peak; ``saved``: the
-    ring holds the saved projections besides."""
+    ring holds the saved projections besides; ``sources``: the token ring's sources per forward / backward hop."""
     s = shape
     pairs = s.tokens * s.top_k
     a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
@@ -191,6 +205,8 @@ def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
     ring = resident + hop_rows * (4 * s.hidden + 4 * s.ffn) * s.elem_bytes
     if owners != (1, 1):
         ring += grouped_extra_bytes(_hop_shape(s), *owners)
+    if sources != (1, 1):
+        ring += token_extra_bytes(_hop_shape(s), *sources)
     if saved:
         ring += saved_projection_bytes(s)
     return {"a2a": a2a, "ring": ring}
@@ -389,12 +405,16 @@ def ring_traffic(routing: Routing, n: int, g: int, g_b: int, volumes: dict[str, 
     passes but the last), and the gradient sums of all ``n`` partitions travel (one hop behind their weights, the
     last ``g_b`` home after the last compute): ``(n - 1) W`` forward, ``(n - 1) W + n G`` backward.
     Token routing: ``n`` hop volumes each way, each behind a hop (an upper bound: the tokens make ``n - 1`` trips,
-    the sums ``n``).
+    the sums ``n``). With ``g`` sources per hop, the first stack's ``g - 1`` gathered partitions and the sums'
+    last trip home are exposed, and ``n / g - 1`` transfers of ``g`` partitions hide behind the passes.
     """
     if routing == "token":
-        return RingTraffic(total=n * (volumes["forward"] + volumes["backward"]), exposed=0.0,
-                           forward_hop=volumes["forward"], backward_hop=volumes["backward"], forward_transfers=n,
-                           backward_transfers=n)
+        f, b = volumes["forward"], volumes["backward"]
+        if g == g_b == 1:
+            return RingTraffic(total=n * (f + b), exposed=0.0, forward_hop=f, backward_hop=b, forward_transfers=n,
+                               backward_transfers=n)
+        return RingTraffic(total=n * (f + b), exposed=g * f + g_b * b, forward_hop=g * f, backward_hop=g_b * b,
+                           forward_transfers=n // g - 1, backward_transfers=n // g_b - 1)
     w = volumes["forward"]
     grad = volumes["backward"] - w
     return RingTraffic(total=(n - 1) * w + (n - 1) * w + n * grad, exposed=((g - 1) + (g_b - 1)) * w + g_b * grad,
@@ -405,8 +425,9 @@ def ring_traffic(routing: Routing, n: int, g: int, g_b: int, volumes: dict[str, 
 def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_per_hop: int = 1,
               backward_owners: int = 1, max_hop_rows: MaxHopRows = "auto", saved: bool = False) -> TimeEstimate:
     """Predicted time of the ring in ``routing`` (``owners_per_hop`` / ``backward_owners``: the grouped forward
-    / backward of expert routing; a stack's hop computes ``g`` owners' experts on ``g`` hops' rows; ``saved``:
-    the backward reads the forward's first projections instead of recomputing them)."""
+    / backward; a stack's hop computes ``g`` hops' rows, on ``g`` owners' experts in expert routing, on this
+    rank's in token routing; ``saved``: the backward reads the forward's first projections instead of
+    recomputing them)."""
     s, n = shape, shape.group_size
     pairs = s.tokens * s.top_k
     g, g_b = owners_per_hop, backward_owners
@@ -416,8 +437,10 @@ def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_p
                    + hops_b * _chunks(hop_rows * g_b, hop_row_bound(max_hop_rows, s.tokens)))
     per_hop, per_expert = ((cal.host_hop_us, cal.host_hop_expert_us) if routing == "expert"
                            else (cal.host_token_hop_us, cal.host_token_expert_us))
-    host = (hops_f * (per_hop + g * s.experts_per_rank * per_expert)
-            + hops_b * (per_hop + g_b * s.experts_per_rank * per_expert) + chunk_calls * cal.host_chunk_us)
+    # The experts a hop computes: a stack's owners' (expert routing) or this rank's (token routing).
+    experts_f, experts_b = ((g, g_b) if routing == "expert" else (1, 1))
+    host = (hops_f * (per_hop + experts_f * s.experts_per_rank * per_expert)
+            + hops_b * (per_hop + experts_b * s.experts_per_rank * per_expert) + chunk_calls * cal.host_chunk_us)
     rows_per_expert = pairs / (n * s.experts_per_rank)
     width = projection_width(s)
     # forward, recompute, two backward GEMMs; saved projections: the first projection's share of the recompute
@@ -432,8 +455,8 @@ def ring_time(shape: BlockShape, routing: Routing, cal: Calibration, *, owners_p
                             expert_grad_bytes=s.expert_bytes // s.elem_bytes * 4, sum_elem_bytes=4)
     moved = ring_traffic(routing, n, g, g_b, volumes)
     gpu = gemm + rows + (hops_f + hops_b) * cal.gpu_hop_us / 1e3
-    if routing == "token":  # every hop sorts and masks the visiting partition's pairs
-        gpu += (hops_f + hops_b) * pairs * cal.token_hop_pair_ns / 1e6
+    if routing == "token":  # every hop sorts and masks the visiting partition's (a stack's: g partitions') pairs
+        gpu += (hops_f * g + hops_b * g_b) * pairs * cal.token_hop_pair_ns / 1e6
     if cal.link_gbps is None:  # stand-in: the transfers are copies on the device
         gpu += _bytes_ms(moved.total, cal.copy_gbps)
         link = 0.0
@@ -474,8 +497,9 @@ class Choice:
     # "expert", "token" (the ring's routings considered), "a2a" (eager), "kept_a2a" or "op_a2a" (``choose``'s kept)
     times: dict[str, TimeEstimate]
     peaks: dict[str, int]  # predicted_peak_bytes
-    # The expert ring's owners per forward and per backward hop: what the op holds where it runs that ring (a
-    # larger stack than the rules' where ``choose`` took one), else the rules'.
+    # Partitions per forward and per backward hop of the ring that runs: the expert ring's owners (a larger stack
+    # than the rules' where ``choose`` took one), the token ring's sources; where the all-to-all runs, the expert
+    # rules'.
     owners: tuple[int, int] = (1, 1)
     saves: bool = False  # the expert ring saves its first projections (``times["expert"]``, ``peaks`` with them)
 
@@ -540,8 +564,9 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     stacks = (owner_options(shape) if owners is None else owners if isinstance(owners, OwnerOptions)
               else OwnerOptions(owners))
     forward, backward = stacks.rules
-    times = {r: ring_time(shape, r, cal, owners_per_hop=forward if r == "expert" else 1,
-                          backward_owners=backward if r == "expert" else 1, max_hop_rows=max_hop_rows)
+    held_by = {"expert": stacks.rules, "token": stacks.token}
+    times = {r: ring_time(shape, r, cal, owners_per_hop=held_by[r][0], backward_owners=held_by[r][1],
+                          max_hop_rows=max_hop_rows)
              for r in routings}
     times["a2a"] = a2a_time(shape, cal)
     # What the block runs where it keeps an all-to-all: the traced one compiled, or the op's own path.
@@ -556,12 +581,15 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
                        f"{times['expert'].total_ms:.2f} ms")
             times["expert"], (forward, backward) = wider
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
-    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1))
+    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1),
+                                 sources=stacks.token if best == "token" else (1, 1))
     ring_ms, a2a_ms = times[best].total_ms, times[alternative].total_ms
     against = "the kept all-to-all's" if kept == "traced" else "the op's all-to-all path's"
     mib = {k: v / 2**20 for k, v in peaks.items()}
     grouped = best == "expert" and forward * backward > 1
     held = f" ({forward}/{backward} owners per forward/backward hop{widened})" if grouped else ""
+    if best == "token" and stacks.token != (1, 1):
+        held = f" ({stacks.token[0]}/{stacks.token[1]} sources per forward/backward hop)"
     if ring == "never":
         return Choice(execution="all_to_all", reason="option ring='never'", times=times, peaks=peaks,
                       owners=stacks.rules)
@@ -587,4 +615,4 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
         held += ", projections saved"
         why += f"; saved, predicted {times['expert'].total_ms:.2f} ms"
     return Choice(execution=best, reason=f"{best} ring{held}: {why}", times=times, peaks=peaks,
-                  owners=(forward, backward) if best == "expert" else stacks.rules, saves=saves)
+                  owners=(forward, backward) if best == "expert" else stacks.token, saves=saves)

@@ -13,7 +13,9 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
   backward's first stack starts a gradient stack (in the sums' dtype), which then trails the weight stacks.
 - ``TokenRoutingStep``: experts stay; at hop ``h`` rank ``r`` holds the tokens of source ``(r - h) mod N`` and
   computes their pairs for its own experts. The output (backward: ``dx``, ``d_scores``) accumulator travels
-  one hop behind the tokens; weight gradients accumulate locally.
+  one hop behind the tokens; weight gradients accumulate locally. A grouped ring holds ``g`` sources' tokens per
+  hop, stacked row after row and computed as one visiting partition; their sums trail the stacks and each slot
+  returns to its source.
 
 What a hop computes on its pairs, chunk by chunk (forward, recomputed backward, scores before or after F,
 the sums across hops), is ``segment_compute``; this module binds it to the ring's hops and transfers.
@@ -397,6 +399,10 @@ class TokenRoutingStep:
     """Token routing: experts stay, token partitions circulate (and their accumulators one hop behind).
 
     ``counts``: the agreed counts, every rank's (``runtime.agreement``; None: a ring of one counts its own).
+    ``owners_per_hop``: ``g`` sources' tokens per hop (``programs.build``: the grouped rings): stack ``j`` holds
+    sources ``r - g j - g + 1 .. r - g j``, their rows one after the other in that slot order, and is computed as
+    one visiting partition (its pairs per expert are the sum of its sources'); its sums trail it and each slot
+    returns to its source, which adds the ``g`` it receives.
     """
 
     def __init__(
@@ -404,7 +410,6 @@ class TokenRoutingStep:
         weights: Sequence[Tensor], grad_y_TH: Tensor | None = None, *, counts: StepCounts | None = None,
         packed: list[Tensor] | None = None, owners_per_hop: int = 1,
     ) -> None:
-        assert owners_per_hop == 1, "ring_moe: token routing holds one source's tokens per hop"
         self.cfg, self.given_weights = cfg, list(weights)
         self.weights = pack_weights(cfg.grouped, weights) if packed is None else packed
         self.grads_like = grads_like(cfg.grouped, self.weights, weights)
@@ -413,6 +418,8 @@ class TokenRoutingStep:
             self.circulating.append(grad_y_TH)
             self.dw = WeightGrads(self.grads_like, cfg.acc_dtype)
         self.backward = grad_y_TH is not None
+        self.owners_per_hop = owners_per_hop
+        self.stack: list[Tensor] = []  # the grouped ring's first stack (``receive_buffers``)
         counts = counts or local_counts(cfg, x_TH, topk_ids_TK)
         # Per source rank: its token count, then its pairs per global expert (every rank's: token routing).
         self.rows_N = counts.tokens_N
@@ -421,19 +428,37 @@ class TokenRoutingStep:
         _setup(self, TokenRoutingStep._plan)
 
     def _plan(self) -> None:
-        e_l, rank = self.cfg.experts_per_rank, self.cfg.ring.rank
+        e_l, rank, n, g = self.cfg.experts_per_rank, self.cfg.ring.rank, self.cfg.ring.size, self.owners_per_hop
         own = slice(rank * e_l, (rank + 1) * e_l)
-        self.chunks = plan_chunks([
-            split_experts(self.counts_host_NE[src][own], sum(self.counts_host_NE[src][: own.start]),
-                          self.cfg.max_hop_rows)
-            for src in map(self._source, range(self.cfg.ring.size))
-        ], e_l, self.circulating[0].device)
+        # What each hop's visiting partition holds: one source's pairs per expert, or a stack's (their sums).
+        self.hop_counts_E = [
+            self.counts_host_NE[(rank - hop) % n] if g == 1
+            else [sum(c) for c in zip(*(self.counts_host_NE[src] for src in self._sources(hop)), strict=True)]
+            for hop in range(n // g)
+        ]
+        self.chunks = plan_chunks([split_experts(c[own], sum(c[: own.start]), self.cfg.max_hop_rows)
+                                   for c in self.hop_counts_E], e_l, self.circulating[0].device)
 
     def initial_circulating(self) -> list[Tensor]:
         return self.circulating
 
-    def _source(self, hop: int) -> int:
-        return (self.cfg.ring.rank - hop) % self.cfg.ring.size
+    def _sources(self, hop: int) -> list[int]:
+        """The sources whose tokens visit at ``hop`` (a grouped ring: stack ``hop``), in slot order."""
+        g, n, r = self.owners_per_hop, self.cfg.ring.size, self.cfg.ring.rank
+        return [(r - g * hop - g + 1 + s) % n for s in range(g)]
+
+    def _stack_rows(self, hop: int) -> int:
+        """Rows of the partition visiting at ``hop``; past the last hop, this rank's own: what the sums returned
+        to it hold (the last transfer of a plain ring, each slot's return of a grouped one)."""
+        if hop >= self.cfg.ring.size // self.owners_per_hop:
+            return self.rows_N[self.cfg.ring.rank]
+        return sum(self.rows_N[src] for src in self._sources(hop))
+
+    def _slot_rows(self, hop: int, slot: int) -> tuple[int, int]:
+        """Row range ``[a, b)`` of slot ``slot`` in the stack visiting at ``hop``."""
+        sources = self._sources(hop)
+        a = sum(self.rows_N[src] for src in sources[:slot])
+        return a, a + self.rows_N[sources[slot]]
 
     # Its travelling partial sums are added to once the whole transfer arrived: one batch.
     sums_travel_first = False
@@ -441,18 +466,37 @@ class TokenRoutingStep:
     def receive_buffers(
         self, hop: int, num_circulating: int, payload: Sequence[Tensor], slot: int | None = None
     ) -> list[Tensor]:
-        assert slot is None, "ring_moe: token routing has no owner stacks"
-        # The transfer sent at ``hop`` brings the tokens of hop ``hop + 1`` and the accumulators of ``hop``.
-        rows_next = self.rows_N[self._source(hop + 1)]
-        rows_acc = self.rows_N[self._source(hop)]
+        """Where a transfer sent at ``hop`` arrives: the tokens visiting at ``hop + 1`` and the sums of those of
+        ``hop``; ``slot``: that slot of the first stack (a grouped ring's gather)."""
+        if slot is not None:
+            if not self.stack:
+                rows = self._stack_rows(0)
+                self.stack = [t.new_empty((rows, *t.shape[1:])) for t in self.circulating]
+            a, b = self._slot_rows(0, slot)
+            return [t[a:b] for t in self.stack]
+        rows_next, rows_acc = self._stack_rows(hop + 1), self._stack_rows(hop)
         return _grouped_receive_buffers(self.cfg, hop, num_circulating, [
             ((rows_next if i < num_circulating else rows_acc, *t.shape[1:]), t.dtype) for i, t in enumerate(payload)
         ], payload[0].device)
 
+    def stack_owners(self) -> tuple[Tensor, ...]:
+        """The first stack (sources ``r - g + 1 .. r``): the earlier slots arrived, this rank's own tokens go into
+        the last."""
+        a, b = self._slot_rows(0, self.owners_per_hop - 1)
+        for t, own in zip(self.stack, self.circulating, strict=True):
+            t[a:b].copy_(own)
+        stack, self.stack = tuple(self.stack), []
+        return stack
+
+    def unstack(self, slot: int, *stacked: Tensor) -> tuple[Tensor, ...]:
+        """Slot ``slot`` of the last stack's sums: one source's rows of each (views)."""
+        a, b = self._slot_rows(self.cfg.ring.size // self.owners_per_hop - 1, slot)
+        return tuple(t[a:b] for t in stacked)
+
     def _rows(self, hop: int, ids_TK: Tensor, scores_TK: Tensor) -> HopRows:
-        src = self._source(hop)
-        routing = PairRouting.build(ids_TK, self.counts_host_NE[src], self.cfg.experts_per_rank)
-        return HopRows(routing=routing, chunks=self.chunks[hop], src=src,
+        # ``src`` names the visiting rows' source to an expert function's counts (a stack's: its first source's).
+        routing = PairRouting.build(ids_TK, self.hop_counts_E[hop], self.cfg.experts_per_rank)
+        return HopRows(routing=routing, chunks=self.chunks[hop], src=self._sources(hop)[0],
                        scores_S=torch.index_select(scores_TK.reshape(-1), 0, routing.order_P))
 
     def _own_range(self, rows: HopRows) -> tuple[int, int]:
@@ -474,6 +518,10 @@ class TokenRoutingStep:
         segment_forward(self.cfg, self._rows(hop, ids_TK, scores_TK), x_TH, self.weights, RowSum.of(y_TH))
         return (y_TH,)
 
+    def forward_group(self, group: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> tuple[Tensor, ...]:
+        """The pairs of stack ``group``'s tokens for this rank's experts: its ``y`` partial."""
+        return self.forward_hop(group, x_TH, ids_TK, scores_TK)
+
     @_drains(_token_partials)
     def backward_hop(
         self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
@@ -483,6 +531,13 @@ class TokenRoutingStep:
         ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
         segment_backward(self.cfg, rows, x_TH, self.weights, dy_TH, RowSum.of(dx_TH), ds_S, self.dw)
         return dx_TH, self._scores_grad(rows, ds_S, scores_TK)
+
+    def backward_group(
+        self, group: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
+    ) -> tuple[Tensor, ...]:
+        """The pairs of stack ``group``'s tokens for this rank's experts (recomputed per chunk): their ``dx``
+        and ``d_scores`` partials; the experts' weight gradients stay here."""
+        return self.backward_hop(group, x_TH, ids_TK, scores_TK, dy_TH)
 
     @_drains(_no_activations)
     def recompute_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> HopActivations:
@@ -503,6 +558,9 @@ class TokenRoutingStep:
 
     @_drains(_trailing)
     def finish(self, *trailing: Tensor) -> tuple[Tensor, ...]:
+        if self.owners_per_hop > 1:  # the g sums returned to this source, one per residue class of ranks
+            n = len(trailing) // self.owners_per_hop
+            trailing = tuple(functools.reduce(torch.add, trailing[i::n]) for i in range(n))
         # The returned y (forward) or dx (backward) in the tokens' dtype; d_scores has it already.
         token_sum, *rest = trailing
         token_sum = token_sum.to(self.circulating[0].dtype)

@@ -54,7 +54,13 @@ from relay_compile.runtime.agreement import (
     agree_kept,
     remember_status,
 )
-from relay_compile.runtime.cost_model import OwnerOptions, calibration_code, calibration_for, stacks_of
+from relay_compile.runtime.cost_model import (
+    OwnerOptions,
+    calibration_code,
+    calibration_for,
+    stacks_of,
+    token_partitions,
+)
 from relay_compile.runtime.decision import BlockSizes
 from relay_compile.runtime.all_to_all import AllToAllStep
 from relay_compile.runtime.hop_compute import (
@@ -274,9 +280,10 @@ def _block_sizes(max_hop_rows: MaxHopRows, cfg: RingStepConfig, x: Tensor, topk_
 
 
 def _owner_options(cfg: RingStepConfig, hop: HopShape) -> OwnerOptions:
-    """What the expert ring may hold per hop at ``hop``: the rules' owners and, for grouped experts, larger
-    stacks (``ring_options.larger_owners``); an expert function without grouped entry points one owner."""
-    return OwnerOptions((1, 1)) if cfg.grouped is None else stacks_of(hop)
+    """What the ring may hold per hop at ``hop``: the expert rules' owners and, for grouped experts, larger
+    stacks (``ring_options.larger_owners``), an expert function without grouped entry points one owner; token
+    routing's sources (any expert function)."""
+    return OwnerOptions((1, 1), token=token_partitions(hop)) if cfg.grouped is None else stacks_of(hop)
 
 
 @torch.library.custom_op("relaymoe::ring_moe", mutates_args=())

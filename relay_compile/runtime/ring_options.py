@@ -64,7 +64,8 @@ class HopShape:
 
     ``row_bytes``: an estimate of a forward row's footprint through the experts, both widths of each stacked
     expert matrix (``(F + H)`` per matrix: the rows in and out of each GEMM) in the tokens' dtype, whatever the
-    layout; ``partition_bytes``: one rank's expert weights as they circulate; ``token_bytes``: one token's row.
+    layout; ``partition_bytes``: one rank's expert weights as they circulate; ``token_bytes``: one token's row;
+    ``elem_bytes``: the tokens' element size.
     """
 
     ranks: int
@@ -74,6 +75,7 @@ class HopShape:
     row_bytes: int
     partition_bytes: int
     token_bytes: int
+    elem_bytes: int = 2
 
     @staticmethod
     def of(ranks: int, tokens_N: Sequence[int], top_k: int, weights: Sequence[tuple[Sequence[int], int]],
@@ -85,6 +87,7 @@ class HopShape:
             ranks=ranks, max_tokens=max(tokens_N), min_tokens=min(tokens_N), top_k=top_k,
             row_bytes=sum(shape[1] + shape[2] for shape in matrices) * elem_bytes,
             partition_bytes=sum(nbytes for _, nbytes in weights), token_bytes=hidden * elem_bytes,
+            elem_bytes=elem_bytes,
         )
 
 
@@ -108,6 +111,71 @@ def _backward_owner_bytes(shape: HopShape) -> int:
     """What one more owner in a backward hop holds: ``R`` backward rows and six partitions' bytes (weights
     computed and arriving, their fp32 gradient sums summed and arriving)."""
     return _hop_rows(shape) * shape.row_bytes * AUTO_FORWARD_ROWS_FACTOR + 6 * shape.partition_bytes
+
+
+# Bytes of one routed token's routing as token routing circulates it: its ``K`` int64 expert ids and ``K`` scores
+# (counted at 4 bytes: an upper bound for bf16 scores, exact for fp32 ones).
+_ROUTING_BYTES_PER_K = 8 + 4
+# Bytes of one element of a sum token routing carries across hops (``y``, ``dx``): fp32, the default
+# ``fp32_accumulation`` (an upper bound without it).
+_SUM_ELEM_BYTES = 4
+
+
+def _token_sum_bytes(shape: HopShape) -> int:
+    """One token's row of a travelling sum (``y`` or ``dx``): the row in fp32."""
+    return shape.token_bytes * _SUM_ELEM_BYTES // max(1, shape.elem_bytes)
+
+
+def _forward_partition_bytes(shape: HopShape) -> int:
+    """What one more source's tokens in a forward hop of token routing hold: its tokens and their routing in the
+    stack computed and the one arriving, their ``y`` sums in the stack summed and the one arriving, and ``R``
+    rows through the experts (``max_tokens``: the largest partition)."""
+    tokens = shape.max_tokens * (shape.token_bytes + shape.top_k * _ROUTING_BYTES_PER_K)
+    return 2 * tokens + 2 * shape.max_tokens * _token_sum_bytes(shape) + _hop_rows(shape) * shape.row_bytes
+
+
+def _backward_partition_bytes(shape: HopShape) -> int:
+    """``_forward_partition_bytes`` of a backward hop: ``dy`` travels beside ``x``, ``dx`` and ``d_scores`` sums
+    trail them, and ``R`` backward rows (``AUTO_FORWARD_ROWS_FACTOR`` forward rows each)."""
+    t = shape.max_tokens
+    tokens = t * (2 * shape.token_bytes + shape.top_k * _ROUTING_BYTES_PER_K)
+    sums = t * (_token_sum_bytes(shape) + shape.top_k * 4)
+    return 2 * tokens + 2 * sums + _hop_rows(shape) * shape.row_bytes * AUTO_FORWARD_ROWS_FACTOR
+
+
+def token_partitions_per_hop(shape: HopShape) -> int:
+    """How many sources' tokens one forward hop of token routing holds (``programs.build``: the grouped rings).
+
+    As ``owners_per_hop``: ``g`` partitions per hop run ``N / g`` hops instead of ``N`` (the first stack gathered
+    at hop 0), with ``g R`` at most ``AUTO_MIN_HOP_ROWS`` rows, and what the ``g - 1`` more partitions hold stays
+    within one top-k-expanded ``[T*K, H]`` buffer of ``min_tokens``. A partition is a whole rank's tokens, not a
+    hop's rows, so far fewer fit than owners do: each more one holds its tokens and their fp32 ``y`` sums twice
+    (computed and arriving), ``12 T H`` bytes in bf16 against the budget's ``2 K T H``.
+
+    Qwen3 layer, bf16 (``K = 8``): 2 at EP=16 up to 16384 tokens per rank and at EP=32-64 up to 32768, else 1
+    (EP=8: 1); ``token_backward_partitions_per_hop``: 1 at every one of those (``dy`` and the ``dx`` sums too).
+    """
+    g = 1
+    while (_stackable(shape, 2 * g) and (2 * g - 1) * _forward_partition_bytes(shape) <= _owners_budget(shape)
+           and 2 * g * _hop_rows(shape) <= AUTO_MIN_HOP_ROWS):
+        g *= 2
+    return g
+
+
+def token_backward_partitions_per_hop(shape: HopShape) -> int:
+    """``token_partitions_per_hop`` for a backward hop (``_backward_partition_bytes`` each partition beyond the
+    first, at most ``AUTO_MIN_HOP_ROWS / AUTO_FORWARD_ROWS_FACTOR`` rows a hop, as ``backward_owners_per_hop``)."""
+    g = 1
+    while (_stackable(shape, 2 * g) and (2 * g - 1) * _backward_partition_bytes(shape) <= _owners_budget(shape)
+           and 2 * g * _hop_rows(shape) <= AUTO_MIN_HOP_ROWS // AUTO_FORWARD_ROWS_FACTOR):
+        g *= 2
+    return g
+
+
+def token_extra_bytes(shape: HopShape, forward: int, backward: int) -> int:
+    """Bytes a token ring of ``forward`` / ``backward`` partitions per hop holds beyond one per hop (the larger
+    direction, as ``grouped_extra_bytes``)."""
+    return max((forward - 1) * _forward_partition_bytes(shape), (backward - 1) * _backward_partition_bytes(shape))
 
 
 def grouped_extra_bytes(shape: HopShape, forward: int, backward: int) -> int:

@@ -252,6 +252,11 @@ class MoEUnderTheStandinGroup(StandinTestCase):
         want = _forward_backward(model, x, ids, scores, weights)
         got = _forward_backward(ring_moe, x, ids, scores, weights, group=group, routing="token")
         self.assert_all_close(got, want, "ring_moe(token) at N=4")
+        # Two sources per hop: every stack is two copies of this rank's tokens, their sums two slots returned.
+        with unittest.mock.patch.object(pipeline, "token_partitions_per_hop", return_value=2), \
+                unittest.mock.patch.object(pipeline, "token_backward_partitions_per_hop", return_value=2):
+            got = _forward_backward(ring_moe, x, ids, scores, weights, group=group, routing="token")
+        self.assert_all_close(got, want, "ring_moe(token), two sources per hop, at N=4")
 
     def test_compiled_rows_pass_the_group_by_name_and_equal_the_eager_a2a(self) -> None:
         # torch 2.11's Dynamo cannot proxy the stand-in group object (docs/ARCHITECTURE.md, section 5 "Measured
@@ -393,13 +398,15 @@ class TransfersOnALinkStream(StandinTestCase):
         # Forward and backward on a link whose copies run only once waited on: every received buffer the ring
         # reads and every sent tensor it writes again must be waited on first, as NCCL's streams require. Expert
         # routing with one and several owners per hop (weights and their travelling gradients), token routing
-        # (partitions and the partial sums added into on arrival).
+        # with one and several sources per hop (partitions and the partial sums added into on arrival).
         world, e_l = 4, 2
         plain, linked = standin_group(world), standin_group(world, link_stream=True)
         x, ids, scores, weights = _inputs(world, e_l, seed=3)
         link = _DeferredLink()
-        for routing, owners in (("expert", 1), ("expert", 2), ("token", 1)):
-            with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=owners):
+        for routing, owners in (("expert", 1), ("expert", 2), ("token", 1), ("token", 2)):
+            with unittest.mock.patch.object(pipeline, "owners_per_hop", return_value=owners), \
+                    unittest.mock.patch.object(pipeline, "token_partitions_per_hop", return_value=owners), \
+                    unittest.mock.patch.object(pipeline, "token_backward_partitions_per_hop", return_value=owners):
                 want = _forward_backward(ring_moe, x, ids, scores, weights, group=plain, routing=routing)
                 with unittest.mock.patch.object(StandinGroup, "_link",
                                                 lambda self, device: link if self.link_stream else None):

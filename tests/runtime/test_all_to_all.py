@@ -342,6 +342,31 @@ class Decision(unittest.TestCase):
         self.assertEqual(choice.execution, "expert")
         self.assertLess(ring_time(shape, "expert", H200).total_ms, ring_time(shape, "token", H200).total_ms)
 
+    def test_a_token_ring_is_predicted_and_held_with_the_sources_per_hop_its_rules_give(self) -> None:
+        # Qwen3, EP=64, 8192 tokens: two sources per forward hop, one per backward hop (ring_options), any F.
+        shape = qwen3(8192, 64)
+        self.assertEqual(owner_options(shape).token, (2, 1))
+        choice = choose(shape, routing="token", ring="always", cal=H200)
+        self.assertEqual((choice.execution, choice.owners), ("token", (2, 1)))
+        self.assertIn("2/1 sources per forward/backward hop", choice.reason)
+        plain = ring_time(shape, "token", H200)
+        stacked = ring_time(shape, "token", H200, owners_per_hop=2)
+        self.assertEqual((plain.hops, stacked.hops), (128, 96))
+        self.assertLess(stacked.host_ms, plain.host_ms)  # 32 hop passes fewer, each computing E_l experts
+        # The same pairs sorted and the same bytes sent (a stack moves two partitions half as often).
+        self.assertAlmostEqual(stacked.gpu_ms, plain.gpu_ms, places=9)
+        volumes = per_hop_bytes("token", tokens=8192, hidden=2048, top_k=8, experts_per_rank=2,
+                                expert_bytes=shape.expert_bytes, elem_bytes=2, expert_grad_bytes=1, sum_elem_bytes=4)
+        traffic = ring_traffic("token", 64, 2, 1, volumes)
+        self.assertEqual(traffic.total, ring_traffic("token", 64, 1, 1, volumes).total)
+        self.assertEqual(traffic.exposed + traffic.forward_transfers * traffic.forward_hop
+                         + traffic.backward_transfers * traffic.backward_hop, traffic.total)
+        # The peak counts the forward's extra source (its tokens and sums, twice), within one expanded buffer.
+        extra = (predicted_peak_bytes(shape, "auto", sources=(2, 1))["ring"]
+                 - predicted_peak_bytes(shape, "auto")["ring"])
+        self.assertGreater(extra, 0)
+        self.assertLessEqual(extra, 8192 * 8 * 2048 * 2)
+
     def test_a_link_adds_exposed_transfer_time_to_both_and_more_to_the_all_to_all_at_large_tokens(self) -> None:
         shape = qwen3(65536, 8)
         linked = H200.with_link(50.0)  # an inter-node class link

@@ -249,10 +249,56 @@ ring_wait grad hop=3
 finish grad hop=3""")
         check_overlap(gm)
 
-    def test_owners_per_hop_is_refused_where_the_ring_cannot_group_them(self) -> None:
-        for direction, routing, n, g in (("backward", "token", 8, 2), ("forward", "token", 8, 2),
+    def test_token_forward_stacks_sources_and_trails_their_sums_as_the_expert_backward_does(self) -> None:
+        # N=4, two sources per hop: the first stack (sources r-1, r) gathered, the next one (r-3, r-2) arriving
+        # two ranks on while the first computes; y sums trail one stack behind, then each slot goes home.
+        gm = ring_program(schedule_for("forward", "token", 4, 3, owners_per_hop=2), True, True)
+        self.assertExpectedInline(schedule_text(gm), """\
+ring_start forward hop=0 xfer=0 sends=3 stride=1 slot=0
+ring_wait forward hop=0
+stack_owners forward hop=0
+ring_start forward hop=0 xfer=1 sends=3 stride=2
+hop_forward_group forward hop=0
+ring_start forward hop=1 xfer=2 sends=1 stride=2
+ring_wait forward hop=0
+hop_forward_group forward hop=1
+ring_wait forward hop=1
+accumulate forward hop=1
+unstack forward hop=2
+ring_start forward hop=2 xfer=3 sends=1 stride=1
+unstack forward hop=2
+ring_start forward hop=2 xfer=4 sends=1 stride=2
+ring_wait forward hop=2
+ring_wait forward hop=2
+finish forward hop=2""")
+        check_overlap(gm)
+
+    def test_token_backward_stacks_sources_with_their_output_gradients_and_trails_dx_and_d_scores(self) -> None:
+        gm = ring_program(schedule_for("backward", "token", 4, 3, owners_per_hop=2), True, True)
+        self.assertExpectedInline(schedule_text(gm), """\
+ring_start grad hop=0 xfer=0 sends=4 stride=1 slot=0
+ring_wait grad hop=0
+stack_owners grad hop=0
+ring_start grad hop=0 xfer=1 sends=4 stride=2
+hop_backward_group grad hop=0
+ring_start grad hop=1 xfer=2 sends=2 stride=2
+ring_wait grad hop=0
+hop_backward_group grad hop=1
+ring_wait grad hop=1
+accumulate grad hop=1
+unstack grad hop=2
+ring_start grad hop=2 xfer=3 sends=2 stride=1
+unstack grad hop=2
+ring_start grad hop=2 xfer=4 sends=2 stride=2
+ring_wait grad hop=2
+ring_wait grad hop=2
+finish grad hop=2""")
+        check_overlap(gm)
+
+    def test_partitions_per_hop_are_refused_where_the_ring_cannot_stack_them(self) -> None:
+        for direction, routing, n, g in (("backward", "token", 6, 4), ("forward", "token", 2, 2),
                                          ("forward", "expert", 6, 4), ("backward", "expert", 4, 4)):
-            with self.assertRaisesRegex(ValueError, "owners per hop needs expert routing on a ring of a multiple"):
+            with self.assertRaisesRegex(ValueError, "partitions per hop need a ring of a multiple"):
                 schedule_for(direction, routing, n, 2, owners_per_hop=g)
 
     def test_check_overlap_rejects_a_transfer_posted_after_its_hop(self) -> None:

@@ -16,6 +16,8 @@ from relay_compile.runtime.ring_options import (
     InvalidRingOption,
     RingOptions,
     backward_owners_per_hop,
+    token_backward_partitions_per_hop,
+    token_partitions_per_hop,
     hop_row_bound,
     owners_per_hop,
 )
@@ -100,6 +102,26 @@ class RingOptionsAreValidatedOnce(unittest.TestCase):
                          [1, 1, 2, 2, 4, 1])
         hop_rows = 65536 * 8 // 64
         self.assertLessEqual(self.owners(64, 65536) * hop_rows, AUTO_MIN_HOP_ROWS)
+
+    def test_token_routing_stacks_sources_only_where_their_whole_partitions_fit_one_expanded_buffer(self) -> None:
+        def sources(ranks: int, tokens: int, top_k: int = 8, hidden: int = 2048, other_tokens: int | None = None,
+                    ) -> tuple[int, int]:
+            e_l = 128 // ranks  # Qwen3 SwiGLU, packed, bf16
+            weights = [((e_l, 1536, hidden), e_l * 1536 * hidden * 2), ((e_l, hidden, 768), e_l * 768 * hidden * 2)]
+            tokens_N = [tokens] * (ranks - 1) + [tokens if other_tokens is None else other_tokens]
+            shape = HopShape.of(ranks, tokens_N, top_k, weights, hidden, 2)
+            return token_partitions_per_hop(shape), token_backward_partitions_per_hop(shape)
+
+        # A source more holds its whole tokens and their fp32 sums twice (~12 T H bytes in bf16) against the
+        # budget's 2 K T H = 16 T H: one more fits a forward hop, none a backward hop (dy and dx too).
+        self.assertEqual([sources(64, t) for t in (2048, 8192, 32768)], [(2, 1)] * 3)
+        self.assertEqual(sources(16, 32768), (1, 1))  # 2 x 16384-row hops would pass AUTO_MIN_HOP_ROWS
+        self.assertEqual(sources(8, 4096), (1, 1))  # EP=8: a hop's R = T rows (about 26 MB more) tips it over
+        self.assertEqual(sources(64, 8192, other_tokens=4096), (1, 1))  # the smallest rank's buffer bounds it
+        # Top-1 routing: the budget is one partition's tokens; nothing stacks.
+        self.assertEqual(sources(64, 8192, top_k=1), (1, 1))
+        # Wide top-k (K=32: budget 64 T H): four sources forward, two backward.
+        self.assertEqual(sources(64, 1024, top_k=32), (4, 2))
 
     def test_backward_owners_group_hops_under_half_the_auto_rows_within_one_expanded_buffer(self) -> None:
         def backward(ranks: int, tokens: int, top_k: int = 8, hidden: int = 2048, ffn: int = 768,

@@ -47,6 +47,12 @@ stacks' weight gradients trail them one group behind, also ``g`` ranks per hop. 
 A gradient stack travels along the ranks ``r, r+g, r+2g, ...``: each of an owner's ``g`` returned sums holds the
 contributions of one residue class of ranks mod ``g``, so the ``g`` together hold every rank's.
 
+Token routing with ``g > 1`` (``ring_options.token_partitions_per_hop``) stacks ``g`` sources' tokens the same
+way (stack ``j``: sources ``r - g j - g + 1 .. r - g j``, their rows one after the other), and its trailing sums
+(``y``; backward ``dx``, ``d_scores``) follow the stacks as the expert backward's gradient sums do, each slot
+returned to its source: the forward and the backward both take the expert backward's form above, with
+``hop_forward_group`` (forward) or ``hop_backward_group`` computing a stack's pairs for this rank's experts.
+
 The naive backward is what activation checkpointing of the whole block would do: a *replay* ring first
 recomputes every hop's activations (``hop_recompute``, all kept alive), then the gradient ring consumes them
 (``hop_vjp``). ``remat`` turns it into one ring whose hops recompute, consume and release.
@@ -155,27 +161,29 @@ class _Builder:
             self.call(hop_forward_group, (self.step, group, *stack),
                       RingNode(ring="forward", hop=group, role="compute"))
 
-    def grouped_backward(self, circ0: list[fx.Node]) -> list[fx.Node]:
-        """Expert routing's backward, ``owners_per_hop`` owners per hop (module docstring); returns the ``g``
-        returned gradient sums of this rank's partition, one after the other."""
+    def grouped_trailing(self, ring: RingName, compute: Callable[..., object], circ0: list[fx.Node]
+                         ) -> list[fx.Node]:
+        """A grouped ring whose sums trail its stacks (module docstring: expert routing's backward, token
+        routing's forward and backward), ``compute`` a stack's hop; returns the ``g`` sums returned to this rank,
+        one after the other."""
         g, n, n_trail = self.sched.owners_per_hop, self.sched.num_hops, self.sched.num_trailing
-        stack = self.gather_stack("grad", circ0)
+        stack = self.gather_stack(ring, circ0)
         last = n // g - 1
-        grads = list[fx.Node]()
+        sums = list[fx.Node]()
         for group in range(last + 1):
-            partial = self.call_items(hop_backward_group, (self.step, group, *stack),
-                                      RingNode(ring="grad", hop=group, role="compute"), n_trail)
+            partial = self.call_items(compute, (self.step, group, *stack),
+                                      RingNode(ring=ring, hop=group, role="compute"), n_trail)
             send = stack if group < last else []
-            received = self.transfer("grad", group, g - 1 + group, send, grads, stride=g)
+            received = self.transfer(ring, group, g - 1 + group, send, sums, stride=g)
             stack, incoming = received[: len(send)], received[len(send):]
-            grads = (self.call_items(accumulate, (n_trail, *incoming, *partial),
-                                     RingNode(ring="grad", hop=group, role="accumulate"), n_trail)
-                     if group else partial)
+            sums = (self.call_items(accumulate, (n_trail, *incoming, *partial),
+                                    RingNode(ring=ring, hop=group, role="accumulate"), n_trail)
+                    if group else partial)
         returned = list[fx.Node]()
-        for slot in range(g):  # slot s holds owner r+1+s's sums
-            sums = self.call_items(unstack, (self.step, slot, *grads),
-                                   RingNode(ring="grad", hop=last + 1, role="stack"), n_trail)
-            returned += self.transfer("grad", last + 1, g + last + slot, [], sums, stride=slot + 1)
+        for slot in range(g):  # slot s holds the sums of owner (source) r+1+s
+            slot_sums = self.call_items(unstack, (self.step, slot, *sums),
+                                        RingNode(ring=ring, hop=last + 1, role="stack"), n_trail)
+            returned += self.transfer(ring, last + 1, g + last + slot, [], slot_sums, stride=slot + 1)
         return returned
 
 
@@ -187,7 +195,9 @@ def build_program(sched: RingSchedule) -> fx.GraphModule:
     b = _Builder(graph, step, sched)
     n_trail = sched.num_trailing
     if sched.owners_per_hop > 1 and sched.direction == "backward":
-        trail = b.grouped_backward(circ0)
+        trail = b.grouped_trailing("grad", hop_backward_group, circ0)
+    elif sched.owners_per_hop > 1 and n_trail:  # token routing: the y sums trail the stacks
+        trail = b.grouped_trailing("forward", hop_forward_group, circ0)
     elif sched.owners_per_hop > 1:
         b.grouped_forward(circ0)
         trail = []

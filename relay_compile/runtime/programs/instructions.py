@@ -42,21 +42,19 @@ def hop_forward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor,
 
 
 def stack_owners(step: RingStep, *slots: Tensor) -> tuple[Tensor, ...]:
-    """A grouped ring's first owner stack, complete once ``slots`` (what the gather's transfers received into
-    it) have arrived: this rank's own weights are copied into its last slot."""
-    assert isinstance(step, ExpertRoutingStep), "stack_owners: only expert routing groups owners"
+    """A grouped ring's first stack, complete once ``slots`` (what the gather's transfers received into it) have
+    arrived: this rank's own partition (weights, or tokens) is copied into its last slot."""
     return step.stack_owners()
 
 
 def unstack(step: RingStep, slot: int, *stacked: Tensor) -> tuple[Tensor, ...]:
-    """Slot ``slot`` of owner stacks (one owner's experts of each stacked tensor), views."""
-    assert isinstance(step, ExpertRoutingStep), "unstack: only expert routing groups owners"
+    """Slot ``slot`` of the last stack's trailing sums (one owner's or source's part of each), views."""
     return step.unstack(slot, *stacked)
 
 
 def hop_forward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
-    """Grouped forward hop: the pairs that meet owner stack ``group`` (``stacked``: the owners' weights)."""
-    assert isinstance(step, ExpertRoutingStep), "hop_forward_group: only expert routing's forward groups owners"
+    """Grouped forward hop: the pairs that meet stack ``group`` (``stacked``: the owners' weights, or the
+    sources' tokens); returns trailing partials (token routing) or ``()``."""
     return step.forward_group(group, *stacked)
 
 
@@ -66,8 +64,8 @@ def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor
 
 
 def hop_backward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Tensor, ...]:
-    """Grouped backward hop: the pairs that meet owner stack ``group``; returns the stack's gradient partials."""
-    assert isinstance(step, ExpertRoutingStep), "hop_backward_group: only expert routing groups owners"
+    """Grouped backward hop: the pairs that meet stack ``group``; returns the stack's trailing partials (its
+    weight gradients, or its tokens' ``dx`` and ``d_scores``)."""
     return step.backward_group(group, *stacked)
 
 

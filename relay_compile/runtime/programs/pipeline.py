@@ -22,7 +22,13 @@ from relay_compile.runtime.programs.overlap import overlap_pass
 from relay_compile.runtime.programs.remat import remat_pass
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule, schedule_for
 from relay_compile.runtime.programs.sum_in_place import sum_in_place_pass
-from relay_compile.runtime.ring_options import HopShape, backward_owners_per_hop, owners_per_hop
+from relay_compile.runtime.ring_options import (
+    HopShape,
+    backward_owners_per_hop,
+    owners_per_hop,
+    token_backward_partitions_per_hop,
+    token_partitions_per_hop,
+)
 from relay_compile.runtime.specs import RingSpec
 
 
@@ -44,11 +50,16 @@ def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphM
 
 
 def hop_owners(direction: Direction, routing: Routing, grouped_experts: bool, shape: HopShape) -> int:
-    """The rules' owners per hop (``ring_options.owners_per_hop``, ``backward_owners_per_hop``): more than one only
-    in expert routing, of an expert function with grouped entry points (a stack of owners' weights is one operand
-    of its grouped GEMMs; any other F takes one partition per call). A call holds them unless the cost model chose
-    a larger stack (``ops._owners``)."""
-    if routing != "expert" or not grouped_experts:
+    """The rules' partitions per hop. Expert routing (``ring_options.owners_per_hop``,
+    ``backward_owners_per_hop``): more than one owner only for an expert function with grouped entry points (a
+    stack of owners' weights is one operand of its grouped GEMMs; any other F takes one partition per call); a
+    call holds them unless the cost model chose a larger stack (``ops._owners``). Token routing
+    (``ring_options.token_partitions_per_hop``, ``token_backward_partitions_per_hop``): any F (a stack of sources'
+    tokens is one visiting partition)."""
+    if routing == "token":
+        return (token_partitions_per_hop(shape) if direction == "forward"
+                else token_backward_partitions_per_hop(shape))
+    if not grouped_experts:
         return 1
     return owners_per_hop(shape) if direction == "forward" else backward_owners_per_hop(shape)
 

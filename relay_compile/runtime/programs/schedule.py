@@ -30,9 +30,11 @@ class RingSchedule:
 
     ``num_circulating``: tensors that move each hop. ``num_trailing``: accumulators one hop behind.
     ``num_replayed``: backward only, the circulating tensors the replay ring needs (a prefix).
-    ``owners_per_hop``: expert routing only, ``g`` owners' weights per hop (``build``: the grouped forward and
-    backward; the rules ``ring_options.owners_per_hop`` and ``backward_owners_per_hop`` decide it, or the cost
-    model a larger stack, ``ops._owners``); ``num_hops`` stays the ring's size ``N``.
+    ``owners_per_hop``: ``g`` partitions per hop, stacked (``build``: the grouped rings): expert routing ``g``
+    owners' weights (the rules ``ring_options.owners_per_hop`` and ``backward_owners_per_hop`` decide it, or the
+    cost model a larger stack, ``ops._owners``), token routing ``g`` sources' tokens
+    (``ring_options.token_partitions_per_hop``, ``token_backward_partitions_per_hop``); ``num_hops`` stays the
+    ring's size ``N``.
     """
 
     direction: Direction
@@ -45,9 +47,9 @@ class RingSchedule:
 
     def __post_init__(self) -> None:
         g = self.owners_per_hop
-        if g > 1 and not (self.routing == "expert" and self.num_hops % g == 0 and 2 * g <= self.num_hops):
-            raise ValueError(f"RingSchedule: {g} owners per hop needs expert routing on a ring of a multiple of "
-                             f"{g} ranks, at least {2 * g} (got {self.direction} {self.routing} on {self.num_hops})")
+        if g > 1 and not (self.num_hops % g == 0 and 2 * g <= self.num_hops):
+            raise ValueError(f"RingSchedule: {g} partitions per hop need a ring of a multiple of {g} ranks, at least "
+                             f"{2 * g} (got {self.direction} {self.routing} on {self.num_hops})")
 
 
 def schedule_for(
@@ -57,9 +59,9 @@ def schedule_for(
     """The schedule of one (direction, routing) pair; ``num_weights``: circulating weight tensors (packed);
     ``num_grads``: their gradients (default as many; fewer where FP8 weights circulate with their scales).
 
-    Expert routing circulates the weights (backward: their gradients trail); it may hold ``owners_per_hop``
-    owners' weights per hop. Token routing circulates ``(x, ids, scores)`` (backward:
-    ``+ dy``); ``y`` (backward: ``dx, d_scores``) trails.
+    Expert routing circulates the weights (backward: their gradients trail). Token routing circulates
+    ``(x, ids, scores)`` (backward: ``+ dy``); ``y`` (backward: ``dx, d_scores``) trails. Either may hold
+    ``owners_per_hop`` partitions per hop.
     """
     if routing == "expert":
         return RingSchedule(
