@@ -1,0 +1,75 @@
+"""Token routing with several sources' tokens per hop (``ring_options.token_partitions_per_hop``: stacked
+partitions, their sums trailing them home) against one source per hop, the forced token ring on the stand-in,
+a2a eager and the forced expert ring beside them; interleaved rounds, then one peak per row. "rules" is what
+the ring holds by default (Qwen3 layer, bf16: 2 / 1 sources per forward / backward hop at EP=64 up to 32768
+tokens per rank); "1/1" patches both rules to one; "2/2" forces two per backward hop too (past the rules' memory
+budget: what the backward would gain). Under the stand-in a token ring computes N x rank 0's pairs (time and
+memory only).
+
+    python docs/bench/token-stacks/token_stacks.py [--ep 64] [--tokens 4096 8192 16384] [--rounds 5]
+    python docs/bench/token-stacks/token_stacks.py --cpu --ep 8 --tokens 64 --rounds 1   # the script's smoke test
+"""
+import argparse
+import contextlib
+import statistics
+from unittest import mock
+
+from relay_compile.bench.configs import QWEN3_30B
+from relay_compile.bench.measure import peak_step, quiet_warnings, time_step
+from relay_compile.bench.sweep import standin_rows
+from relay_compile.runtime.programs import pipeline
+
+
+def sources(forward: int | None, backward: int | None):
+    """Patch the token rules to ``forward`` / ``backward`` sources per hop (None: the rule's own)."""
+    stack = contextlib.ExitStack()
+    if forward is not None:
+        stack.enter_context(mock.patch.object(pipeline, "token_partitions_per_hop", lambda shape: forward))
+    if backward is not None:
+        stack.enter_context(mock.patch.object(pipeline, "token_backward_partitions_per_hop", lambda shape: backward))
+    return stack
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=64)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cpu", action="store_true", help="a tiny fp32 layer on the CPU (checks the script only)")
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    layer = (QWEN3_30B.with_(device="cpu", dtype="fp32", hidden=16, ffn=8) if args.cpu
+             else QWEN3_30B.with_(device="cuda", dtype="bf16"))
+    for tokens in args.tokens:
+        inp, fns = standin_rows(args.ep, tokens, ["a2a eager", "ring expert", "ring token"], layer)
+        variants = {"a2a eager": (fns["a2a eager"], (None, None)),
+                    "ring expert": (fns["ring expert"], (None, None)),
+                    "ring token, 1/1": (fns["ring token"], (1, 1)),
+                    "ring token, rules": (fns["ring token"], (None, None)),
+                    "ring token, 2/2": (fns["ring token"], (2, 2))}
+        times: dict[str, list[tuple[float, float]]] = {n: [] for n in variants}
+        peaks: dict[str, int] = {}
+        with quiet_warnings():
+            for round_ in range(2 + args.rounds):
+                for name, (fn, (f, b)) in variants.items():
+                    with sources(f, b):
+                        t = time_step(fn, inp, device)
+                    if round_ >= 2:
+                        times[name].append(t)
+            for name, (fn, (f, b)) in variants.items():
+                with sources(f, b):
+                    peaks[name] = peak_step(fn, inp, device)
+        ref = statistics.median(sum(t) for t in times["a2a eager"])
+        print(f"\nEP={args.ep} T={tokens}, medians of {args.rounds} interleaved rounds")
+        print("| row | forward ms | backward ms | step ms | / a2a eager | spread | peak MiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, ts in times.items():
+            steps = [sum(t) for t in ts]
+            m = statistics.median(steps)
+            print(f"| {name} | {statistics.median(f for f, _ in ts):.2f} | {statistics.median(b for _, b in ts):.2f} "
+                  f"| {m:.2f} | {m / ref:.3f}x | {(max(steps) - min(steps)) / m:.1%} | {peaks[name] / 2**20:.0f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
