@@ -68,21 +68,29 @@ def predict(cal: Calibration, layer: dict[str, int], point: dict[str, object]) -
         return a2a_time(shape, cal).total_ms
     if row in ("ring expert", "ring expert saved", "ring token"):
         routing = "token" if row == "ring token" else "expert"
-        forward, backward = grouped_owners(shape) if routing == "expert" else (1, 1)
+        # A token ring's sources per hop as the sweep recorded them (before it did: one per hop).
+        forward, backward = grouped_owners(shape) if routing == "expert" else _sources(point)
         return ring_time(shape, routing, cal, owners_per_hop=forward, backward_owners=backward,
                          saved=row == "ring expert saved").total_ms
     if row == "ring auto":  # as the forced call decides: saving where the model says (``saved_projections``)
         choice = choose(shape, routing="auto", ring="always", cal=cal, saving=1, kept="op")
         call: object = {"execution": choice.execution, "owners_per_hop": list(choice.owners),
-                        "saves_projections": choice.saves}
+                        "sources_per_hop": list(choice.owners), "saves_projections": choice.saves}
     else:
         call = point.get("call") if row == "ring_moe default" else None
     if isinstance(call, dict) and call.get("execution") in ("expert", "token"):
         forward, backward = (call.get("owners_per_hop") or grouped_owners(shape)) if call["execution"] == "expert" \
-            else (1, 1)
+            else _sources(call)
         return ring_time(shape, call["execution"], cal, owners_per_hop=forward, backward_owners=backward,
                          saved=bool(call.get("saves_projections"))).total_ms
     return None
+
+
+def _sources(recorded: dict[str, object]) -> tuple[int, int]:
+    """The token ring's sources per forward / backward hop a point or call recorded (sweeps from before token
+    routing stacked sources record none: they ran one per hop)."""
+    forward, backward = recorded.get("sources_per_hop") or (1, 1)  # type: ignore[misc]
+    return int(forward), int(backward)
 
 
 def with_calls(sweep: dict[str, object], rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:

@@ -54,7 +54,7 @@ from relay_compile.bench.rows import (
     ring_builder,
 )
 from relay_compile.bench.standin_group import standin_group
-from relay_compile.runtime.cost_model import H200, calibration_for, choose
+from relay_compile.runtime.cost_model import H200, calibration_for, choose, owner_options
 
 # The forced ring on a stand-in whose copies leave most SMs to compute, as NCCL's channels do (``link_ctas``):
 # what its transfers could overlap on this GPU, where a ``Tensor.copy_`` beside the hops' GEMMs barely does.
@@ -136,15 +136,20 @@ def sweep_points(results: list[LayerResult]) -> dict[str, Any]:
         cal = calibration_for(torch.device(cfg.device))
         choice = choose(shape, routing="auto", ring="auto", cal=cal, saving=1)  # the default options' decision
         call = choose(shape, routing="auto", ring="auto", cal=cal, saving=1, kept="op")  # ring_moe default's call
+        # What a token ring holds (``ring_options.token_partitions_per_hop``): recorded, so that sweeps from before
+        # token routing stacked sources (one per hop) are still predicted as what they ran.
+        sources = list(owner_options(shape).token)
         decisions.append({"ep": cfg.ep, "tokens": cfg.tokens, **choice.as_dict(),
                           "call": {"execution": call.execution, "saves_projections": call.saves,
-                                   "owners_per_hop": list(call.owners)}})
+                                   "owners_per_hop": list(call.owners), "sources_per_hop": sources}})
         for row in result.rows:
             if row.skipped or row.total_ms is None:
                 continue
             point: dict[str, Any] = {"ep": cfg.ep, "tokens": cfg.tokens, "row": row.row, "ms": round(row.total_ms, 3),
                                      "spread": row.spread, "peak_bytes": row.peak_bytes,
                                      "time_ratio": row.time_ratio, "peak_ratio": row.peak_ratio}
+            if row.row.startswith("ring token"):
+                point["sources_per_hop"] = sources
             # A default call is predicted as the ring it runs (``calibrate.with_calls``), the others by their name.
             predicted = predict(cal, layer, with_calls({"decisions": decisions[-1:]}, [point])[0])
             if predicted is not None:

@@ -136,6 +136,21 @@ class Calibration(unittest.TestCase):
         self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | 6.67x / 5.0x |", text)
         later = table([*data["rows"], {**data["rows"][-1], "row": "another row"}])
         self.assertIn("| 64 | 4096 | 12.0 | 1.04x / 1.0x | 6.67x / 5.0x | 1.04x / 1.0x |", later)
+        self.check_token_rows_are_predicted_with_the_sources_per_hop_they_ran(result)
+
+    def check_token_rows_are_predicted_with_the_sources_per_hop_they_ran(self, result: LayerResult) -> None:
+        # EP=64, 4096 tokens: the token ring holds two sources per forward hop (ring_options); a point records it,
+        # and one from an older sweep (no record) is predicted as the one source per hop it ran.
+        token = sweep_points([dataclasses.replace(result, rows=[
+            dataclasses.replace(result.rows[1], row="ring token")])])
+        (point,) = token["rows"]
+        self.assertEqual(point["sources_per_hop"], [2, 1])
+        self.assertEqual(token["decisions"][0]["call"]["sources_per_hop"], [2, 1])
+        older = {k: v for k, v in point.items() if k != "sources_per_hop"}
+        shape = shape_of(LAYER, 64, 4096)
+        self.assertEqual(predict(H200, LAYER, point), ring_time(shape, "token", H200, owners_per_hop=2).total_ms)
+        self.assertEqual(predict(H200, LAYER, older), ring_time(shape, "token", H200).total_ms)
+        self.assertLess(predict(H200, LAYER, point), predict(H200, LAYER, older))
 
 
 if __name__ == "__main__":
