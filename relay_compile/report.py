@@ -48,7 +48,9 @@ class RegionReport:
     execution_predicted: str = ""
     decision: str = ""
     predicted_ms: dict[str, dict[str, float]] = field(default_factory=dict)
-    owners_per_hop: list[int] = field(default_factory=list)  # the expert ring's, per forward and backward hop
+    # Partitions per forward and backward hop of the predicted ring: the expert ring's owners, the token ring's
+    # sources (``cost_model.Choice.owners``)
+    owners_per_hop: list[int] = field(default_factory=list)
     # The expert ring's forward saves its first projections for the backward (option ``save_projections``)
     saves_projections: bool = False
     # How the experts run at each hop: "grouped: <what F was recognized as>", "compiled (<inner compiler>): <what

@@ -409,12 +409,14 @@ def ring_traffic(routing: Routing, n: int, g: int, g_b: int, volumes: dict[str, 
     last trip home are exposed, and ``n / g - 1`` transfers of ``g`` partitions hide behind the passes.
     """
     if routing == "token":
-        f, b = volumes["forward"], volumes["backward"]
-        if g == g_b == 1:
-            return RingTraffic(total=n * (f + b), exposed=0.0, forward_hop=f, backward_hop=b, forward_transfers=n,
-                               backward_transfers=n)
-        return RingTraffic(total=n * (f + b), exposed=g * f + g_b * b, forward_hop=g * f, backward_hop=g_b * b,
-                           forward_transfers=n // g - 1, backward_transfers=n // g_b - 1)
+        def direction(g: int, volume: float) -> tuple[float, int]:  # (exposed bytes, hidden transfers)
+            return (0.0, n) if g == 1 else (g * volume, n // g - 1)
+
+        (exposed_f, transfers_f), (exposed_b, transfers_b) = direction(g, volumes["forward"]), direction(
+            g_b, volumes["backward"])
+        return RingTraffic(total=n * (volumes["forward"] + volumes["backward"]), exposed=exposed_f + exposed_b,
+                           forward_hop=g * volumes["forward"], backward_hop=g_b * volumes["backward"],
+                           forward_transfers=transfers_f, backward_transfers=transfers_b)
     w = volumes["forward"]
     grad = volumes["backward"] - w
     return RingTraffic(total=(n - 1) * w + (n - 1) * w + n * grad, exposed=((g - 1) + (g_b - 1)) * w + g_b * grad,
@@ -543,8 +545,8 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     """The ``routing`` (``"auto"``: the faster one) and ``ring`` options resolved for ``shape``.
 
     ``owners``: owners per forward and per backward hop of the expert ring (``(1, 1)``: an expert function
-    without grouped entry points); ``OwnerOptions``: the rules' owners and larger stacks; None: those of grouped
-    experts (``owner_options``). Under ``ring="auto"``, where every ring with the rules' owners is predicted
+    without grouped entry points; the token ring then holds its rules' sources); ``OwnerOptions``: the rules'
+    owners, larger stacks and the token ring's sources; None: those of grouped experts (``owner_options``). Under ``ring="auto"``, where every ring with the rules' owners is predicted
     slower than a2a eager's predicted time (``times["a2a"]``), the expert ring is predicted with the fastest of
     the larger stacks instead (where that is faster): a ring that then wins runs where the block would otherwise
     keep an all-to-all that holds several times its memory. That time decides this whatever ``kept``, so a region's
@@ -561,8 +563,10 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     without the backend takes.
     """
     routings: tuple[Routing, ...] = ("expert", "token") if routing == "auto" else (routing,)  # type: ignore[assignment]
+    # A tuple of expert owners (an expert function without grouped entry points): token routing's sources per hop
+    # still follow its rules (any expert function).
     stacks = (owner_options(shape) if owners is None else owners if isinstance(owners, OwnerOptions)
-              else OwnerOptions(owners))
+              else OwnerOptions(owners, token=token_partitions(_hop_shape(shape))))
     forward, backward = stacks.rules
     held_by = {"expert": stacks.rules, "token": stacks.token}
     times = {r: ring_time(shape, r, cal, owners_per_hop=held_by[r][0], backward_owners=held_by[r][1],

@@ -152,8 +152,9 @@ def token_partitions_per_hop(shape: HopShape) -> int:
     hop's rows, so far fewer fit than owners do: each more one holds its tokens and their fp32 ``y`` sums twice
     (computed and arriving), ``12 T H`` bytes in bf16 against the budget's ``2 K T H``.
 
-    Qwen3 layer, bf16 (``K = 8``): 2 at EP=16 up to 16384 tokens per rank and at EP=32-64 up to 32768, else 1
-    (EP=8: 1); ``token_backward_partitions_per_hop``: 1 at every one of those (``dy`` and the ``dx`` sums too).
+    Qwen3 layer, bf16 (``K = 8``): 2 at EP=16 up to 16384 tokens per rank, EP=32 up to 32768, EP=64 up to 65536,
+    else 1 (EP=8: 1); ``token_backward_partitions_per_hop``: 1 at every one of those (``dy`` and the ``dx`` sums
+    too: one more source's bytes exceed the budget whatever the tokens).
     """
     g = 1
     while (_stackable(shape, 2 * g) and (2 * g - 1) * _forward_partition_bytes(shape) <= _owners_budget(shape)

@@ -366,6 +366,10 @@ class Decision(unittest.TestCase):
                  - predicted_peak_bytes(shape, "auto")["ring"])
         self.assertGreater(extra, 0)
         self.assertLessEqual(extra, 8192 * 8 * 2048 * 2)
+        # An expert function without grouped entry points (owners given as a tuple) still stacks token sources.
+        self.assertEqual(choose(shape, routing="token", ring="always", cal=H200, owners=(1, 1)).owners, (2, 1))
+        # A direction of one source per hop is the plain ring's: nothing exposed, a transfer behind every hop.
+        self.assertEqual((traffic.backward_transfers, traffic.exposed), (64, 2 * volumes["forward"]))
 
     def test_a_link_adds_exposed_transfer_time_to_both_and_more_to_the_all_to_all_at_large_tokens(self) -> None:
         shape = qwen3(65536, 8)
