@@ -13,7 +13,8 @@ programs: the programs say *when* (hop order, transfers), the step says *what* (
   backward's first stack starts a gradient stack (in the sums' dtype), which then trails the weight stacks.
 - ``TokenRoutingStep``: experts stay; at hop ``h`` rank ``r`` holds the tokens of source ``(r - h) mod N`` and
   computes their pairs for its own experts. The output (backward: ``dx``, ``d_scores``) accumulator travels
-  one hop behind the tokens; weight gradients accumulate locally. A grouped ring holds ``g`` sources' tokens per
+  one hop behind the tokens, and every hop but the first adds into it as it arrives (``forward_hop_into``,
+  ``backward_hop_into``: the program pass ``sum_in_place``); weight gradients accumulate locally. A grouped ring holds ``g`` sources' tokens per
   hop, stacked row after row and computed as one visiting partition; their sums trail the stacks and each slot
   returns to its source.
 
@@ -460,8 +461,9 @@ class TokenRoutingStep:
         a = sum(self.rows_N[src] for src in sources[:slot])
         return a, a + self.rows_N[sources[slot]]
 
-    # Its travelling partial sums are added to once the whole transfer arrived: one batch.
-    sums_travel_first = False
+    # Its hops add into the sums they receive (``sum_in_place``; the first hop starts them): its transfers send the
+    # sums ahead of the next tokens, as a batch of their own.
+    sums_travel_first = True
 
     def receive_buffers(
         self, hop: int, num_circulating: int, payload: Sequence[Tensor], slot: int | None = None
@@ -522,6 +524,25 @@ class TokenRoutingStep:
         """The pairs of stack ``group``'s tokens for this rank's experts: its ``y`` partial."""
         return self.forward_hop(group, x_TH, ids_TK, scores_TK)
 
+    def _arriving(self, transfer: RingTransfer, first: int, like_TH: Tensor) -> tuple[RowSum, Callable[[], tuple[Tensor, ...]]]:
+        """The visiting tokens' sums arriving with ``transfer`` (its received tensors from ``first`` on) as a
+        ``RowSum`` waited for at its first add, and what gives them all (waiting if nothing added)."""
+        arrived = functools.cache(lambda: _arrived_sums(transfer, first))
+        return RowSum.arriving(self.cfg.sum_dtype(like_TH), lambda: arrived()[0]), arrived
+
+    @_drains(_incoming_sums)
+    def forward_hop_into(self, hop: int, transfer: RingTransfer, first: int, x_TH: Tensor, ids_TK: Tensor,
+                         scores_TK: Tensor) -> tuple[Tensor, ...]:
+        """``forward_hop`` adding into the visiting tokens' ``y`` sums arriving with ``transfer`` (as
+        ``ExpertRoutingStep.backward_hop_into``): no partial of its own; returns those sums, now with this hop's."""
+        y, arrived = self._arriving(transfer, first, x_TH)
+        segment_forward(self.cfg, self._rows(hop, ids_TK, scores_TK), x_TH, self.weights, y)
+        return arrived()
+
+    def forward_group_into(self, group: int, transfer: RingTransfer, first: int, x_TH: Tensor, ids_TK: Tensor,
+                           scores_TK: Tensor) -> tuple[Tensor, ...]:
+        return self.forward_hop_into(group, transfer, first, x_TH, ids_TK, scores_TK)
+
     @_drains(_token_partials)
     def backward_hop(
         self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor, dy_TH: Tensor
@@ -538,6 +559,25 @@ class TokenRoutingStep:
         """The pairs of stack ``group``'s tokens for this rank's experts (recomputed per chunk): their ``dx``
         and ``d_scores`` partials; the experts' weight gradients stay here."""
         return self.backward_hop(group, x_TH, ids_TK, scores_TK, dy_TH)
+
+    @_drains(_incoming_sums)
+    def backward_hop_into(self, hop: int, transfer: RingTransfer, first: int, x_TH: Tensor, ids_TK: Tensor,
+                          scores_TK: Tensor, dy_TH: Tensor) -> tuple[Tensor, ...]:
+        """``backward_hop`` adding into the visiting tokens' ``dx`` and ``d_scores`` sums arriving with
+        ``transfer``; returns them. A pair's score gradient is written on its expert's rank only, so the arriving
+        ``d_scores`` are zero at this rank's pairs: added, they are exact."""
+        rows = self._rows(hop, ids_TK, scores_TK)
+        dx, arrived = self._arriving(transfer, first, x_TH)
+        ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
+        segment_backward(self.cfg, rows, x_TH, self.weights, dy_TH, dx, ds_S, self.dw)
+        dx_TH, ds_TK = arrived()
+        a, b = self._own_range(rows)
+        ds_TK.view(-1).index_add_(0, rows.routing.order_P[a:b], ds_S[a:b].to(ds_TK.dtype))
+        return dx_TH, ds_TK
+
+    def backward_group_into(self, group: int, transfer: RingTransfer, first: int, x_TH: Tensor, ids_TK: Tensor,
+                            scores_TK: Tensor, dy_TH: Tensor) -> tuple[Tensor, ...]:
+        return self.backward_hop_into(group, transfer, first, x_TH, ids_TK, scores_TK, dy_TH)
 
     @_drains(_no_activations)
     def recompute_hop(self, hop: int, x_TH: Tensor, ids_TK: Tensor, scores_TK: Tensor) -> HopActivations:

@@ -19,6 +19,8 @@ Legend (docs/ARCHITECTURE.md): T tokens, H hidden, S rows of a chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -33,8 +35,12 @@ class RowSum:
 
     ``RowSum(like_TH, dtype)``: zeros shaped like ``like_TH`` in ``dtype``, stored in two row blocks when
     ``dtype`` is twice as wide as ``like_TH``'s (the fp32 sum of bf16 or fp16 tokens, module docstring).
-    ``RowSum.of(sum_TH)`` wraps an existing sum (token routing's travelling partials) as one block.
+    ``RowSum.of(sum_TH)`` wraps an existing sum (token routing's first partials) as one block, ``RowSum.arriving``
+    one that a transfer brings (token routing's travelling sums, added into on arrival).
     """
+
+    # An arriving sum's tensor, waited for at its first add (``arriving``); None: the sum is here.
+    _resolve: Callable[[], Tensor] | None = None
 
     def __init__(self, like_TH: Tensor, dtype: torch.dtype) -> None:
         rows = like_TH.shape[0]
@@ -54,12 +60,24 @@ class RowSum:
         self.head_TH, self.tail_TH = sum_TH, None
         return self
 
+    @classmethod
+    def arriving(cls, dtype: torch.dtype, resolve: Callable[[], Tensor]) -> RowSum:
+        """A sum of ``dtype`` that arrives with a transfer (token routing's travelling ``y`` / ``dx``, a hop
+        adding into them in place): ``resolve()`` waits for it and gives it, called at the first add only, so
+        the hop computes before it waits."""
+        self = cls.__new__(cls)
+        self.head_TH, self.tail_TH, self._dtype, self._resolve = None, None, dtype, resolve  # type: ignore[assignment]
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.head_TH.dtype
+        return self._dtype if self.head_TH is None else self.head_TH.dtype
 
     def add_(self, tok_S: Tensor, rows_SH: Tensor, scale_S1: Tensor | None = None) -> None:
         """``sum[tok[c]] += scale[c] * rows[c]`` (``kernels.scatter_add_rows``)."""
+        if self.head_TH is None:
+            assert self._resolve is not None
+            self.head_TH = self._resolve()
         scatter_add_rows_(self.head_TH, tok_S, rows_SH, scale_S1, tail_TH=self.tail_TH)
 
     def finish(self, dtype: torch.dtype) -> Tensor:

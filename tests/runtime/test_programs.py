@@ -14,6 +14,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from relay_compile.runtime.programs.build import build_program
 from relay_compile.runtime.programs.instructions import (
+    COMPUTE,
     hop_backward,
     hop_forward,
     hop_recompute,
@@ -144,7 +145,8 @@ class OverlapPass(TestCase):
             for routing in ("expert", "token"):
                 gm = ring_program(schedule_for(direction, routing, 4, 3), True, True)
                 pos = positions(gm)
-                compute = {n.meta["ring"].hop: n for n in gm.graph.nodes if n.target in (hop_forward, hop_backward)}
+                compute = {n.meta["ring"].hop: n for n in gm.graph.nodes if n.target in COMPUTE}
+                self.assertEqual(sorted(compute), list(range(4)), f"{direction}/{routing}")
                 for start in (n for n in gm.graph.nodes if n.target is ring_start):
                     hop = start.meta["ring"].hop
                     wait = next(iter(start.users))
@@ -249,9 +251,29 @@ ring_wait grad hop=3
 finish grad hop=3""")
         check_overlap(gm)
 
+    def test_shaped_token_forward_adds_into_the_arriving_sums_and_posts_them_ahead_of_its_compute(self) -> None:
+        # Hop 0 starts the y sums of the visiting tokens; hops >= 1 add into the sums their own transfer brings
+        # (sum_in_place); every transfer is posted before the hop that computes beside it.
+        gm = ring_program(schedule_for("forward", "token", 3, 3), True, True)
+        self.assertExpectedInline(schedule_text(gm), """\
+ring_start forward hop=0 xfer=0 sends=3
+hop_forward forward hop=0
+ring_wait forward hop=0
+ring_start forward hop=1 xfer=1 sends=4
+hop_forward_into forward hop=1
+ring_start forward hop=2 xfer=2 sends=1
+ring_wait forward hop=1
+hop_forward_into forward hop=2
+ring_wait forward hop=2
+ring_start forward hop=3 xfer=3 sends=1
+ring_wait forward hop=3
+finish forward hop=3""")
+        check_overlap(gm)
+
     def test_token_forward_stacks_sources_and_trails_their_sums_as_the_expert_backward_does(self) -> None:
         # N=4, two sources per hop: the first stack (sources r-1, r) gathered, the next one (r-3, r-2) arriving
-        # two ranks on while the first computes; y sums trail one stack behind, then each slot goes home.
+        # two ranks on while the first computes; y sums trail one stack behind, added into on arrival, then each
+        # slot goes home.
         gm = ring_program(schedule_for("forward", "token", 4, 3, owners_per_hop=2), True, True)
         self.assertExpectedInline(schedule_text(gm), """\
 ring_start forward hop=0 xfer=0 sends=3 stride=1 slot=0
@@ -261,9 +283,8 @@ ring_start forward hop=0 xfer=1 sends=3 stride=2
 hop_forward_group forward hop=0
 ring_start forward hop=1 xfer=2 sends=1 stride=2
 ring_wait forward hop=0
-hop_forward_group forward hop=1
+hop_forward_group_into forward hop=1
 ring_wait forward hop=1
-accumulate forward hop=1
 unstack forward hop=2
 ring_start forward hop=2 xfer=3 sends=1 stride=1
 unstack forward hop=2
@@ -283,9 +304,8 @@ ring_start grad hop=0 xfer=1 sends=4 stride=2
 hop_backward_group grad hop=0
 ring_start grad hop=1 xfer=2 sends=2 stride=2
 ring_wait grad hop=0
-hop_backward_group grad hop=1
+hop_backward_group_into grad hop=1
 ring_wait grad hop=1
-accumulate grad hop=1
 unstack grad hop=2
 ring_start grad hop=2 xfer=3 sends=2 stride=1
 unstack grad hop=2

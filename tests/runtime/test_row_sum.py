@@ -47,6 +47,21 @@ class RowSumTest(unittest.TestCase):
         s.add_(tok, rows.float())
         self.assertTrue(torch.equal(s.finish(torch.float32), torch.zeros(10, 4).index_add_(0, tok, rows.float())))
 
+    def test_an_arriving_sum_is_waited_for_at_its_first_add_only_and_added_into_in_place(self) -> None:
+        arrived = torch.ones(4, 3)
+        waits: list[int] = []
+
+        def resolve() -> torch.Tensor:
+            waits.append(1)
+            return arrived
+
+        total = RowSum.arriving(torch.float32, resolve)
+        self.assertEqual((total.dtype, waits), (torch.float32, []))  # its dtype known before it arrives
+        total.add_(torch.tensor([1, 3]), torch.full((2, 3), 2.0))
+        total.add_(torch.tensor([1]), torch.full((1, 3), 1.0))
+        self.assertEqual(waits, [1])
+        self.assertTrue(torch.equal(arrived[:, 0], torch.tensor([1.0, 4.0, 1.0, 3.0])))
+
     def test_a_two_block_sum_refuses_to_finish_in_another_width(self) -> None:
         s = RowSum(torch.empty(10, 4, dtype=torch.bfloat16), torch.float32)
         with self.assertRaisesRegex(AssertionError, "half as wide as torch.float32, not torch.float32"):

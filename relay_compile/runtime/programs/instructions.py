@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.runtime.hop_compute import ExpertRoutingStep, HopActivations, RingStep
+from relay_compile.runtime.hop_compute import HopActivations, RingStep, TokenRoutingStep
 from relay_compile.runtime.transport import RingTransfer, start_transfer
 
 
@@ -58,6 +58,21 @@ def hop_forward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Ten
     return step.forward_group(group, *stacked)
 
 
+def hop_forward_into(step: RingStep, hop: int, transfer: RingTransfer, first: int, *circulating: Tensor
+                     ) -> tuple[Tensor, ...]:
+    """Forward hop that adds into the trailing sums arriving with ``transfer`` (token routing's ``y``), waiting
+    for them only when about to add; returns those sums."""
+    assert isinstance(step, TokenRoutingStep), "hop_forward_into: a forward's sums trail token routing only"
+    return step.forward_hop_into(hop, transfer, first, *circulating)
+
+
+def hop_forward_group_into(step: RingStep, group: int, transfer: RingTransfer, first: int, *stacked: Tensor
+                           ) -> tuple[Tensor, ...]:
+    """``hop_forward_group`` adding into the stack's ``y`` sums arriving with ``transfer``; returns them."""
+    assert isinstance(step, TokenRoutingStep), "hop_forward_group_into: a forward's sums trail token routing only"
+    return step.forward_group_into(group, transfer, first, *stacked)
+
+
 def hop_backward(step: RingStep, hop: int, *circulating: Tensor) -> tuple[Tensor, ...]:
     """Backward hop with hop-scoped recomputation (chunk by chunk); returns trailing partials."""
     return step.backward_hop(hop, *circulating)
@@ -71,16 +86,15 @@ def hop_backward_group(step: RingStep, group: int, *stacked: Tensor) -> tuple[Te
 
 def hop_backward_group_into(step: RingStep, group: int, transfer: RingTransfer, first: int, *stacked: Tensor
                             ) -> tuple[Tensor, ...]:
-    """``hop_backward_group`` adding into the stack's gradient sums arriving with ``transfer``; returns them."""
-    assert isinstance(step, ExpertRoutingStep), "hop_backward_group_into: only expert routing groups owners"
+    """``hop_backward_group`` adding into the stack's trailing sums arriving with ``transfer``; returns them."""
     return step.backward_group_into(group, transfer, first, *stacked)
 
 
 def hop_backward_into(step: RingStep, hop: int, transfer: RingTransfer, first: int, *circulating: Tensor
                       ) -> tuple[Tensor, ...]:
-    """Backward hop that adds its weight gradients into the sums arriving with ``transfer`` (its received
-    tensors from ``first`` on), waiting for them only when about to add; returns those sums."""
-    assert isinstance(step, ExpertRoutingStep), "hop_backward_into: weight-gradient sums trail expert routing only"
+    """Backward hop that adds into the trailing sums arriving with ``transfer`` (its received tensors from
+    ``first`` on: expert routing's weight gradients, token routing's ``dx`` and ``d_scores``), waiting for them
+    only when about to add; returns those sums."""
     return step.backward_hop_into(hop, transfer, first, *circulating)
 
 
@@ -108,13 +122,13 @@ def finish(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
 
 
 INSTRUCTIONS = (
-    ring_start, ring_wait, stack_owners, unstack, hop_forward, hop_forward_group, hop_backward,
-    hop_backward_into, hop_backward_group, hop_backward_group_into, hop_recompute, hop_vjp,
-    accumulate, finish,
+    ring_start, ring_wait, stack_owners, unstack, hop_forward, hop_forward_group, hop_forward_into,
+    hop_forward_group_into, hop_backward, hop_backward_into, hop_backward_group, hop_backward_group_into,
+    hop_recompute, hop_vjp, accumulate, finish,
 )
 # The hop instructions that compute (``overlap`` schedules transfers around them).
-COMPUTE = (hop_forward, hop_forward_group, hop_backward, hop_backward_into, hop_backward_group,
-           hop_backward_group_into, hop_vjp)
+COMPUTE = (hop_forward, hop_forward_group, hop_forward_into, hop_forward_group_into, hop_backward,
+           hop_backward_into, hop_backward_group, hop_backward_group_into, hop_vjp)
 
 for _fn in INSTRUCTIONS:
     fx.node.has_side_effect(_fn)

@@ -3,7 +3,7 @@
     schedule_for(direction, routing, N, circulating weights, owners per hop)   # schedule.py: sizes only
       -> build_program                                       # build.py: the naive program
       -> remat_pass (backward, option ``remat``)             # remat.py
-      -> sum_in_place_pass (expert routing backward, remat)  # sum_in_place.py
+      -> sum_in_place_pass (trailing sums; backward: after remat)  # sum_in_place.py
       -> overlap_pass (option ``overlap``)                   # overlap.py
 
 ``program_for`` is the one place that decides which program a spec runs: the custom ops call it at run time
@@ -41,8 +41,8 @@ def shaped_program(sched: RingSchedule, overlap: bool, remat: bool) -> fx.GraphM
     gm = build_program(sched)
     if remat and sched.direction == "backward":
         gm = remat_pass(gm)
-        if sched.routing == "expert":
-            gm = sum_in_place_pass(gm)
+    if sched.num_trailing and (remat or sched.direction == "forward"):  # a replayed backward keeps its partials
+        gm = sum_in_place_pass(gm)
     if overlap:
         gm = overlap_pass(gm)
     gm.meta["schedule"] = sched

@@ -1,27 +1,29 @@
-"""sum_in_place: expert routing's backward hops add their weight gradients into the travelling sums.
+"""sum_in_place: a ring's hops add into the trailing sums as they arrive, instead of beside them.
 
 Contract:
-    Consumes a backward ring program after ``remat`` whose trailing accumulators are weight gradients (expert
-    routing). There every hop ``h >= 1`` computes a partial of the weight gradients of the partition it
-    holds, and ``accumulate`` adds it to the sum of the same partition that arrives from the previous rank
-    with the hop's transfer: for a moment the hop holds both (with fp32 sums, two fp32 copies of a
-    partition's gradients beside the one it sends). Rewrites each such hop into one
-    ``hop_backward_into`` that reads the hop's transfer, waits for it right before its first
-    weight-gradient GEMM and lets the GEMMs add into the arrived sums; they become the hop's trailing
-    result. Hop 0, whose partial starts the sums, is unchanged; so are forward programs and token routing. A
-    grouped backward's ``hop_backward_group`` becomes ``hop_backward_group_into`` the same way.
+    Consumes a ring program whose trailing accumulators are sums a hop adds to: expert routing's backward after
+    ``remat`` (the weight gradients), token routing's forward (``y``) and backward after ``remat`` (``dx``,
+    ``d_scores``). There every hop ``h >= 1`` computes a partial of the sums of the partition it holds, and
+    ``accumulate`` adds it to the sum of the same partition that arrives from the previous rank with the hop's
+    transfer: for a moment the hop holds both (with fp32 sums, two fp32 copies of a partition's gradients, or of
+    the visiting tokens' rows, beside the one it sends). Rewrites each such hop into one ``hop_*_into`` that
+    reads the hop's transfer, waits for it right before its first write to the sums (a weight-gradient GEMM, a
+    row scatter) and writes into the arrived sums; they become the hop's trailing result. Hop 0, whose partial
+    starts the sums, is unchanged; so is expert routing's forward (nothing trails it). A grouped ring's
+    ``hop_*_group`` becomes ``hop_*_group_into`` the same way.
     Moves no transfer: the ``ring_wait`` stays (waiting again is free), ``overlap`` places it after the hop.
     Raises ``ValueError`` if an ``accumulate`` does not add its own hop's partial to what its hop's transfer
     brought.
 
 Pseudo-code:
-    # Step 1: for each accumulate(n, *incoming_h, *partial_h) of the grad ring: its hop's hop_backward and
-    #         the transfer (ring_start, ring_wait) the incoming sums came with.
-    # Step 2: insert hop_backward_into(step, h, start, first incoming position, *circ) in its place, route
-    #         the accumulate's results to its results; erase accumulate, hop_backward and their getitems.
+    # Step 1: for each accumulate(n, *incoming_h, *partial_h): its hop's compute (hop_backward, hop_forward,
+    #         their group forms) and the transfer (ring_start, ring_wait) the incoming sums came with.
+    # Step 2: insert its _into form (step, h, start, first incoming position, *circ) in its place, route
+    #         the accumulate's results to its results; erase accumulate, the hop and their getitems.
     # Step 3: lint, recompile.
 
-Before and after, hop h >= 1 (``circ`` the weights, ``trail`` the gradient sums):
+Before and after, hop h >= 1 of expert routing's backward (``circ`` the weights, ``trail`` the gradient sums; token
+routing's the same with its tokens and sums):
 
     part = hop_backward(step, h, *circ_h)                xfer = ring_start(step, i, h, n, *circ_h, *trail_h-1)
     xfer = ring_start(step, i, h, n, *circ_h, *trail_h-1)  ->  ..., incoming = ring_wait(xfer)
@@ -44,6 +46,10 @@ from relay_compile.runtime.programs.instructions import (
     hop_backward_group,
     hop_backward_group_into,
     hop_backward_into,
+    hop_forward,
+    hop_forward_group,
+    hop_forward_group_into,
+    hop_forward_into,
     ring_start,
     ring_wait,
 )
@@ -53,7 +59,8 @@ log = logging.getLogger(__name__)
 
 # A hop computing a partial -> the same hop summing into the arrivals.
 _INTO: dict[Callable[..., object], Callable[..., object]] = {
-    hop_backward: hop_backward_into, hop_backward_group: hop_backward_group_into}
+    hop_backward: hop_backward_into, hop_backward_group: hop_backward_group_into,
+    hop_forward: hop_forward_into, hop_forward_group: hop_forward_group_into}
 
 
 def _source(items: tuple[fx.Node, ...], targets: tuple[Callable[..., object], ...], what: str, acc: fx.Node
@@ -107,12 +114,12 @@ def _sum_in_place(graph: fx.Graph, acc: fx.Node) -> None:
 
 def sum_in_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
-    # Steps 1-2 for every accumulate of the gradient ring.
-    accs = [n for n in graph.nodes if n.target is accumulate and n.meta["ring"].ring == "grad"]
+    # Steps 1-2 for every accumulate.
+    accs = [n for n in graph.nodes if n.target is accumulate]
     for acc in accs:
         _sum_in_place(graph, acc)
     # Step 3: check the result.
     graph.lint()
     gm.recompile()
-    log.debug("sum_in_place: %d gradient hops sum into their incoming transfers", len(accs))
+    log.debug("sum_in_place: %d hops sum into their incoming transfers", len(accs))
     return gm
