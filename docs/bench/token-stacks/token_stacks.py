@@ -3,7 +3,8 @@ partitions, their sums trailing them home) against one source per hop, the force
 a2a eager and the forced expert ring beside them; interleaved rounds, then one peak per row. "rules" is what
 the ring holds by default (Qwen3 layer, bf16: 2 / 1 sources per forward / backward hop at EP=64 up to 32768
 tokens per rank); "1/1" patches both rules to one; "2/2" forces two per backward hop too (past the rules' memory
-budget: what the backward would gain). Under the stand-in a token ring computes N x rank 0's pairs (time and
+budget: what the backward would gain); "sums beside" runs the token programs without ``sum_in_place`` (a hop's
+partial added to the arriving sums after it, as before this change). Under the stand-in a token ring computes N x rank 0's pairs (time and
 memory only).
 
     python docs/bench/token-stacks/token_stacks.py [--ep 64] [--tokens 4096 8192 16384] [--rounds 5]
@@ -20,9 +21,18 @@ from relay_compile.bench.sweep import standin_rows
 from relay_compile.runtime.programs import pipeline
 
 
-def sources(forward: int | None, backward: int | None):
-    """Patch the token rules to ``forward`` / ``backward`` sources per hop (None: the rule's own)."""
+def sources(forward: int | None, backward: int | None, beside: bool = False):
+    """Patch the token rules to ``forward`` / ``backward`` sources per hop (None: the rule's own); ``beside``:
+    token programs without ``sum_in_place`` (each hop's partial added to the arriving sums after the hop, as
+    before token routing summed in place)."""
     stack = contextlib.ExitStack()
+    if beside:
+        real = pipeline.sum_in_place_pass
+        # A program's class is named RingProgram_<direction>_<routing>[_<g>owners] (``build.build_program``).
+        stack.enter_context(mock.patch.object(pipeline, "sum_in_place_pass",
+                                              lambda gm: gm if "_token" in type(gm).__name__ else real(gm)))
+        pipeline.shaped_program.cache_clear()  # programs shaped under the patch are not kept for the others
+        stack.callback(pipeline.shaped_program.cache_clear)
     if forward is not None:
         stack.enter_context(mock.patch.object(pipeline, "token_partitions_per_hop", lambda shape: forward))
     if backward is not None:
@@ -46,18 +56,19 @@ def main() -> None:
                     "ring expert": (fns["ring expert"], (None, None)),
                     "ring token, 1/1": (fns["ring token"], (1, 1)),
                     "ring token, rules": (fns["ring token"], (None, None)),
+                    "ring token, rules, sums beside": (fns["ring token"], (None, None, True)),
                     "ring token, 2/2": (fns["ring token"], (2, 2))}
         times: dict[str, list[tuple[float, float]]] = {n: [] for n in variants}
         peaks: dict[str, int] = {}
         with quiet_warnings():
             for round_ in range(2 + args.rounds):
-                for name, (fn, (f, b)) in variants.items():
-                    with sources(f, b):
+                for name, (fn, patch) in variants.items():
+                    with sources(*patch):
                         t = time_step(fn, inp, device)
                     if round_ >= 2:
                         times[name].append(t)
-            for name, (fn, (f, b)) in variants.items():
-                with sources(f, b):
+            for name, (fn, patch) in variants.items():
+                with sources(*patch):
                     peaks[name] = peak_step(fn, inp, device)
         ref = statistics.median(sum(t) for t in times["a2a eager"])
         print(f"\nEP={args.ep} T={tokens}, medians of {args.rounds} interleaved rounds")
