@@ -12,6 +12,7 @@ memory only).
 """
 import argparse
 import contextlib
+import functools
 import statistics
 from unittest import mock
 
@@ -21,18 +22,25 @@ from relay_compile.bench.sweep import standin_rows
 from relay_compile.runtime.programs import pipeline
 
 
+@functools.cache
+def _shaped_beside(sched, overlap: bool, remat: bool):
+    """``pipeline.shaped_program`` without ``sum_in_place`` for token routing (cached apart from it)."""
+    if sched.routing != "token":
+        return _SHAPED(sched, overlap, remat)
+    with mock.patch.object(pipeline, "sum_in_place_pass", lambda gm: gm):
+        return _SHAPED.__wrapped__(sched, overlap, remat)
+
+
+_SHAPED = pipeline.shaped_program
+
+
 def sources(forward: int | None, backward: int | None, beside: bool = False):
     """Patch the token rules to ``forward`` / ``backward`` sources per hop (None: the rule's own); ``beside``:
     token programs without ``sum_in_place`` (each hop's partial added to the arriving sums after the hop, as
     before token routing summed in place)."""
     stack = contextlib.ExitStack()
-    if beside:
-        real = pipeline.sum_in_place_pass
-        # A program's class is named RingProgram_<direction>_<routing>[_<g>owners] (``build.build_program``).
-        stack.enter_context(mock.patch.object(pipeline, "sum_in_place_pass",
-                                              lambda gm: gm if "_token" in type(gm).__name__ else real(gm)))
-        pipeline.shaped_program.cache_clear()  # programs shaped under the patch are not kept for the others
-        stack.callback(pipeline.shaped_program.cache_clear)
+    if beside:  # its own cache of programs: the shared one keeps every other row's (building them is not timed)
+        stack.enter_context(mock.patch.object(pipeline, "shaped_program", _shaped_beside))
     if forward is not None:
         stack.enter_context(mock.patch.object(pipeline, "token_partitions_per_hop", lambda shape: forward))
     if backward is not None:
