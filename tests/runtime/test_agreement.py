@@ -348,8 +348,9 @@ def exchanges() -> Iterator[list[tuple[str, bool, list[list[int]]]]]:
 
 
 class FailuresInsideALongerRing(ShortTimeoutCase):
-    """Four ranks: a backward transfer posted before the previous one's ``wait`` (``overlap``) must still carry
-    the status that previous one brought, which arrives with the sums (``RingTransfer.wait_trailing``)."""
+    """Four ranks: a transfer posted before the previous one's ``wait`` (``overlap``) must still carry the status
+    that previous one brought, which arrives with the sums (``RingTransfer.wait_trailing``): expert routing's
+    backward, token routing's forward and backward."""
 
     e_l = 1
     run_failing = FailuresInsideTheRing.run_failing
@@ -359,23 +360,47 @@ class FailuresInsideALongerRing(ShortTimeoutCase):
         return 4
 
     def test_a_failure_at_any_backward_hop_never_leaves_a_dependent_rank_with_wrong_gradients(self) -> None:
+        # Token routing's backward hops add into the dx and d_scores sums they receive too (sum_in_place).
         self.init_pg()
         world = dist.get_world_size()
         x, ids, scores, weights = self.inputs(seed=4)
         want = forward_backward(a2a_moe, x, ids, scores, weights, 0)
         names = ("y", "dx", "d_scores", "dw1", "dw2", "dw3")
         for fault in range(world):
-            for hop in range(world):  # expert calls 1..N are the forward's hops, N+1.. the backward's
-                call = functools.partial(self.run_failing, world + 1 + hop if self.rank == fault else None,
-                                         "expert")
+            for routing in ("expert", "token"):
+                for hop in range(world):  # expert calls 1..N are the forward's hops, N+1.. the backward's
+                    call = functools.partial(self.run_failing, world + 1 + hop if self.rank == fault else None,
+                                             routing)
+                    try:
+                        got = call()
+                    except (RingPeerError, SimulatedOOM):
+                        got = None  # raised: this rank knows its results are incomplete
+                    if got is not None:
+                        for name, g, w in zip(names, got, want, strict=True):
+                            assert_close_rel(g, w, 1e-5, f"rank {self.rank} returned {name} with rank {fault} "
+                                                         f"failing at {routing} routing's backward hop {hop}")
+                    dist.barrier()
+        self.assert_group_usable()
+
+    def test_a_failure_at_any_forward_hop_of_token_routing_never_leaves_a_rank_with_a_wrong_output(self) -> None:
+        # Token routing's forward hops add into the y sums they receive (sum_in_place), whose status arrives with
+        # them: a rank returns y only where every hop that added to it computed. (Forward only: a rank that
+        # returned its y would go on to a backward its failed peer never joins.)
+        self.init_pg()
+        world = dist.get_world_size()
+        x, ids, scores, weights = self.inputs(seed=4)
+        want = a2a_moe(x, ids, scores, *weights)
+        for fault in range(world):
+            for fail_at in range(1, world + 1):
+                fn = FailingFFN(fail_at if self.rank == fault else None)
                 try:
-                    got = call()
+                    got = ring_moe_experts(x, ids, scores, weights, expert_fn=fn, experts_per_rank=self.e_l,
+                                           name="failing_ffn", routing="token")
                 except (RingPeerError, SimulatedOOM):
-                    got = None  # raised: this rank knows its results are incomplete
+                    got = None
                 if got is not None:
-                    for name, g, w in zip(names, got, want, strict=True):
-                        assert_close_rel(g, w, 1e-5, f"rank {self.rank} returned {name} with rank {fault} "
-                                                     f"failing at backward hop {hop}")
+                    assert_close_rel(got, want, 1e-5, f"rank {self.rank} returned y with rank {fault} failing at "
+                                                      f"its expert call {fail_at}")
                 dist.barrier()
         self.assert_group_usable()
 
