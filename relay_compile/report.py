@@ -7,8 +7,9 @@ hop (grouped, F compiled by the inner compiler, or F eagerly, and why), and the 
 of the block, forward + backward, for the all-to-all original and for the ring, and the cost model's choice
 (ring or all-to-all, with both predicted times). The memory and time models are ``runtime.cost_model``'s.
 
-On the CPU reference measurement (examples/ring_vs_a2a.py, world 4, T=4096, H=256, F=128, E=16, K=8, fp32)
-the memory model predicts 256 MiB (a2a) and 65 MiB (ring); measured 266 and 67 MiB.
+The memory model is fitted to GPU peaks (``cost_model``'s docstring). On the CPU reference measurement
+(examples/ring_vs_a2a.py, world 4, T=4096, H=256, F=128, E=16, K=8, fp32) it predicts 256 MiB (a2a) and 43.5 MiB
+(ring); measured 266 and 67 MiB: the CPU's eager hop paths hold about twice a fused row's bytes.
 """
 
 from __future__ import annotations

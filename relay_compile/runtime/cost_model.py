@@ -8,12 +8,20 @@ Memory (the big buffers only, element counts times bytes):
 - a2a: ``P = T*K`` expanded rows; forward builds and autograd keeps the permuted send, the received rows, the
   permuted and unpermuted expert input/output and the combined rows (~``6*P*H``) plus the expert intermediates
   (~``4*P*F``); backward frees as it goes but gradients of the same sizes coexist with them.
-- ring: resident ``x`` and the ``[T, H]`` output/gradient accumulators (``3*T*H``, counted at 4 bytes an element:
-  an upper bound, the accumulators take the tokens' dtype), current + prefetched partition and two gradient
-  buffers (``4 * E_l * W``), and one hop's (or chunk's) rows ``S``: rows in and out, their gradients and the
-  recomputed intermediates (~``S*(4*H + 4*F)``); an expert ring of ``g`` owners per hop holds ``g - 1`` more
-  owners' rows and partitions (``ring_options.grouped_extra_bytes``), a token ring of ``g`` sources per hop ``g - 1``
-  more sources' tokens and sums (``ring_options.token_extra_bytes``).
+- ring, the larger of its forward's and its backward's (above the inputs and the local weights, as measured):
+  expert routing's backward holds ``dx``'s fp32 sum and the result narrowed from it (``T*H*(4 + elem)``), one
+  chunk's rows of the packed widths (``S*(2H + 3F)*elem``: the fused hop kernels' gathered rows, projections and
+  their gradients), and seven partitions' bytes (``E_l * W`` each): the weights computed and arriving, their fp32
+  sums summed and arriving (two each), this rank's returned gradients; its forward ``y``'s sum, rows and two
+  partitions. Token routing's holds the visiting tokens (backward with ``dy``) computed and arriving, their fp32
+  sums sent and arriving, ``dx``'s result, the rows, and this rank's experts' fp32 weight-gradient sums and their
+  result. A ring of ``g`` partitions per hop holds ``g - 1`` more owners' rows and partitions, or sources' tokens
+  and sums, in the direction that stacks them (``ring_options.stack_extra_bytes``). Against 69 peaks measured on
+  the GPU (Qwen3 layer, bf16, EP 8 and 64, 4096-131072 tokens: ``docs/bench/memory-model/check.py``): the expert
+  ring within 0.97-1.10x (saved projections 0.99-1.07x), token rings 0.77-1.23x; the model before (one formula
+  for both routings, ``3*T*H`` fp32 accumulators, four partitions, ``S*(4H + 4F)`` per row) predicted the expert
+  ring at 0.72-1.88x and the token ring at 0.59-1.12x. On the CPU, whose hops run eager reference paths, a row
+  holds about twice the packed widths (``report``'s reference shape).
 
 Time of one forward + backward on one rank (``Calibration`` holds the machine's constants):
 
@@ -79,12 +87,11 @@ from relay_compile.runtime.ring_options import (
     HopShape,
     MaxHopRows,
     backward_owners_per_hop,
-    grouped_extra_bytes,
     hop_row_bound,
     larger_owners,
     owners_per_hop,
+    stack_extra_bytes,
     token_backward_partitions_per_hop,
-    token_extra_bytes,
     token_partitions_per_hop,
 )
 
@@ -188,28 +195,51 @@ def saved_projection_bytes(shape: BlockShape) -> int:
     return shape.tokens * shape.top_k * projection_width(shape) * shape.elem_bytes
 
 
+# What the ring sums across hops is summed in fp32 (``fp32_accumulation``, the default): bytes of one element.
+SUM_ELEM_BYTES = 4
+# Token routing's routing metadata per routed pair as it travels: an int64 id and a score (counted at 4 bytes).
+_ROUTING_PAIR_BYTES = 8 + 4
+
+
+def _chunk_rows(shape: BlockShape, max_hop_rows: MaxHopRows, *, forward: bool) -> int:
+    """Rows one chunk of a hop of one partition computes: its ``T*K/N`` rows, cut at the chunk bound (a stack's
+    more partitions add theirs in ``ring_options.stack_extra_bytes``)."""
+    rows = -(-shape.tokens * shape.top_k // shape.group_size)
+    bound = hop_row_bound(max_hop_rows, shape.tokens, forward=forward)
+    return min(rows, bound) if bound else rows
+
+
 def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
                          owners: tuple[int, int] = (1, 1), saved: bool = False,
-                         sources: tuple[int, int] = (1, 1)) -> dict[str, int]:
-    """Predicted per-rank peak bytes of forward + backward of the block (see the module docstring); ``owners``:
-    the expert ring's owners per forward / backward hop, whose stacks add to the ring's peak; ``saved``: the
-    ring holds the saved projections besides; ``sources``: the token ring's sources per forward / backward hop."""
+                         sources: tuple[int, int] = (1, 1), routing: Routing = "expert") -> dict[str, int]:
+    """Predicted per-rank peak bytes of forward + backward of the block above its inputs and weights (module
+    docstring): ``a2a``, and ``ring``, the ring in ``routing`` (``owners``: the expert ring's per forward /
+    backward hop; ``sources``: the token ring's), the larger of its forward's and its backward's; ``saved``: the
+    expert ring holds the saved projections from one to the other."""
     s = shape
     pairs = s.tokens * s.top_k
     a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
-    hop_rows = -(-pairs // s.group_size)
-    bound = hop_row_bound(max_hop_rows, s.tokens)
-    if bound:
-        hop_rows = min(hop_rows, bound)
-    resident = 3 * s.tokens * s.hidden * 4 + 4 * s.experts_per_rank * s.expert_bytes
-    ring = resident + hop_rows * (4 * s.hidden + 4 * s.ffn) * s.elem_bytes
-    if owners != (1, 1):
-        ring += grouped_extra_bytes(_hop_shape(s), *owners)
-    if sources != (1, 1):
-        ring += token_extra_bytes(_hop_shape(s), *sources)
-    if saved:
-        ring += saved_projection_bytes(s)
-    return {"a2a": a2a, "ring": ring}
+    hop = _hop_shape(s)
+    g_f, g_b = owners if routing == "expert" else sources
+    extra_f, extra_b = stack_extra_bytes(hop, routing, g_f, g_b)
+    th, partition = s.tokens * s.hidden, s.experts_per_rank * s.expert_bytes
+    widen = max(1, SUM_ELEM_BYTES // s.elem_bytes)  # a partition's fp32 sums against its weights' bytes
+    rows_f = _chunk_rows(s, max_hop_rows, forward=True) * hop.row_bytes
+    rows_b = _chunk_rows(s, max_hop_rows, forward=False) * hop.row_bytes
+    if routing == "expert":
+        # y's sum; the weights computed and arriving. Backward: dx's sum and the result narrowed from it; the
+        # weights computed and arriving, their fp32 sums summed and arriving, this rank's returned gradients.
+        forward = th * SUM_ELEM_BYTES + rows_f + 2 * partition + extra_f
+        backward = th * (SUM_ELEM_BYTES + s.elem_bytes) + rows_b + (3 + 2 * widen) * partition + extra_b
+        held = saved_projection_bytes(s) if saved else 0
+        return {"a2a": a2a, "ring": max(forward, backward) + held}
+    # Token routing: the visiting tokens (backward with dy) computed and arriving, their sums sent and arriving;
+    # backward also dx's result, and this rank's experts' fp32 weight-gradient sums and their result.
+    routing_bytes = s.tokens * s.top_k * _ROUTING_PAIR_BYTES
+    forward = 2 * (th * s.elem_bytes + routing_bytes) + 2 * th * SUM_ELEM_BYTES + rows_f + extra_f
+    backward = (2 * (2 * th * s.elem_bytes + routing_bytes) + 2 * th * SUM_ELEM_BYTES + th * s.elem_bytes + rows_b
+                + (1 + widen) * partition + extra_b)
+    return {"a2a": a2a, "ring": max(forward, backward)}
 
 
 # Device types whose time ``H200`` predicts: the backend decides at compile time (or per call, a dynamic token
@@ -585,8 +615,7 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
                        f"{times['expert'].total_ms:.2f} ms")
             times["expert"], (forward, backward) = wider
     best: Routing = min(routings, key=lambda r: times[r].total_ms)
-    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward) if best == "expert" else (1, 1),
-                                 sources=stacks.token if best == "token" else (1, 1))
+    peaks = predicted_peak_bytes(shape, max_hop_rows, owners=(forward, backward), sources=stacks.token, routing=best)
     ring_ms, a2a_ms = times[best].total_ms, times[alternative].total_ms
     against = "the kept all-to-all's" if kept == "traced" else "the op's all-to-all path's"
     mib = {k: v / 2**20 for k, v in peaks.items()}

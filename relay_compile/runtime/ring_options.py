@@ -173,16 +173,13 @@ def token_backward_partitions_per_hop(shape: HopShape) -> int:
     return g
 
 
-def token_extra_bytes(shape: HopShape, forward: int, backward: int) -> int:
-    """Bytes a token ring of ``forward`` / ``backward`` partitions per hop holds beyond one per hop (the larger
-    direction, as ``grouped_extra_bytes``)."""
-    return max((forward - 1) * _forward_partition_bytes(shape), (backward - 1) * _backward_partition_bytes(shape))
-
-
-def grouped_extra_bytes(shape: HopShape, forward: int, backward: int) -> int:
-    """Bytes a ring of ``forward`` / ``backward`` owners per hop holds beyond one owner per hop, by the rules'
-    estimates: the larger of the two directions (the forward's stacks are gone when the backward's arrive)."""
-    return max((forward - 1) * _forward_owner_bytes(shape), (backward - 1) * _backward_owner_bytes(shape))
+def stack_extra_bytes(shape: HopShape, routing: str, forward: int, backward: int) -> tuple[int, int]:
+    """Bytes a ring of ``forward`` / ``backward`` partitions per hop (expert routing's owners, token routing's
+    sources) holds beyond one per hop in each direction, by the rules' estimates (the forward's stacks are gone
+    when the backward's arrive)."""
+    if routing == "token":
+        return (forward - 1) * _forward_partition_bytes(shape), (backward - 1) * _backward_partition_bytes(shape)
+    return (forward - 1) * _forward_owner_bytes(shape), (backward - 1) * _backward_owner_bytes(shape)
 
 
 def owners_per_hop(shape: HopShape) -> int:

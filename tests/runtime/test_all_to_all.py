@@ -361,11 +361,12 @@ class Decision(unittest.TestCase):
         self.assertEqual(traffic.total, ring_traffic("token", 64, 1, 1, volumes).total)
         self.assertEqual(traffic.exposed + traffic.forward_transfers * traffic.forward_hop
                          + traffic.backward_transfers * traffic.backward_hop, traffic.total)
-        # The peak counts the forward's extra source (its tokens and sums, twice), within one expanded buffer.
-        extra = (predicted_peak_bytes(shape, "auto", sources=(2, 1))["ring"]
-                 - predicted_peak_bytes(shape, "auto")["ring"])
-        self.assertGreater(extra, 0)
-        self.assertLessEqual(extra, 8192 * 8 * 2048 * 2)
+        # The peak counts the forward's extra source (its tokens and sums, twice), within one expanded buffer: the
+        # forward then holds more than the backward (measured: 402 -> 527 MiB, docs/bench/token-stacks).
+        one, two = (predicted_peak_bytes(shape, "auto", sources=g, routing="token")["ring"] for g in ((1, 1), (2, 1)))
+        self.assertGreater(two, one)
+        self.assertLessEqual(two - one, 8192 * 8 * 2048 * 2)
+        self.assertEqual(choice.peaks["ring"], two)
         # An expert function without grouped entry points (owners given as a tuple) still stacks token sources.
         self.assertEqual(choose(shape, routing="token", ring="always", cal=H200, owners=(1, 1)).owners, (2, 1))
         # A direction of one source per hop is the plain ring's: nothing exposed, a transfer behind every hop.
