@@ -72,6 +72,14 @@ class PeakMemoryModel(unittest.TestCase):
         self.assertEqual(predicted_peak_bytes(REFERENCE, owners=(1, 2))["ring"], ring + backward)
         self.assertEqual(predicted_peak_bytes(REFERENCE, owners=(4, 2))["ring"], forward + 3 * REFERENCE_OWNER_BYTES)
 
+    def test_weight_gradients_count_by_elements_whatever_bytes_the_weights_circulate_in(self) -> None:
+        # FP8 hops (runtime.fp8_experts) circulate one byte a weight (and a scale per matrix), but the gradients are
+        # summed in fp32 and returned in the tokens' dtype: only the two circulating partitions shrink.
+        bf16 = dataclasses.replace(REFERENCE, elem_bytes=2, expert_bytes=3 * 128 * 256 * 2)
+        fp8 = dataclasses.replace(bf16, expert_bytes=3 * 128 * 256 + 3 * 4, expert_params=3 * 128 * 256)
+        circulating = 2 * 4 * (bf16.expert_bytes - fp8.expert_bytes)
+        self.assertEqual(predicted_peak_bytes(bf16, 1024)["ring"] - predicted_peak_bytes(fp8, 1024)["ring"], circulating)
+
     def test_the_token_ring_holds_the_visiting_tokens_and_their_sums_not_the_expert_partitions(self) -> None:
         # REFERENCE, token routing, backward: x and dy (computed and arriving) 2 * (2 * 4 MiB + 4096 * 8 * 12), dx's
         # sums (sent and arriving) 2 * 4 MiB and its result 4 MiB, the hop's rows 28 MiB, this rank's experts'

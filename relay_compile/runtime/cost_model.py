@@ -11,9 +11,9 @@ Memory (the big buffers only, element counts times bytes):
 - ring, the larger of its forward's and its backward's (above the inputs and the local weights, as measured):
   expert routing's backward holds ``dx``'s fp32 sum and the result narrowed from it (``T*H*(4 + elem)``), one
   chunk's rows of the packed widths (``S*(2H + 3F)*elem``: the fused hop kernels' gathered rows, projections and
-  their gradients), and seven partitions' bytes (``E_l * W`` each): the weights computed and arriving, their fp32
-  sums summed and arriving (two each), this rank's returned gradients; its forward ``y``'s sum, rows and two
-  partitions. Token routing's holds the visiting tokens (backward with ``dy``) computed and arriving, their fp32
+  their gradients), the weights computed and arriving (``2 * E_l * W``, as they circulate), their fp32 sums summed
+  and arriving and this rank's returned gradients (by elements: seven partitions' bytes in bf16); its forward
+  ``y``'s sum, rows and two partitions. Token routing's holds the visiting tokens (backward with ``dy``) computed and arriving, their fp32
   sums sent and arriving, ``dx``'s result, the rows, and this rank's experts' fp32 weight-gradient sums and their
   result. A ring of ``g`` partitions per hop holds ``g - 1`` more owners' rows and partitions, or sources' tokens
   and sums, in the direction that stacks them (``ring_options.stack_extra_bytes``). Against 69 peaks measured on
@@ -215,22 +215,25 @@ def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
     """Predicted per-rank peak bytes of forward + backward of the block above its inputs and weights (module
     docstring): ``a2a``, and ``ring``, the ring in ``routing`` (``owners``: the expert ring's per forward /
     backward hop; ``sources``: the token ring's), the larger of its forward's and its backward's; ``saved``: the
-    expert ring holds the saved projections from one to the other."""
+    expert ring holds the saved projections from one to the other. The ring's default programs (``remat``: a
+    replayed backward, ``remat=False``, holds every hop's activations besides, which this does not count)."""
     s = shape
     pairs = s.tokens * s.top_k
     a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
     hop = _hop_shape(s)
     g_f, g_b = owners if routing == "expert" else sources
     extra_f, extra_b = stack_extra_bytes(hop, routing, g_f, g_b)
+    # A partition as it circulates (``expert_bytes``: FP8 hops move one byte a weight), and its weight gradients
+    # by elements: summed in fp32, returned in the tokens' dtype (the given weights').
     th, partition = s.tokens * s.hidden, s.experts_per_rank * s.expert_bytes
-    widen = max(1, SUM_ELEM_BYTES // s.elem_bytes)  # a partition's fp32 sums against its weights' bytes
+    grad_sums, grads = (s.experts_per_rank * s.params * b for b in (SUM_ELEM_BYTES, s.elem_bytes))
     rows_f = _chunk_rows(s, max_hop_rows, forward=True) * hop.row_bytes
     rows_b = _chunk_rows(s, max_hop_rows, forward=False) * hop.row_bytes
     if routing == "expert":
         # y's sum; the weights computed and arriving. Backward: dx's sum and the result narrowed from it; the
         # weights computed and arriving, their fp32 sums summed and arriving, this rank's returned gradients.
         forward = th * SUM_ELEM_BYTES + rows_f + 2 * partition + extra_f
-        backward = th * (SUM_ELEM_BYTES + s.elem_bytes) + rows_b + (3 + 2 * widen) * partition + extra_b
+        backward = th * (SUM_ELEM_BYTES + s.elem_bytes) + rows_b + 2 * partition + 2 * grad_sums + grads + extra_b
         held = saved_projection_bytes(s) if saved else 0
         return {"a2a": a2a, "ring": max(forward, backward) + held}
     # Token routing: the visiting tokens (backward with dy) computed and arriving, their sums sent and arriving;
@@ -238,7 +241,7 @@ def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
     routing_bytes = s.tokens * s.top_k * _ROUTING_PAIR_BYTES
     forward = 2 * (th * s.elem_bytes + routing_bytes) + 2 * th * SUM_ELEM_BYTES + rows_f + extra_f
     backward = (2 * (2 * th * s.elem_bytes + routing_bytes) + 2 * th * SUM_ELEM_BYTES + th * s.elem_bytes + rows_b
-                + (1 + widen) * partition + extra_b)
+                + grad_sums + grads + extra_b)
     return {"a2a": a2a, "ring": max(forward, backward)}
 
 

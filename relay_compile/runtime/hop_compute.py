@@ -54,7 +54,7 @@ from relay_compile.runtime.segment_compute import (
     segment_backward,
     segment_forward,
 )
-from relay_compile.runtime.transport import RingTransfer, active_run, receive_buffers
+from relay_compile.runtime.transport import RingTransfer, RingTransportError, active_run, receive_buffers
 from relay_compile.runtime.weight_grads import WeightGrads, grads_like, pack_weights, unpack_grads
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -79,6 +79,8 @@ def _guarded(method: Callable[..., object], idle: Callable[..., object], step: R
     if run.failure is None:
         try:
             return method(step, *args)
+        except RingTransportError:  # the link itself failed (a hop waiting for the sums it adds into): as ring_wait
+            raise
         except Exception as e:  # noqa: BLE001 -- any failure: the run raises it once the ring's transfers are done
             hop = f" of hop {args[0]}" if args and isinstance(args[0], int) else ""
             run.fail(e, f"{method.__name__}{hop} of {type(step).__name__}")
@@ -124,7 +126,8 @@ def _arrived_sums(transfer: RingTransfer, first: int) -> tuple[Tensor, ...]:
 
 
 def _incoming_sums(step: RingStep, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
-    """The incoming weight-gradient sums, unchanged (expert routing backward, a hop summing in place)."""
+    """The incoming trailing sums, unchanged (a hop summing in place: expert routing's weight gradients, token
+    routing's ``y``, ``dx`` and ``d_scores``)."""
     return transfer.wait()[first:]
 
 
@@ -564,8 +567,9 @@ class TokenRoutingStep:
     def backward_hop_into(self, hop: int, transfer: RingTransfer, first: int, x_TH: Tensor, ids_TK: Tensor,
                           scores_TK: Tensor, dy_TH: Tensor) -> tuple[Tensor, ...]:
         """``backward_hop`` adding into the visiting tokens' ``dx`` and ``d_scores`` sums arriving with
-        ``transfer``; returns them. A pair's score gradient is written on its expert's rank only, so the arriving
-        ``d_scores`` are zero at this rank's pairs: added, they are exact."""
+        ``transfer``; returns them. A pair's score gradient is written on its expert's rank only, so on a ring the
+        arriving ``d_scores`` are zero at this rank's pairs: added, they are exact (the stand-in group, whose every
+        hop meets rank 0's own pairs, adds them up as the partials did before)."""
         rows = self._rows(hop, ids_TK, scores_TK)
         dx, arrived = self._arriving(transfer, first, x_TH)
         ds_S = torch.empty(scores_TK.numel(), dtype=ACC_DTYPE, device=x_TH.device)
