@@ -307,6 +307,43 @@ def _time_in_turns(
     return times
 
 
+# A variant a script times beside others: its layer function, and what it runs under (a patch; ``nullcontext``).
+Variant = tuple[LayerFn, Callable[[], contextlib.AbstractContextManager]]
+
+
+def time_variants(variants: dict[str, Variant], inp: LayerInputs, device: str, rounds: int, warmup: int = 2
+                  ) -> dict[str, list[tuple[float, float]]]:
+    """``warmup`` then ``rounds`` rounds of one step of every variant in turn, each under its context: the kept
+    rounds' (forward, backward) ms per variant (a script's A/B of patched code paths; ``measure_layer`` times a
+    sweep's rows)."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for round_ in range(warmup + rounds):
+        for name, (fn, context) in variants.items():
+            with context():
+                t = time_step(fn, inp, device)
+            if round_ >= warmup:
+                times[name].append(t)
+    return times
+
+
+def variants_table(times: dict[str, list[tuple[float, float]]], baseline: str,
+                   peaks: dict[str, int] | None = None) -> list[str]:
+    """A markdown table of ``time_variants``' medians: forward, backward and step ms, the step over ``baseline``'s,
+    the steps' spread (max - min over the median) and, given, the peak MiB."""
+    ref = statistics.median(sum(t) for t in times[baseline])
+    peak_head, peak_rule = (" peak MiB |", "---:|") if peaks else ("", "")
+    lines = [f"| row | forward ms | backward ms | step ms | / {baseline} | spread |{peak_head}",
+             f"|---|---:|---:|---:|---:|---:|{peak_rule}"]
+    for name, ts in times.items():
+        steps = [sum(t) for t in ts]
+        m = statistics.median(steps)
+        forward, backward = statistics.median(f for f, _ in ts), statistics.median(b for _, b in ts)
+        peak = f" {peaks[name] / 2**20:.0f} |" if peaks else ""
+        lines.append(f"| {name} | {forward:.2f} | {backward:.2f} | {m:.2f} | {m / ref:.3f}x | "
+                     f"{(max(steps) - min(steps)) / m:.1%} |{peak}")
+    return lines
+
+
 def _report_row(progress: Progress, cfg: LayerConfig, row: RowResult) -> None:
     head = f"{cfg.name} EP={cfg.ep} T={cfg.tokens} | {row.row:<34}"
     if row.skipped:

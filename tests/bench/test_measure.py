@@ -5,7 +5,7 @@ from __future__ import annotations
 import unittest
 
 from relay_compile.bench.configs import BenchOptions, LayerConfig
-from relay_compile.bench.measure import measure_layer
+from relay_compile.bench.measure import measure_layer, time_variants, variants_table
 from relay_compile.bench.rows import A2A_EAGER, RowSpec, build_eager_a2a
 from tests.bench.standin_case import StandinTestCase
 
@@ -56,3 +56,30 @@ class MeasureLayerTest(StandinTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Variants(unittest.TestCase):
+    def test_variants_take_their_steps_in_turns_under_their_contexts_and_warmups_are_dropped(self) -> None:
+        import contextlib
+        from unittest import mock
+
+        calls: list[str] = []
+
+        @contextlib.contextmanager
+        def under(name: str):
+            calls.append(f"enter {name}")
+            yield
+
+        steps = iter(range(100))
+        with mock.patch("relay_compile.bench.measure.time_step",
+                        lambda fn, inp, device: (fn(), float(next(steps)))[1:] + (1.0,)):
+            times = time_variants({"a": (lambda: calls.append("a"), lambda: under("a")),
+                                   "b": (lambda: calls.append("b"), lambda: under("b"))}, None, "cpu", rounds=2,
+                                  warmup=1)
+        self.assertEqual(calls, ["enter a", "a", "enter b", "b"] * 3)
+        self.assertEqual(times, {"a": [(2.0, 1.0), (4.0, 1.0)], "b": [(3.0, 1.0), (5.0, 1.0)]})
+        table = variants_table(times, "a", {"a": 2**20, "b": 3 * 2**20})
+        self.assertEqual(table[0], "| row | forward ms | backward ms | step ms | / a | spread | peak MiB |")
+        # b: steps 4 and 6 (median 5.00), a: 3 and 5 (median 4.00); spread (6 - 4) / 5.
+        self.assertEqual(table[3], "| b | 4.00 | 1.00 | 5.00 | 1.250x | 40.0% | 3 |")
+

@@ -9,10 +9,9 @@ weight-gradient GEMM).
 """
 import argparse
 import contextlib
-import statistics
 from unittest import mock
 
-from relay_compile.bench.measure import quiet_warnings, time_step
+from relay_compile.bench.measure import quiet_warnings, time_variants, variants_table
 from relay_compile.bench.sweep import NCCL_LIKE_ROW, standin_rows
 from relay_compile.runtime.programs import instructions
 from relay_compile.runtime.transport import start_transfer
@@ -41,24 +40,10 @@ def main() -> None:
                 "ring auto, sums first": (fns["ring auto"], contextlib.nullcontext),
                 f"{HIGH}, one batch": (fns[HIGH], one_batch),
                 f"{HIGH}, sums first": (fns[HIGH], contextlib.nullcontext)}
-    times: dict[str, list[tuple[float, float]]] = {n: [] for n in variants}
     with quiet_warnings():
-        for round_ in range(2 + args.rounds):
-            for name, (fn, patch) in variants.items():
-                with patch():
-                    t = time_step(fn, inp, "cuda")
-                if round_ >= 2:
-                    times[name].append(t)
-    ref = statistics.median(sum(t) for t in times["a2a eager"])
+        times = time_variants(variants, inp, "cuda", args.rounds)
     print(f"EP={args.ep} T={args.tokens}, medians of {args.rounds} interleaved rounds")
-    print("| row | forward ms | backward ms | step ms | / a2a eager | spread |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, ts in times.items():
-        steps = [sum(t) for t in ts]
-        m = statistics.median(steps)
-        print(f"| {name} | {statistics.median(f for f, _ in ts):.2f} | {statistics.median(b for _, b in ts):.2f} | "
-              f"{m:.2f} | {m / ref:.3f}x | {(max(steps) - min(steps)) / m:.1%} |")
-
+    print("\n".join(variants_table(times, "a2a eager")))
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,11 @@
 """Token routing with several sources' tokens per hop (``ring_options.token_partitions_per_hop``: stacked
 partitions, their sums trailing them home) against one source per hop, the forced token ring on the stand-in,
 a2a eager and the forced expert ring beside them; interleaved rounds, then one peak per row. "rules" is what
-the ring holds by default (Qwen3 layer, bf16: 2 / 1 sources per forward / backward hop at EP=64 up to 32768
+the ring holds by default (Qwen3 layer, bf16: 2 / 1 sources per forward / backward hop at EP=64 up to 65536
 tokens per rank); "1/1" patches both rules to one; "2/2" forces two per backward hop too (past the rules' memory
 budget: what the backward would gain); "sums beside" runs the token programs without ``sum_in_place`` (a hop's
-partial added to the arriving sums after it, as before this change). Under the stand-in a token ring computes N x rank 0's pairs (time and
-memory only).
+partial added to the arriving sums after it, as before this change). Under the stand-in a token ring computes
+N x rank 0's pairs (time and memory only).
 
     python docs/bench/token-stacks/token_stacks.py [--ep 64] [--tokens 4096 8192 16384] [--rounds 5]
     python docs/bench/token-stacks/token_stacks.py --cpu --ep 8 --tokens 64 --rounds 1   # the script's smoke test
@@ -13,11 +13,10 @@ memory only).
 import argparse
 import contextlib
 import functools
-import statistics
 from unittest import mock
 
 from relay_compile.bench.configs import QWEN3_30B
-from relay_compile.bench.measure import peak_step, quiet_warnings, time_step
+from relay_compile.bench.measure import peak_step, quiet_warnings, time_variants, variants_table
 from relay_compile.bench.sweep import standin_rows
 from relay_compile.runtime.programs import pipeline
 
@@ -34,7 +33,7 @@ def _shaped_beside(sched, overlap: bool, remat: bool):
 _SHAPED = pipeline.shaped_program
 
 
-def sources(forward: int | None, backward: int | None, beside: bool = False):
+def sources(forward: int | None = None, backward: int | None = None, beside: bool = False):
     """Patch the token rules to ``forward`` / ``backward`` sources per hop (None: the rule's own); ``beside``:
     token programs without ``sum_in_place`` (each hop's partial added to the arriving sums after the hop, as
     before token routing summed in place)."""
@@ -60,35 +59,19 @@ def main() -> None:
              else QWEN3_30B.with_(device="cuda", dtype="bf16"))
     for tokens in args.tokens:
         inp, fns = standin_rows(args.ep, tokens, ["a2a eager", "ring expert", "ring token"], layer)
-        variants = {"a2a eager": (fns["a2a eager"], (None, None)),
-                    "ring expert": (fns["ring expert"], (None, None)),
-                    "ring token, 1/1": (fns["ring token"], (1, 1)),
-                    "ring token, rules": (fns["ring token"], (None, None)),
-                    "ring token, rules, sums beside": (fns["ring token"], (None, None, True)),
-                    "ring token, 2/2": (fns["ring token"], (2, 2))}
-        times: dict[str, list[tuple[float, float]]] = {n: [] for n in variants}
-        peaks: dict[str, int] = {}
+        patches = {"a2a eager": ("a2a eager", ()), "ring expert": ("ring expert", ()),
+                   "ring token, 1/1": ("ring token", (1, 1)), "ring token, rules": ("ring token", ()),
+                   "ring token, rules, sums beside": ("ring token", (None, None, True)),
+                   "ring token, 2/2": ("ring token", (2, 2))}
+        variants = {name: (fns[row], functools.partial(sources, *patch)) for name, (row, patch) in patches.items()}
         with quiet_warnings():
-            for round_ in range(2 + args.rounds):
-                for name, (fn, patch) in variants.items():
-                    with sources(*patch):
-                        t = time_step(fn, inp, device)
-                    if round_ >= 2:
-                        times[name].append(t)
-            for name, (fn, patch) in variants.items():
-                with sources(*patch):
+            times = time_variants(variants, inp, device, args.rounds)
+            peaks = {}
+            for name, (fn, context) in variants.items():
+                with context():
                     peaks[name] = peak_step(fn, inp, device)
-        ref = statistics.median(sum(t) for t in times["a2a eager"])
         print(f"\nEP={args.ep} T={tokens}, medians of {args.rounds} interleaved rounds")
-        print("| row | forward ms | backward ms | step ms | / a2a eager | spread | peak MiB |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for name, ts in times.items():
-            steps = [sum(t) for t in ts]
-            m = statistics.median(steps)
-            print(f"| {name} | {statistics.median(f for f, _ in ts):.2f} | {statistics.median(b for _, b in ts):.2f} "
-                  f"| {m:.2f} | {m / ref:.3f}x | {(max(steps) - min(steps)) / m:.1%} | {peaks[name] / 2**20:.0f} |",
-                  flush=True)
-
+        print("\n".join(variants_table(times, "a2a eager", peaks)), flush=True)
 
 if __name__ == "__main__":
     main()
