@@ -96,7 +96,7 @@ from relay_compile.passes.roles import (
     users_through_views,
 )
 from relay_compile.passes.slot_routes import SlotDispatch, slot_combine, slot_dispatch
-from relay_compile.runtime.cost_model import BlockShape
+from relay_compile.runtime.block_shape import BlockShape
 from relay_compile.runtime.ffn_plan import ExpertFFN
 from relay_compile.runtime.region_fn import ExpertFnBinding
 from relay_compile.runtime.specs import ScoresApplied

@@ -38,7 +38,8 @@ from relay_compile.passes.expert_lowering import recognized_ffn
 from relay_compile.passes.fx_nodes import node_value
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
-from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, calibration_for, choose, owner_options
+from relay_compile.runtime.block_shape import BlockShape, owner_options
+from relay_compile.runtime.cost_model import H200, Calibration, calibration_for, choose
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import group_link_gbps
 
@@ -69,7 +70,7 @@ def ring_from_tokens(shape: BlockShape, options: RingOptions, grouped: bool = Tr
     """The smallest T, equal on every rank, from which the cost model runs ``shape`` as a ring (None: at no T up
     to ``_MAX_TOKENS``): the first T of a geometric grid (``_GRID``) that runs a ring, refined by bisection from
     the grid point below it. The choice need not stay a ring above it: the rules' owners per hop step down as hops
-    grow (``cost_model.owner_options``; under ``"auto"`` a larger stack takes over where memory allows, not
+    grow (``block_shape.owner_options``; under ``"auto"`` a larger stack takes over where memory allows, not
     always), so a region may be kept again at larger T; ``SwitchPlan.keeps`` decides every
     T itself, this is what the report states and whether a switch is worth compiling. ``grouped``: F lowers onto
     grouped experts (else one owner per hop); ``cal``: the device's constants with the link a hop crosses

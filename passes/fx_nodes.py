@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false, is_concrete_int
 
-from relay_compile.runtime.cost_model import BlockShape
+from relay_compile.runtime.block_shape import BlockShape
 
 # ----------------------------------------------------------------------------------------------------------
 # Op identities

@@ -114,7 +114,7 @@ from relay_compile.passes.roles import (
     unpermuted_sum,
     unflatten,
 )
-from relay_compile.runtime.cost_model import BlockShape
+from relay_compile.runtime.block_shape import BlockShape
 from relay_compile.runtime.region_fn import ExpertFnBinding, SplitKind
 from relay_compile.runtime.specs import ScoresApplied
 from relay_compile.runtime.transport import RingGroup

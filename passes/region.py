@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 import torch.fx as fx
 
-from relay_compile.runtime.cost_model import BlockShape
+from relay_compile.runtime.block_shape import BlockShape
 from relay_compile.runtime.region_fn import ExpertFnBinding
 from relay_compile.runtime.specs import ScoresApplied
 

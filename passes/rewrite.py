@@ -46,16 +46,9 @@ from relay_compile.passes.match import find_moe_regions
 from relay_compile.passes.refusals import Refusal, RefusedRegion
 from relay_compile.passes.region import Region
 from relay_compile.runtime import cost_model
+from relay_compile.runtime.block_shape import BlockShape, owner_options
 from relay_compile.runtime.compiled_experts import CompiledExpertFn
-from relay_compile.runtime.cost_model import (
-    H200,
-    BlockShape,
-    Calibration,
-    Choice,
-    calibration_for,
-    choose,
-    owner_options,
-)
+from relay_compile.runtime.cost_model import H200, Calibration, Choice, calibration_for, choose
 from relay_compile.runtime.fp8_experts import fp8_refusal
 from relay_compile.runtime.ops import KEPT_ALL_TO_ALL, RING_MOE, RING_MOE_SAVING
 from relay_compile.runtime.region_fn import RegionExpertFn
@@ -240,7 +233,7 @@ def kept_at_compile_time(region: Region, options: RingOptions) -> Choice | None:
     as the original graph computes it, at its memory, compiled (``cost_model.Calibration.kept_a2a_ratio``: about a2a
     eager's time once its all-to-alls read their split sizes as tensors, ``passes.split_reads``; the ring op's own
     all-to-all path recomputes its experts in backward). The ring is predicted with the owners per hop the op will hold
-    (``cost_model.owner_options`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
+    (``block_shape.owner_options`` where F lowers onto grouped experts, ``expert_lowering.recognized_ffn``; one
     otherwise; FP8 hops' weight bytes under ``fp8``) and the link it will take a hop to cross
     (``transport.group_link_gbps``), against the traced all-to-all the kept region runs, compiled. The op weighs a
     call's ring against its own all-to-all path instead (``cost_model.choose(kept="op")``, ~1.5x a2a eager), so a

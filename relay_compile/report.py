@@ -5,11 +5,12 @@ routing predicted from this rank's shapes with the per-hop volumes behind it (th
 again at every call from the shapes all ranks exchange, ``runtime.agreement``), how the experts run at each
 hop (grouped, F compiled by the inner compiler, or F eagerly, and why), and the predicted per-rank peak memory
 of the block, forward + backward, for the all-to-all original and for the ring, and the cost model's choice
-(ring or all-to-all, with both predicted times). The memory and time models are ``runtime.cost_model``'s.
+(ring or all-to-all, with both predicted times). The memory model is ``runtime.peak_memory``'s, the time model ``runtime.cost_model``'s.
 
-The memory model is fitted to GPU peaks (``cost_model``'s docstring). On the CPU reference measurement
+The memory model is fitted to GPU peaks (``peak_memory``'s docstring). On the CPU reference measurement
 (examples/ring_vs_a2a.py, world 4, T=4096, H=256, F=128, E=16, K=8, fp32) it predicts 256 MiB (a2a) and 43.5 MiB
-(ring); measured 266 and 67 MiB: the CPU's eager hop paths hold about twice a fused row's bytes.
+(ring); measured 266.0 and 67.7 MiB (``python examples/ring_vs_a2a.py``, 2026-12-07): the CPU's eager hop paths
+hold about twice a fused row's bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from relay_compile.routing import choose_routing, per_hop_bytes, summed_bytes
-from relay_compile.runtime.cost_model import H200, BlockShape, Calibration, choose, owner_options, predicted_peak_bytes
+from relay_compile.runtime.block_shape import BlockShape, owner_options
+from relay_compile.runtime.cost_model import H200, Calibration, choose
+from relay_compile.runtime.peak_memory import predicted_peak_bytes
 from relay_compile.runtime.ring_options import MaxHopRows
 
 __all__ = ["BlockShape", "GraphDump", "GraphReport", "RegionReport", "predicted_peak_bytes"]
@@ -90,7 +93,7 @@ class RegionReport:
 def _decision(shape: BlockShape, routing: str, ring: str, max_hop_rows: MaxHopRows, grouped: bool,
               cal: Calibration, fp8: bool, saving: int = 0) -> dict[str, Any]:
     """The report's view of ``cost_model.choose``, with the owners per hop the op will hold (``grouped``: F lowers
-    onto grouped experts, ``cost_model.owner_options``; else one), by the device's constants with the link its
+    onto grouped experts, ``block_shape.owner_options``; else one), by the device's constants with the link its
     hops cross (``cal``: ``cost_model.calibration_for``, ``transport.link_gbps``)."""
     if shape.tokens <= 0 or shape.expert_bytes <= 0:
         return {"decision": "no prediction: the token count is not known at compile time (decided per call)",

@@ -21,16 +21,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from relay_compile.runtime.cost_model import (
-    CALIBRATIONS,
-    H200,
-    BlockShape,
-    Calibration,
-    a2a_time,
-    choose,
-    grouped_owners,
-    ring_time,
-)
+from relay_compile.runtime.block_shape import BlockShape, grouped_owners
+from relay_compile.runtime.cost_model import CALIBRATIONS, H200, Calibration, a2a_time, choose, ring_time
 
 # The constants fitted (the link stays out: the stand-in has none), and how far one move scales them.
 FITTED = ("host_hop_us", "host_hop_expert_us", "host_a2a_us", "host_a2a_peer_us", "gemm_tflops", "gemm_half_rows",

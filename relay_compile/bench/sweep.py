@@ -54,7 +54,8 @@ from relay_compile.bench.rows import (
     ring_builder,
 )
 from relay_compile.bench.standin_group import standin_group
-from relay_compile.runtime.cost_model import H200, calibration_for, choose, owner_options
+from relay_compile.runtime.block_shape import owner_options
+from relay_compile.runtime.cost_model import H200, calibration_for, choose
 
 # The forced ring on a stand-in whose copies leave most SMs to compute, as NCCL's channels do (``link_ctas``):
 # what its transfers could overlap on this GPU, where a ``Tensor.copy_`` beside the hops' GEMMs barely does.

@@ -3,25 +3,7 @@
 Both models read only sizes every rank of a ring shares (``BlockShape``), so every rank that predicts from the
 agreed table (``runtime.agreement``) makes the same decision (``choose``).
 
-Memory (the big buffers only, element counts times bytes):
-
-- a2a: ``P = T*K`` expanded rows; forward builds and autograd keeps the permuted send, the received rows, the
-  permuted and unpermuted expert input/output and the combined rows (~``6*P*H``) plus the expert intermediates
-  (~``4*P*F``); backward frees as it goes but gradients of the same sizes coexist with them.
-- ring, the larger of its forward's and its backward's (above the inputs and the local weights, as measured):
-  expert routing's backward holds ``dx``'s fp32 sum and the result narrowed from it (``T*H*(4 + elem)``), one
-  chunk's rows of the packed widths (``S*(2H + 3F)*elem``: the fused hop kernels' gathered rows, projections and
-  their gradients), the weights computed and arriving (``2 * E_l * W``, as they circulate), their fp32 sums summed
-  and arriving and this rank's returned gradients (by elements: seven partitions' bytes in bf16); its forward
-  ``y``'s sum, rows and two partitions. Token routing's holds the visiting tokens (backward with ``dy``) computed and arriving, their fp32
-  sums sent and arriving, ``dx``'s result, the rows, and this rank's experts' fp32 weight-gradient sums and their
-  result. A ring of ``g`` partitions per hop holds ``g - 1`` more owners' rows and partitions, or sources' tokens
-  and sums, in the direction that stacks them (``ring_options.stack_extra_bytes``). Against 69 peaks measured on
-  the GPU (Qwen3 layer, bf16, EP 8 and 64, 4096-131072 tokens: ``docs/bench/memory-model/check.py``): the expert
-  ring within 0.97-1.10x (saved projections 0.99-1.07x), token rings 0.77-1.23x; the model before (one formula
-  for both routings, ``3*T*H`` fp32 accumulators, four partitions, ``S*(4H + 4F)`` per row) predicted the expert
-  ring at 0.72-1.88x and the token ring at 0.59-1.12x. On the CPU, whose hops run eager reference paths, a row
-  holds about twice the packed widths (``report``'s reference shape).
+Memory: ``peak_memory`` (the per-rank peak of either path, which ``choose`` weighs where memory decides).
 
 Time of one forward + backward on one rank (``Calibration`` holds the machine's constants):
 
@@ -83,166 +65,22 @@ from typing import Literal
 import torch
 
 from relay_compile.routing import Routing, per_hop_bytes
-from relay_compile.runtime.ring_options import (
-    HopShape,
-    MaxHopRows,
-    backward_owners_per_hop,
-    hop_row_bound,
-    larger_owners,
-    owners_per_hop,
-    stack_extra_bytes,
-    token_backward_partitions_per_hop,
-    token_partitions_per_hop,
+from relay_compile.runtime.block_shape import (
+    BlockShape,
+    OwnerOptions,
+    hop_shape,
+    owner_options,
+    projection_width,
+    saved_projection_bytes,
+    token_partitions,
 )
+from relay_compile.runtime.peak_memory import predicted_peak_bytes
+from relay_compile.runtime.ring_options import MaxHopRows, hop_row_bound
 
 Execution = Literal["expert", "token", "all_to_all"]
 # Which all-to-all a block keeps: the one traced from the model (a region the backend keeps as it is), or the
 # ring op's own path (``runtime.all_to_all``: a call of ``relaymoe::ring_moe`` that does not run the ring).
 Kept = Literal["traced", "op"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockShape:
-    """Static sizes of one MoE block on one rank (``tokens``: the largest of the group's ranks where agreed).
-
-    ``expert_bytes``: one expert's weights as they circulate; ``expert_params``: the elements of its matrices
-    (a row's GEMM flops are twice that per pass; 0: ``expert_bytes / elem_bytes``).
-    """
-
-    tokens: int
-    hidden: int
-    ffn: int
-    top_k: int
-    experts_per_rank: int
-    group_size: int
-    elem_bytes: int
-    expert_bytes: int
-    expert_params: int = 0
-
-    @property
-    def params(self) -> int:
-        return self.expert_params or self.expert_bytes // max(1, self.elem_bytes)
-
-
-def grouped_owners(shape: BlockShape, min_tokens: int | None = None, *, fp8: bool = False) -> tuple[int, int]:
-    """Owners per forward and per backward hop of expert routing (``ring_options.owners_per_hop``,
-    ``backward_owners_per_hop``) that a ring of grouped experts runs at ``shape``, from the block's sizes alone.
-
-    The runtime reads the packed weights (``runtime.ops``); this reads what a compile-time decision has (the
-    region's shapes, before the expert function is packed), so the decisions made before the op runs (the
-    compile-time keep, the token switch's threshold, the report: through ``owner_options``, which adds the larger
-    stacks ``choose`` may take) predict the ring the op will run. It takes the
-    packed layout of a grouped FFN: two matrices per expert, ``(out, H)`` in and ``(H, in)`` out, whose
-    ``out + in`` rows sum to ``2 H + params / H`` (SwiGLU packed ``[w1; w3]``: ``2H + 3F``).
-    ``min_tokens``: the group's smallest token count (its memory budget; default ``shape.tokens``). ``fp8``: the
-    weights circulate in E4M3 (``runtime.fp8_experts``: one byte a weight and an fp32 scale per matrix).
-    """
-    return owner_options(shape, min_tokens, fp8=fp8).rules
-
-
-@dataclass(frozen=True)
-class OwnerOptions:
-    """What a grouped expert ring may hold per forward and per backward hop: the rules' owners, and the larger
-    stacks memory allows (``ring_options.larger_owners``) that ``choose`` weighs where the rules' ring would lose
-    to the all-to-all."""
-
-    rules: tuple[int, int]
-    larger: tuple[tuple[int, int], ...] = ()
-    # Token routing's sources per forward and per backward hop (``ring_options.token_partitions_per_hop``,
-    # ``token_backward_partitions_per_hop``): any expert function.
-    token: tuple[int, int] = (1, 1)
-
-
-def owner_options(shape: BlockShape, min_tokens: int | None = None, *, fp8: bool = False) -> OwnerOptions:
-    """``grouped_owners`` and the larger stacks beside them, from the block's sizes (as ``grouped_owners``)."""
-    return stacks_of(_hop_shape(shape, min_tokens, fp8))
-
-
-def stacks_of(hop: HopShape) -> OwnerOptions:
-    """A grouped expert ring's owners at ``hop``: the rules' (``ring_options.owners_per_hop``,
-    ``backward_owners_per_hop``) and the larger stacks memory allows (``ring_options.larger_owners``). The op
-    reads ``hop`` off its packed weights (``ops``), a compile-time decision off the block's sizes
-    (``owner_options``)."""
-    rules = (owners_per_hop(hop), backward_owners_per_hop(hop))
-    return OwnerOptions(rules, tuple(larger_owners(hop, rules)), token_partitions(hop))
-
-
-def token_partitions(hop: HopShape) -> tuple[int, int]:
-    """Token routing's sources per forward and per backward hop at ``hop`` (the rules: any expert function)."""
-    return token_partitions_per_hop(hop), token_backward_partitions_per_hop(hop)
-
-
-def _hop_shape(shape: BlockShape, min_tokens: int | None = None, fp8: bool = False) -> HopShape:
-    """The ``HopShape`` the runtime's owner rules would read off the block's packed grouped experts."""
-    s = shape
-    expert_bytes = s.params + 2 * 4 if fp8 else s.expert_bytes
-    return HopShape(
-        ranks=s.group_size, max_tokens=s.tokens, min_tokens=s.tokens if min_tokens is None else min_tokens,
-        top_k=s.top_k, row_bytes=(2 * s.hidden + s.params // max(1, s.hidden)) * s.elem_bytes,
-        partition_bytes=s.experts_per_rank * expert_bytes, token_bytes=s.hidden * s.elem_bytes,
-        elem_bytes=s.elem_bytes,
-    )
-
-
-def projection_width(shape: BlockShape) -> int:
-    """Columns of a row's first projection (a grouped FFN's packed ``w13``: ``2F`` gated, ``F`` otherwise): the
-    expert matrices' elements per hidden unit, less the down projection's ``F``."""
-    return max(0, shape.params // max(1, shape.hidden) - shape.ffn)
-
-
-def saved_projection_bytes(shape: BlockShape) -> int:
-    """What ``save_projections`` holds from forward to backward: every pair's first projection."""
-    return shape.tokens * shape.top_k * projection_width(shape) * shape.elem_bytes
-
-
-# What the ring sums across hops is summed in fp32 (``fp32_accumulation``, the default): bytes of one element.
-SUM_ELEM_BYTES = 4
-# Token routing's routing metadata per routed pair as it travels: an int64 id and a score (counted at 4 bytes).
-_ROUTING_PAIR_BYTES = 8 + 4
-
-
-def _chunk_rows(shape: BlockShape, max_hop_rows: MaxHopRows, *, forward: bool) -> int:
-    """Rows one chunk of a hop of one partition computes: its ``T*K/N`` rows, cut at the chunk bound (a stack's
-    more partitions add theirs in ``ring_options.stack_extra_bytes``)."""
-    rows = -(-shape.tokens * shape.top_k // shape.group_size)
-    bound = hop_row_bound(max_hop_rows, shape.tokens, forward=forward)
-    return min(rows, bound) if bound else rows
-
-
-def predicted_peak_bytes(shape: BlockShape, max_hop_rows: MaxHopRows = None,
-                         owners: tuple[int, int] = (1, 1), saved: bool = False,
-                         sources: tuple[int, int] = (1, 1), routing: Routing = "expert") -> dict[str, int]:
-    """Predicted per-rank peak bytes of forward + backward of the block above its inputs and weights (module
-    docstring): ``a2a``, and ``ring``, the ring in ``routing`` (``owners``: the expert ring's per forward /
-    backward hop; ``sources``: the token ring's), the larger of its forward's and its backward's; ``saved``: the
-    expert ring holds the saved projections from one to the other. The ring's default programs (``remat``: a
-    replayed backward, ``remat=False``, holds every hop's activations besides, which this does not count)."""
-    s = shape
-    pairs = s.tokens * s.top_k
-    a2a = pairs * (6 * s.hidden + 4 * s.ffn) * s.elem_bytes
-    hop = _hop_shape(s)
-    g_f, g_b = owners if routing == "expert" else sources
-    extra_f, extra_b = stack_extra_bytes(hop, routing, g_f, g_b)
-    # A partition as it circulates (``expert_bytes``: FP8 hops move one byte a weight), and its weight gradients
-    # by elements: summed in fp32, returned in the tokens' dtype (the given weights').
-    th, partition = s.tokens * s.hidden, s.experts_per_rank * s.expert_bytes
-    grad_sums, grads = (s.experts_per_rank * s.params * b for b in (SUM_ELEM_BYTES, s.elem_bytes))
-    rows_f = _chunk_rows(s, max_hop_rows, forward=True) * hop.row_bytes
-    rows_b = _chunk_rows(s, max_hop_rows, forward=False) * hop.row_bytes
-    if routing == "expert":
-        # y's sum; the weights computed and arriving. Backward: dx's sum and the result narrowed from it; the
-        # weights computed and arriving, their fp32 sums summed and arriving, this rank's returned gradients.
-        forward = th * SUM_ELEM_BYTES + rows_f + 2 * partition + extra_f
-        backward = th * (SUM_ELEM_BYTES + s.elem_bytes) + rows_b + 2 * partition + 2 * grad_sums + grads + extra_b
-        held = saved_projection_bytes(s) if saved else 0
-        return {"a2a": a2a, "ring": max(forward, backward) + held}
-    # Token routing: the visiting tokens (backward with dy) computed and arriving, their sums sent and arriving;
-    # backward also dx's result, and this rank's experts' fp32 weight-gradient sums and their result.
-    routing_bytes = s.tokens * s.top_k * _ROUTING_PAIR_BYTES
-    forward = 2 * (th * s.elem_bytes + routing_bytes) + 2 * th * SUM_ELEM_BYTES + rows_f + extra_f
-    backward = (2 * (2 * th * s.elem_bytes + routing_bytes) + 2 * th * SUM_ELEM_BYTES + th * s.elem_bytes + rows_b
-                + grad_sums + grads + extra_b)
-    return {"a2a": a2a, "ring": max(forward, backward)}
 
 
 # Device types whose time ``H200`` predicts: the backend decides at compile time (or per call, a dynamic token
@@ -579,9 +417,9 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
 
     ``owners``: owners per forward and per backward hop of the expert ring (``(1, 1)``: an expert function
     without grouped entry points; the token ring then holds its rules' sources); ``OwnerOptions``: the rules'
-    owners, larger stacks and the token ring's sources; None: those of grouped experts (``owner_options``). Under ``ring="auto"``, where every ring with the rules' owners is predicted
-    slower than a2a eager's predicted time (``times["a2a"]``), the expert ring is predicted with the fastest of
-    the larger stacks instead (where that is faster): a ring that then wins runs where the block would otherwise
+    owners, larger stacks and the token ring's sources; None: those of grouped experts (``owner_options``).
+    Under ``ring="auto"``, where every ring with the rules' owners is predicted slower than a2a eager's predicted
+    time (``times["a2a"]``), the expert ring is predicted with the fastest of the larger stacks instead (where that is faster): a ring that then wins runs where the block would otherwise
     keep an all-to-all that holds several times its memory. That time decides this whatever ``kept``, so a region's
     compile-time prediction and its calls hold the same owners (``Choice.owners``: what the op holds).
     ``"memory"`` and ``"always"`` keep the rules' owners: memory first. ``saving``: the op can save the expert
@@ -599,7 +437,7 @@ def choose(shape: BlockShape, *, routing: str, ring: str, cal: Calibration,
     # A tuple of expert owners (an expert function without grouped entry points): token routing's sources per hop
     # still follow its rules (any expert function).
     stacks = (owner_options(shape) if owners is None else owners if isinstance(owners, OwnerOptions)
-              else OwnerOptions(owners, token=token_partitions(_hop_shape(shape))))
+              else OwnerOptions(owners, token=token_partitions(hop_shape(shape))))
     forward, backward = stacks.rules
     held_by = {"expert": stacks.rules, "token": stacks.token}
     times = {r: ring_time(shape, r, cal, owners_per_hop=held_by[r][0], backward_owners=held_by[r][1],

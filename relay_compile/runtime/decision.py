@@ -14,16 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from relay_compile.routing import Routing, choose_routing
-from relay_compile.runtime.cost_model import (
-    CALIBRATIONS,
-    H200,
-    BlockShape,
-    Calibration,
-    Choice,
-    Execution,
-    OwnerOptions,
-    choose,
-)
+from relay_compile.runtime.block_shape import BlockShape, OwnerOptions
+from relay_compile.runtime.cost_model import CALIBRATIONS, H200, Calibration, Choice, Execution, choose
 from relay_compile.runtime.ring_options import MaxHopRows
 
 __all__ = ["BlockSizes", "agreed_calibration", "agreed_link", "decide"]

@@ -54,21 +54,13 @@ from relay_compile.runtime.agreement import (
     agree_kept,
     remember_status,
 )
-from relay_compile.runtime.cost_model import (
-    OwnerOptions,
-    calibration_code,
-    calibration_for,
-    stacks_of,
-    token_partitions,
-)
+from relay_compile.runtime.block_shape import OwnerOptions, stacks_of, token_partitions
+from relay_compile.runtime.cost_model import calibration_code, calibration_for
 from relay_compile.runtime.decision import BlockSizes
 from relay_compile.runtime.all_to_all import AllToAllStep
-from relay_compile.runtime.hop_compute import (
-    ExpertRoutingStep,
-    RingStepConfig,
-    TokenRoutingStep,
-    clamped_ids,
-)
+from relay_compile.runtime.hop_compute import ExpertRoutingStep, RingStepConfig
+from relay_compile.runtime.ring_step import clamped_ids
+from relay_compile.runtime.token_routing_step import TokenRoutingStep
 from relay_compile.runtime.programs.build import run_program
 from relay_compile.runtime.programs.pipeline import hop_owners, program_for
 from relay_compile.runtime.programs.schedule import Direction, RingSchedule

@@ -48,7 +48,7 @@ class QueuedAhead:
         if self.predicted not in ("expert", "all_to_all"):
             return
         # Out of memory here is left to the step, which plans what is missing where a failure drains
-        # (hop_compute._setup): raising between the exchange and its read would leave the peers waiting for this
+        # (ring_step.guarded_setup): raising between the exchange and its read would leave the peers waiting for this
         # rank's transfers.
         try:
             self.order = PairOrder.of(self.topk_ids_TK, self.topk_scores_TK)

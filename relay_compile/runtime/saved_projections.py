@@ -22,15 +22,8 @@ from typing import Literal
 import torch
 
 from relay_compile.experts import ExpertFn, as_grouped
-from relay_compile.runtime.cost_model import (
-    CALIBRATED_DEVICES,
-    BlockShape,
-    Calibration,
-    OwnerOptions,
-    calibration_for,
-    choose,
-    owner_options,
-)
+from relay_compile.runtime.block_shape import BlockShape, OwnerOptions, owner_options
+from relay_compile.runtime.cost_model import CALIBRATED_DEVICES, Calibration, calibration_for, choose
 from relay_compile.runtime.ring_options import RingOptions
 from relay_compile.runtime.transport import RingGroup, link_gbps
 

@@ -25,7 +25,7 @@ from relay_compile.backend import compiled_reports
 from relay_compile.passes.expert_block import NotAnFFN, recognize_expert_ffn
 from relay_compile.runtime import compiled_experts
 from relay_compile.runtime.compiled_experts import CompiledExpertFn, compile_expert_fn
-from relay_compile.runtime.cost_model import OwnerOptions
+from relay_compile.runtime.block_shape import OwnerOptions
 from relay_compile.runtime.region_fn import RegionExpertFn
 from relay_compile.runtime.specs import spec_state
 from tests.models.unrecognized_experts import NormedDataDependentMoE, NormedScoresFirstMoE

@@ -31,23 +31,20 @@ from relay_compile.reference import a2a_moe, moe_weights
 from relay_compile.runtime import agreement, all_to_all, cost_model, decision, ops, segment_compute
 from relay_compile.experts import GroupedFFN
 from relay_compile.routing import per_hop_bytes
+from relay_compile.runtime.block_shape import BlockShape, OwnerOptions, grouped_owners, hop_shape, owner_options
 from relay_compile.runtime.cost_model import (
     H100,
     H200,
     INTER_NODE_GBPS,
     NVLINK_GBPS,
     SAVE_MARGIN,
-    BlockShape,
     Choice,
-    OwnerOptions,
     a2a_time,
     choose,
-    grouped_owners,
-    owner_options,
-    predicted_peak_bytes,
     ring_time,
     ring_traffic,
 )
+from relay_compile.runtime.peak_memory import predicted_peak_bytes
 from relay_compile.runtime.ring_options import (
     HopShape,
     RingOptions,
@@ -127,7 +124,7 @@ class Decision(unittest.TestCase):
         # Qwen3, EP=64, 20480 tokens: the rules stop a stack at AUTO_MIN_HOP_ROWS rows (4 / 2 owners), a ring
         # predicted slower than the kept all-to-all; 8 / 4 owners fit the memory budget and are predicted faster.
         shape = qwen3(20480, 64)
-        hop = cost_model._hop_shape(shape)
+        hop = hop_shape(shape)
         self.assertEqual(larger_owners(hop, (4, 2)), [(4, 4), (8, 2), (8, 4)])
         for f, b in larger_owners(hop, (4, 2)):
             self.assertTrue(forward_owners_fit(hop, f) and backward_owners_fit(hop, b))

@@ -95,7 +95,7 @@ class QueuedAheadOfTheRead(StandinTestCase):
 
     def test_a_failure_while_queueing_leaves_the_work_to_the_step(self) -> None:
         # Out of memory, say, before the table is read: the peers read it and start the ring, so this rank must
-        # not raise there; its step plans the sum itself, where a failure drains (hop_compute._setup).
+        # not raise there; its step plans the sum itself, where a failure drains (ring_step.guarded_setup).
         want = _call(routing="expert", ring="always")
 
         def out_of_memory(*args, **kwargs):

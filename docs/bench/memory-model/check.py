@@ -10,7 +10,8 @@ import argparse
 import json
 import re
 
-from relay_compile.runtime.cost_model import BlockShape, grouped_owners, owner_options, predicted_peak_bytes
+from relay_compile.runtime.block_shape import BlockShape, grouped_owners, owner_options
+from relay_compile.runtime.peak_memory import predicted_peak_bytes
 
 QWEN3 = dict(hidden=2048, ffn=768, top_k=8, elem_bytes=2, expert_bytes=3 * 2048 * 768 * 2)
 TOKEN_ROWS = {"ring token, 1/1": (1, 1), "ring token, 2/2": (2, 2), "ring token, rules": None}

@@ -12,7 +12,8 @@ layer (H=4096, F=1536, E=64, K=6) at EP=64. Last: where the NVLink decision chan
 monotonic: owners per hop step down as hops grow).
 """
 from relay_compile.bench.calibrate import shape_of
-from relay_compile.runtime.cost_model import H200, INTER_NODE_GBPS, NVLINK_GBPS, choose, grouped_owners
+from relay_compile.runtime.block_shape import grouped_owners
+from relay_compile.runtime.cost_model import H200, INTER_NODE_GBPS, NVLINK_GBPS, choose
 
 LAYER = dict(hidden=2048, ffn=768, experts=128, top_k=8)
 WIDE = dict(hidden=4096, ffn=1536, experts=64, top_k=6)

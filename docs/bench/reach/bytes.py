@@ -15,7 +15,8 @@ import json
 
 from relay_compile.bench.configs import QWEN3_30B
 from relay_compile.routing import per_hop_bytes
-from relay_compile.runtime.cost_model import H200, BlockShape, ring_time, ring_traffic
+from relay_compile.runtime.block_shape import BlockShape
+from relay_compile.runtime.cost_model import H200, ring_time, ring_traffic
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--link-gbps", type=float, default=450.0, help="one direction of the link a hop crosses")

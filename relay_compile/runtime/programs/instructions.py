@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import Tensor
 
-from relay_compile.runtime.hop_compute import HopActivations, RingStep, TokenRoutingStep
+from relay_compile.runtime.hop_compute import HopActivations, RingStep
+from relay_compile.runtime.token_routing_step import TokenRoutingStep
 from relay_compile.runtime.transport import RingTransfer, start_transfer
 
 
