@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -22,10 +22,8 @@ from relay_compile.runtime.agreement import StepCounts, raise_bad_ids
 from relay_compile.runtime.segment_compute import HopActivations, RingStepConfig
 from relay_compile.runtime.transport import RingTransfer, RingTransportError, active_run, receive_buffers
 
-if TYPE_CHECKING:
-    from relay_compile.runtime.hop_compute import RingStep
-
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+# ``step`` below is either ring step (``hop_compute.RingStep``), typed ``Any``: this module sits below both.
 
 
 def unallocated_zeros(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -34,7 +32,7 @@ def unallocated_zeros(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return t.new_zeros((), dtype=dtype).expand(t.shape)
 
 
-def _guarded(method: Callable[..., object], idle: Callable[..., object], step: RingStep, *args: object) -> object:
+def _guarded(method: Callable[..., object], idle: Callable[..., object], step: Any, *args: object) -> object:
     """``method(step, *args)``; inside a multi-rank ``RingRun``, an exception marks the run failed instead of
     leaving, and from then on ``idle(step, *args)`` stands in for every guarded computation of the run.
 
@@ -69,7 +67,7 @@ def drains(idle: Callable[..., object]) -> Callable[[_Method], _Method]:
     return wrap
 
 
-def no_partials(step: RingStep, *args: object) -> tuple[Tensor, ...]:
+def no_partials(step: Any, *args: object) -> tuple[Tensor, ...]:
     return ()
 
 
@@ -79,17 +77,17 @@ def arrived_sums(transfer: RingTransfer, first: int) -> tuple[Tensor, ...]:
     return transfer.wait_trailing() if transfer.trailing_from else transfer.wait()[first:]
 
 
-def incoming_sums(step: RingStep, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
+def incoming_sums(step: Any, hop: int, transfer: RingTransfer, first: int, *args: object) -> tuple[Tensor, ...]:
     """The incoming trailing sums, unchanged (a hop summing in place: expert routing's weight gradients, token
     routing's ``y``, ``dx`` and ``d_scores``)."""
     return transfer.wait()[first:]
 
 
-def no_activations(step: RingStep, *args: object) -> HopActivations:
+def no_activations(step: Any, *args: object) -> HopActivations:
     return HopActivations()
 
 
-def trailing_as_is(step: RingStep, *trailing: Tensor) -> tuple[Tensor, ...]:
+def trailing_as_is(step: Any, *trailing: Tensor) -> tuple[Tensor, ...]:
     return trailing
 
 
@@ -105,7 +103,7 @@ def grouped_receive_buffers(
             + receive_buffers(specs[num_circulating:], device, flat=flat))
 
 
-def guarded_setup(step: RingStep, plan: Callable[..., None], *args: object) -> None:
+def guarded_setup(step: Any, plan: Callable[..., None], *args: object) -> None:
     """The step's planning after the agreement, guarded like a hop (a failure there drains too)."""
     _guarded(plan, no_partials, step, *args)
 
