@@ -81,6 +81,11 @@ dynamic_keep: bool = Config(default=True, env_name_default="RELAYMOE_DYNAMIC_KEE
 # the cost model's kept all-to-all time, ``Calibration.kept_a2a_ratio``, assumes the pass ran).
 split_reads: bool = Config(default=True, env_name_default="RELAYMOE_SPLIT_READS")
 
+# A hop's grouped GEMMs read their rows at the tokens' indices (``kernels.gathered_grouped_mm``, and the fp32
+# weight gradients' kernel) instead of gathering them into an ``(S, H)`` buffer first: CUDA, 16-bit rows, grouped
+# experts without biases. Process-wide (a kernel choice, not a per-call option).
+gather_in_gemm: bool = Config(default=False, env_name_default="RELAYMOE_GATHER_IN_GEMM")
+
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
 inner_compiler: str = Config(

@@ -12,11 +12,50 @@ Legend: S rows sorted by expert, E (or G) experts, D/I input width, O output wid
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from relay_compile import config
+from relay_compile.kernels import gathered_grouped_mm as gathered_kernel
 from relay_compile.kernels import grouped_weight_grad as grouped_weight_grad_kernel
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """Rows ``source[index]``, not gathered yet: the grouped GEMMs that can read rows at their indices
+    (``kernels.gathered_grouped_mm``, ``kernels.grouped_weight_grad``) take them as they are, every other form
+    gathers them first (``rows``). A hop's rows are its tokens' rows sorted by expert: gathered, each is an
+    ``(S, D)`` buffer written once and read once more by its GEMM."""
+
+    source_TD: Tensor
+    index_S: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.index_S.shape[0], self.source_TD.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source_TD.dtype
+
+    def rows(self) -> Tensor:
+        return torch.index_select(self.source_TD, 0, self.index_S)
+
+
+Rows = Tensor | GatheredRows
+
+
+def gathered(x: Rows) -> Tensor:
+    """``x``'s rows as a tensor (gathered where they are ``GatheredRows``)."""
+    return x.rows() if isinstance(x, GatheredRows) else x
+
+
+def reads_at_indices(source_TD: Tensor, w: Tensor) -> bool:
+    """Whether GEMMs of rows of ``source_TD`` by weights like ``w`` read the rows at their indices: the kernels run
+    (CUDA, 16-bit, Triton) and ``config.gather_in_gemm`` is on."""
+    return config.gather_in_gemm and gathered_kernel.applies(source_TD, w)
 
 
 def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
@@ -26,7 +65,7 @@ def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
 
 
 def grouped_linear(
-    x_SD: Tensor, w_EOD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
+    x_SD: Rows, w_EOD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
 ) -> Tensor:
     """``y[s] = x[s] @ w[e(s)].T`` for rows sorted by expert: one grouped GEMM, or a loop over experts."""
     return grouped_matmul(x_SD, w_EOD.transpose(-2, -1), offsets_E, counts_E)
@@ -56,10 +95,15 @@ def batched_rows(x: Tensor, counts_E: Sequence[int] | None) -> int:
 
 
 def grouped_matmul(
-    x_SD: Tensor, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
+    x_SD: Rows, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
 ) -> Tensor:
     """``y[s] = x[s] @ w[e(s)]`` for rows sorted by expert (the backward's products with the weights as they
-    are stored: no transposed views made per call, each a dispatch on the host path of a hop)."""
+    are stored: no transposed views made per call, each a dispatch on the host path of a hop). ``GatheredRows``
+    are read at their indices over device offsets where the kernel runs, else gathered first."""
+    if isinstance(x_SD, GatheredRows):
+        if offsets_E is not None and gathered_kernel.applies(x_SD.source_TD, w_EDO):
+            return gathered_kernel.gathered_grouped_mm(x_SD.source_TD, x_SD.index_S, w_EDO, offsets_E)
+        x_SD = x_SD.rows()
     rows = batched_rows(x_SD, counts_E)
     if rows:
         return torch.bmm(x_SD.view(w_EDO.shape[0], rows, -1), w_EDO).view(x_SD.shape[0], -1)
@@ -118,7 +162,7 @@ def bias_score_term(dy_SH: Tensor, b2_GH: Tensor, expert_S: Tensor | None) -> Te
 
 
 def grouped_weight_grad(
-    dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
+    dy_SO: Rows, x_SI: Rows, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
     grad_dtype: torch.dtype | None = None, into_EOI: Tensor | None = None,
 ) -> Tensor:
     """``dw[e] = dy_e.T @ x_e`` over the row groups ``(E, O, I)``: the weight gradient of ``grouped_linear``.
@@ -130,8 +174,14 @@ def grouped_weight_grad(
     the GEMMs themselves (``addmm`` with an output dtype), so no partial of the chunk is ever allocated. On CUDA
     an fp32 result over device offsets is one Triton launch (``kernels.grouped_weight_grad``), not a GEMM per
     expert.
-    Equal groups (``uniform_rows``): one batched GEMM, whatever the dtypes.
+    Equal groups (``uniform_rows``): one batched GEMM, whatever the dtypes. ``GatheredRows`` are read at their
+    indices where the Triton kernel runs, else gathered first.
     """
+    if isinstance(dy_SO, GatheredRows) or isinstance(x_SI, GatheredRows):
+        done = _weight_grad_at_indices(dy_SO, x_SI, offsets_E, grad_dtype, into_EOI)
+        if done is not None:
+            return done
+        dy_SO, x_SI = gathered(dy_SO), gathered(x_SI)
     rows = batched_rows(dy_SO, counts_E)
     if rows:
         groups = len(counts_E)  # type: ignore[arg-type]
@@ -168,6 +218,23 @@ def grouped_weight_grad(
     for d_OS, x_SI_e, dw_OI in _per_expert(dy_SO, x_SI, counts_E, dw_EOI, skip_empty=False):
         mm_widened(d_OS, x_SI_e, dw_OI)
     return dw_EOI
+
+
+def _weight_grad_at_indices(
+    dy_SO: Rows, x_SI: Rows, offsets_E: Tensor | None, grad_dtype: torch.dtype | None, into_EOI: Tensor | None,
+) -> Tensor | None:
+    """``grouped_weight_grad`` by the Triton kernel reading ``GatheredRows`` at their indices, or None where it
+    does not run (fp32 sums over device offsets on CUDA only)."""
+    dy_src, dy_idx = (dy_SO.source_TD, dy_SO.index_S) if isinstance(dy_SO, GatheredRows) else (dy_SO, None)
+    x_src, x_idx = (x_SI.source_TD, x_SI.index_S) if isinstance(x_SI, GatheredRows) else (x_SI, None)
+    sum_dtype = into_EOI.dtype if into_EOI is not None else grad_dtype or dy_src.dtype
+    if offsets_E is None or not grouped_weight_grad_kernel.applies(dy_src, x_src, sum_dtype, into_EOI):
+        return None
+    out_EOI = into_EOI if into_EOI is not None else dy_src.new_empty(
+        (offsets_E.shape[0], dy_src.shape[1], x_src.shape[1]), dtype=sum_dtype)
+    grouped_weight_grad_kernel.grouped_weight_grad_(dy_src, x_src, offsets_E, out_EOI, accumulate=into_EOI is not None,
+                                                    dy_idx_S=dy_idx, x_idx_S=x_idx)
+    return out_EOI
 
 
 def _per_expert(

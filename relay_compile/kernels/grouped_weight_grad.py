@@ -23,8 +23,15 @@ from relay_compile.kernels import interpreted as _interpreted
 from relay_compile.kernels import triton_kernel
 
 
-def reference(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool) -> None:
+def reference(
+    dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool,
+    dy_idx_S: Tensor | None = None, x_idx_S: Tensor | None = None,
+) -> None:
     """Eager, one expert at a time, in ``out``'s dtype: the definition the kernel is tested against."""
+    if dy_idx_S is not None:
+        dy_SO = torch.index_select(dy_SO, 0, dy_idx_S)
+    if x_idx_S is not None:
+        x_SI = torch.index_select(x_SI, 0, x_idx_S)
     ends = offsets_E.tolist()
     for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
         part = dy_SO[start:end].t().to(out_EOI.dtype) @ x_SI[start:end].to(out_EOI.dtype)
@@ -47,19 +54,25 @@ def applies(dy_SO: Tensor, x_SI: Tensor, out_dtype: torch.dtype, out_EOI: Tensor
     )
 
 
-def grouped_weight_grad_(dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool) -> None:
+def grouped_weight_grad_(
+    dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor, out_EOI: Tensor, *, accumulate: bool,
+    dy_idx_S: Tensor | None = None, x_idx_S: Tensor | None = None,
+) -> None:
     """``out[e] += dy_e^T x_e`` (``accumulate``) or ``out[e] = dy_e^T x_e`` for the row groups that end at the int32
-    prefix sums ``offsets_E``; one launch (``applies``), else ``reference``."""
+    prefix sums ``offsets_E``; one launch (``applies``), else ``reference``. ``dy_idx_S`` / ``x_idx_S``: the sorted
+    rows are ``dy[dy_idx]`` / ``x[x_idx]``, read at their indices (no gathered buffer)."""
     if not applies(dy_SO, x_SI, out_EOI.dtype, out_EOI):
-        reference(dy_SO, x_SI, offsets_E, out_EOI, accumulate=accumulate)
+        reference(dy_SO, x_SI, offsets_E, out_EOI, accumulate=accumulate, dy_idx_S=dy_idx_S, x_idx_S=x_idx_S)
         return
     experts, width_o, width_i = out_EOI.shape
     block_o, block_i, block_s, warps, stages = _config(width_o, width_i)
     grid = (_cdiv(width_o, block_o) * _cdiv(width_i, block_i), experts)
     _triton_kernel()[grid](
-        dy_SO, x_SI, offsets_E, out_EOI, width_o, width_i, dy_SO.stride(0), x_SI.stride(0), out_EOI.stride(0),
-        out_EOI.stride(1), ACCUMULATE=accumulate, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_S=block_s,
-        num_warps=warps, num_stages=stages,
+        dy_SO, x_SI, offsets_E, out_EOI, dy_SO if dy_idx_S is None else dy_idx_S,
+        x_SI if x_idx_S is None else x_idx_S, width_o, width_i, dy_SO.stride(0), x_SI.stride(0),
+        out_EOI.stride(0), out_EOI.stride(1), ACCUMULATE=accumulate, GATHER_DY=dy_idx_S is not None,
+        GATHER_X=x_idx_S is not None, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_S=block_s, num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -82,8 +95,9 @@ def _build(triton: Any, tl: Any) -> Callable:
     """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
     @triton.jit
-    def grouped_weight_grad_kernel(dy_ptr, x_ptr, offs_ptr, out_ptr, width_o, width_i, stride_dy, stride_x,
-                                   stride_oe, stride_oo, ACCUMULATE: tl.constexpr, BLOCK_O: tl.constexpr,
+    def grouped_weight_grad_kernel(dy_ptr, x_ptr, offs_ptr, out_ptr, dy_idx_ptr, x_idx_ptr, width_o, width_i,
+                                   stride_dy, stride_x, stride_oe, stride_oo, ACCUMULATE: tl.constexpr,
+                                   GATHER_DY: tl.constexpr, GATHER_X: tl.constexpr, BLOCK_O: tl.constexpr,
                                    BLOCK_I: tl.constexpr, BLOCK_S: tl.constexpr):
         tile = tl.program_id(0)
         expert = tl.program_id(1)
@@ -97,9 +111,11 @@ def _build(triton: Any, tl: Any) -> Callable:
         for s0 in range(start, end, BLOCK_S):
             rows = s0 + tl.arange(0, BLOCK_S)
             mask_s = rows < end
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols_o[None, :],
+            dy_rows = tl.load(dy_idx_ptr + rows, mask=mask_s, other=0).to(tl.int64) if GATHER_DY else rows
+            x_rows = tl.load(x_idx_ptr + rows, mask=mask_s, other=0).to(tl.int64) if GATHER_X else rows
+            dy = tl.load(dy_ptr + dy_rows[:, None] * stride_dy + cols_o[None, :],
                          mask=mask_s[:, None] & mask_o[None, :], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols_i[None, :],
+            x = tl.load(x_ptr + x_rows[:, None] * stride_x + cols_i[None, :],
                         mask=mask_s[:, None] & mask_i[None, :], other=0.0)
             acc += tl.dot(tl.trans(dy), x)
         out = out_ptr + expert.to(tl.int64) * stride_oe + cols_o[:, None] * stride_oo + cols_i[None, :]

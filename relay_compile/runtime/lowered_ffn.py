@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.experts import GradSink, GroupedFFN
+from relay_compile.grouped_gemm import Rows, gathered
 from relay_compile.runtime.ffn_plan import BiasRole, ExpertFFN, WeightRole
 
 # ----------------------------------------------------------------------------------------------------------
@@ -183,16 +184,24 @@ class LoweredFFN:
 
     # --- GroupedExperts: entry points ---
 
-    def _compute(self, x: Tensor) -> Tensor:
+    def _compute(self, x: Rows) -> Rows:
+        """``x`` in F's compute dtype (rows read at their indices stay so where no cast is needed)."""
         dtype = self.plan.compute_dtype
-        return x if dtype is None else x.to(dtype)
+        if dtype is None or dtype == x.dtype:
+            return x
+        return gathered(x).to(dtype)
+
+    def reads_at_indices(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
+        """``GroupedFFN.reads_at_indices`` where F computes in the rows' dtype (a cast needs the gathered rows)."""
+        dtype = self.plan.compute_dtype
+        return (dtype is None or dtype == x_TH.dtype) and self.inner.reads_at_indices(x_TH, weights)
 
     def projection_dtype(self, weights: Sequence[Tensor]) -> torch.dtype:
         """``GroupedFFN.projection_dtype``: the packed weights' dtype (F's compute dtype where it casts)."""
         return self.plan.compute_dtype or weights[0].dtype
 
     def forward_rows(
-        self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
+        self, x_SH: Rows, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
         save_into: Tensor | None = None,
     ) -> Tensor:
         return self.inner.forward_rows(self._compute(x_SH), offsets_G, rows_G, weights, save_into).to(x_SH.dtype)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts, as_grouped
+from relay_compile.grouped_gemm import GatheredRows, Rows
 from relay_compile.routing import Chunk, PairRouting
 from relay_compile.runtime import chunk_graphs
 from relay_compile.runtime.chunk_graphs import PaddedChunks
@@ -140,7 +141,7 @@ def _chunk_weights(cfg: RingStepConfig, weights: Sequence[Tensor], chunk: Chunk)
 
 
 def _expert_forward(
-    cfg: RingStepConfig, chunk: Chunk, src: int, x_SH: Tensor, chunk_weights: Sequence[Tensor]
+    cfg: RingStepConfig, chunk: Chunk, src: int, x_SH: Rows, chunk_weights: Sequence[Tensor]
 ) -> Tensor:
     """``F`` on one chunk: the grouped entry point, or the ``ExpertFn`` contract."""
     grouped = cfg.grouped
@@ -184,6 +185,7 @@ def segment_forward(
 ) -> None:
     """``y[t] += scores[p] * F_owner(x[t])`` (or ``F_owner(scores[p] * x[t])``) for the pairs ``p = (t, k)`` of
     the hop's chunks."""
+    at_indices = _reads_at_indices(cfg, x_TH, weights)
     for chunk in rows.chunks:
         padded = rows.padded.of(chunk) if rows.padded is not None else None
         if padded is not None:
@@ -192,7 +194,10 @@ def segment_forward(
             continue
         tok_S = rows.routing.tokens_P[chunk.start : chunk.end]
         score_S1 = rows.scores_S[chunk.start : chunk.end, None]
-        x_SH = _gathered_scaled_rows(x_TH, tok_S, score_S1) if cfg.scores_before else torch.index_select(x_TH, 0, tok_S)
+        if cfg.scores_before:
+            x_SH: Rows = _gathered_scaled_rows(x_TH, tok_S, score_S1)
+        else:
+            x_SH = GatheredRows(x_TH, tok_S) if at_indices else torch.index_select(x_TH, 0, tok_S)
         if rows.projections_PU is not None:  # the step checked: grouped experts, scores after them
             assert cfg.grouped is not None
             out_SH = cfg.grouped.forward_rows(x_SH, chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk),
@@ -206,6 +211,13 @@ def segment_forward(
             y.add_(tok_S, out_SH)
         else:
             y.add_(tok_S, out_SH, score_S1)
+
+
+def _reads_at_indices(cfg: RingStepConfig, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
+    """Whether the forward hands its chunks' rows to the expert function as ``GatheredRows`` (read at their
+    indices by its GEMMs, no gathered buffer): a grouped function that can (``reads_at_indices``), scores after it."""
+    reads = getattr(cfg.grouped, "reads_at_indices", None)
+    return reads is not None and not cfg.scores_before and reads(x_TH, weights)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,145 @@
+"""Is a grouped GEMM that gathers its rows in its loads faster than a gather and the library's grouped GEMM? (issue 24)
+
+At EP=8, 65536 tokens per rank, the forced ring's row gathers are 4.7 ms of an H100's 51 ms step (12.9 GB:
+docs/BENCHMARKS.md, "Where the ring's last 5% goes"); every gathered buffer is written once and read once more by
+a grouped GEMM. ``kernels.gathered_grouped_mm`` reads the rows at their indices instead. This times, at the first
+hop's chunk shapes (routing as the ring sees it: pairs sorted by expert), GPU us per call of:
+
+- ``gather + _grouped_mm``: ``index_select`` then ``torch._grouped_mm`` (what the ring runs today);
+- ``_grouped_mm alone``: the library GEMM on rows already gathered (its floor);
+- ``triton, gathered`` per tile config: the kernel, rows read at their indices;
+- ``triton, rows``: the kernel on rows already gathered (against ``_grouped_mm alone``: the kernel's own speed);
+
+for each GEMM of a hop that reads gathered rows (``h13 = x[tok] @ w13^T``, ``g = dy[tok] @ w2``) and one that
+does not (``dx = dh13 @ w13``), and the fp32 weight gradients with their rows gathered in the loads
+(``kernels.grouped_weight_grad``), beside the same on gathered rows.
+
+    python docs/bench/gathered-gemm/gathered_gemm.py [--tokens 65536] [--chunks 4 2 1]
+"""
+import argparse
+
+import torch
+
+from relay_compile.bench.measure import gpu_us_per_call
+from relay_compile.kernels import gathered_grouped_mm as ggmm
+from relay_compile.kernels import grouped_weight_grad as gwg
+
+CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
+    (128, 256, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 4),
+    (128, 128, 64, 8, 4, 4),
+    (128, 128, 64, 8, 8, 4),
+    (256, 128, 64, 8, 8, 3),
+    (128, 256, 32, 8, 8, 5),
+    (64, 256, 64, 8, 4, 4),
+    (128, 128, 128, 8, 8, 3),
+]
+
+
+def hop_chunks(tokens: int, experts: int, top_k: int, ep: int, chunks: int, gen: torch.Generator):
+    """The first hop's chunks as the ring forms them: [(tok_S, rows per expert)], pairs sorted by expert."""
+    ids_TK = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    flat = ids_TK.flatten()
+    order = torch.sort(flat, stable=True).indices
+    per_rank = experts // ep
+    counts = torch.bincount(flat, minlength=experts)[:per_rank].tolist()
+    edges = [round(c * per_rank / chunks) for c in range(chunks + 1)]
+    out, start = [], 0
+    for a, b in zip(edges, edges[1:]):
+        rows = sum(counts[a:b])
+        out.append((order[start:start + rows] // top_k, counts[a:b]))
+        start += rows
+    return out
+
+
+def tflops(rows: int, k: int, n: int, us: float) -> float:
+    return 2 * rows * k * n / us / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[4, 2, 1])
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    T, H, F = args.tokens, args.hidden, args.ffn
+    bf = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x_TH = torch.randn(T, H, device="cuda", dtype=bf, generator=gen)
+    dy_TH = torch.randn(T, H, device="cuda", dtype=bf, generator=gen)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; T={T} H={H} F={F} E=128 K=8 EP=8, first hop;"
+          f" GPU us per call ({args.calls} calls), TFLOPS of the GEMM")
+    print("| chunks | rows | experts | GEMM | form | us | TFLOPS | max rel err |")
+    print("|---:|---:|---:|---|---|---:|---:|---:|")
+    for chunks in args.chunks:
+        tok_S, counts = hop_chunks(T, 128, 8, 8, chunks, gen)[0]
+        S, G = tok_S.numel(), len(counts)
+        offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        w13 = torch.randn(G, 2 * F, H, device="cuda", dtype=bf, generator=gen) * H ** -0.5
+        w2 = torch.randn(G, H, F, device="cuda", dtype=bf, generator=gen) * F ** -0.5
+        dh13 = torch.randn(S, 2 * F, device="cuda", dtype=bf, generator=gen)
+        gemms = {  # name: (source rows, gathered?, weights (G, K, N))
+            "h13 = x[tok] @ w13^T": (x_TH, True, w13.transpose(-2, -1)),
+            "g = dy[tok] @ w2": (dy_TH, True, w2),
+            "dx = dh13 @ w13": (dh13, False, w13),
+        }
+        for name, (src, gathered, b) in gemms.items():
+            k, n = b.shape[1], b.shape[2]
+            idx = tok_S if gathered else None
+            rows = torch.index_select(src, 0, tok_S) if gathered else src
+            want = torch._grouped_mm(rows, b, offs=offs).float()
+            scale = want.abs().max().item()
+
+            def row(form, fn, check=None):
+                us = gpu_us_per_call(fn, calls=args.calls)
+                err = f"{(check().float() - want).abs().max().item() / scale:.1e}" if check else ""
+                print(f"| {chunks} | {S} | {G} | {name} | {form} | {us:.1f} | {tflops(S, k, n, us):.0f} | {err} |",
+                      flush=True)
+
+            if gathered:
+                row("gather + _grouped_mm", lambda: torch._grouped_mm(torch.index_select(src, 0, tok_S), b, offs=offs))
+            row("_grouped_mm alone", lambda: torch._grouped_mm(rows, b, offs=offs))
+            out = torch.empty(S, n, device="cuda", dtype=bf)
+            for cfg in CONFIGS:
+                try:
+                    fn = lambda cfg=cfg: ggmm.gathered_grouped_mm(src, idx, b, offs, out, config=cfg)  # noqa: E731
+                    row(f"triton{', gathered' if gathered else ''} {cfg}", fn, fn)
+                except Exception as e:  # a config the GPU cannot hold (shared memory)
+                    print(f"| {chunks} | {S} | {G} | {name} | triton {cfg} | failed: {type(e).__name__} | | |")
+            if gathered:
+                row("triton, rows (default config)", lambda: ggmm.gathered_grouped_mm(rows, None, b, offs, out))
+            del rows, want, out
+        # Weight gradients, fp32 sums added into: dw2 = dy[tok]^T act, dw13 = dh13^T x[tok].
+        act = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)
+        acc2 = torch.zeros(G, H, F, device="cuda")
+        acc13 = torch.zeros(G, 2 * F, H, device="cuda")
+        dy_S = torch.index_select(dy_TH, 0, tok_S)
+        x_S = torch.index_select(x_TH, 0, tok_S)
+        for name, fn in {
+            "dw2, dy gathered first": lambda: gwg.grouped_weight_grad_(torch.index_select(dy_TH, 0, tok_S), act, offs,
+                                                                       acc2, accumulate=True),
+            "dw2, dy rows given": lambda: gwg.grouped_weight_grad_(dy_S, act, offs, acc2, accumulate=True),
+            "dw2, dy read at tok": lambda: gwg.grouped_weight_grad_(dy_TH, act, offs, acc2, accumulate=True,
+                                                                    dy_idx_S=tok_S),
+            "dw13, x gathered first": lambda: gwg.grouped_weight_grad_(dh13, torch.index_select(x_TH, 0, tok_S),
+                                                                       offs, acc13, accumulate=True),
+            "dw13, x rows given": lambda: gwg.grouped_weight_grad_(dh13, x_S, offs, acc13, accumulate=True),
+            "dw13, x read at tok": lambda: gwg.grouped_weight_grad_(dh13, x_TH, offs, acc13, accumulate=True,
+                                                                    x_idx_S=tok_S),
+        }.items():
+            us = gpu_us_per_call(fn, calls=args.calls)
+            width = F if name.startswith("dw2") else 2 * F
+            print(f"| {chunks} | {S} | {G} | weight grad | {name} | {us:.1f} | {tflops(S, H, width, us):.0f} | |",
+                  flush=True)
+        got, want = torch.zeros_like(acc2), torch.zeros_like(acc2)
+        gwg.grouped_weight_grad_(dy_TH, act, offs, got, accumulate=False, dy_idx_S=tok_S)
+        gwg.grouped_weight_grad_(dy_S, act, offs, want, accumulate=False)
+        print(f"| {chunks} | {S} | {G} | weight grad | dw2 read at tok vs given: max abs diff "
+              f"{(got - want).abs().max().item():.1e} | | | |")
+        del act, acc2, acc13, dy_S, x_S, dh13, w13, w2
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""``out[s] = a[idx[s]] @ b[e(s)]`` over rows sorted by expert, the row gather inside the GEMM's loads.
+
+A hop's grouped GEMMs read their rows gathered by token: the forward's ``x[tok]`` into the first projection, the
+backward's ``x[tok]`` (its recomputed first projection) and ``dy[tok]`` (``dy @ w2``). Gathered first, each is an
+``(S, H)`` buffer written once and read once more by the GEMM: on one H100 at EP=8, 65536 tokens per rank, the
+step's row gathers move 12.9 GB in 4.7 ms of its 51 (docs/BENCHMARKS.md, "Where the ring's last 5% goes"). This
+kernel reads each row straight from ``a`` at its index instead: a program per (expert's row tile, output tile),
+the tiles of every expert laid end to end (each expert's rows from the int32 prefix sums ``offsets_E`` on the
+device: no host counts, no sync), swizzled by ``GROUP_M`` row tiles so that a row tile is read from HBM about once
+for all output tiles. Rows past ``offsets_E[-1]`` are not written (``torch._grouped_mm``'s contract).
+
+Elsewhere (CPU tests, CI) ``reference`` computes it with ``index_select`` and one product per expert; the
+kernel's logic is tested on the CPU under Triton's interpreter. Legend: T source rows, S sorted rows, E experts,
+K the reduced width, N the output width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from relay_compile.kernels import interpreted as _interpreted
+from relay_compile.kernels import triton_kernel
+
+
+def reference(a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tensor, out_SN: Tensor) -> Tensor:
+    """Eager: gather, then one product per expert, in the rows' dtype (fp32 accumulation where the CPU's GEMM
+    has it); the definition the kernel is tested against."""
+    rows_SK = a_TK if idx_S is None else torch.index_select(a_TK, 0, idx_S)
+    ends = offsets_E.tolist()
+    for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        if end > start:
+            torch.mm(rows_SK[start:end], b_EKN[e], out=out_SN[start:end])
+    return out_SN
+
+
+def applies(a_TK: Tensor, b_EKN: Tensor) -> bool:
+    """Where the kernel runs: CUDA (or Triton's interpreter), 16-bit rows and weights of one dtype, unit column
+    strides of the rows, Triton importable, outside of tracing (a traced graph takes the eager form)."""
+    return (
+        (a_TK.is_cuda and b_EKN.is_cuda or _interpreted()) and a_TK.dtype in (torch.bfloat16, torch.float16)
+        and b_EKN.dtype == a_TK.dtype and a_TK.stride(-1) == 1 and not torch.compiler.is_compiling()
+        and _triton_kernel() is not None
+    )
+
+
+def gathered_grouped_mm(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tensor, out_SN: Tensor | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> Tensor:
+    """``out[s] = a[idx[s]] @ b[e(s)]`` (``idx_S=None``: ``a``'s own rows) for the row groups that end at the int32
+    prefix sums ``offsets_E``; ``b_EKN`` any strides (a transposed view of ``(E, N, K)`` weights too). One launch
+    where ``applies``, else ``reference``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)``."""
+    rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
+    experts, width_k, width_n = b_EKN.shape
+    if out_SN is None:
+        out_SN = a_TK.new_empty((rows, width_n))
+    if not applies(a_TK, b_EKN):
+        return reference(a_TK, idx_S, b_EKN, offsets_E, out_SN)
+    block_m, block_n, block_k, group_m, warps, stages = config or _config()
+    # Every expert adds at most one partial row tile: programs past the real tiles return at once.
+    tiles_m = _cdiv(rows, block_m) + experts
+    grid = (tiles_m * _cdiv(width_n, block_n),)
+    _triton_kernel()[grid](
+        a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, out_SN, experts, width_n, width_k,
+        a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), out_SN.stride(0),
+        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+    )
+    return out_SN
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): Hopper's usual 128 x 256 bf16 tile (measured against the
+# library's grouped GEMM at a hop's shapes: docs/bench/gathered-gemm/).
+_CONFIG = (128, 256, 64, 8, 8, 3)
+
+
+def _config() -> tuple[int, int, int, int, int, int]:
+    if _interpreted():  # the interpreter runs each program in numpy: small tiles keep the CPU tests quick
+        return (16, 16, 16, 2, 1, 1)
+    return _CONFIG
+
+
+def _build(triton: Any, tl: Any) -> Callable:
+    """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
+
+    @triton.jit
+    def gathered_grouped_mm_kernel(a_ptr, idx_ptr, b_ptr, offs_ptr, out_ptr, experts, width_n, width_k,
+                                   stride_a, stride_be, stride_bk, stride_bn, stride_o, GATHER: tl.constexpr,
+                                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(width_n, BLOCK_N)
+        tiles_m = tl.num_programs(0) // tiles_n
+        # GROUP_M row tiles take every output tile before the next ones start: their rows stay in L2.
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile_m = first_m + (pid % per_group) % size_m
+        tile_n = (pid % per_group) // size_m
+        # The expert whose rows hold row tile ``tile_m`` (each expert's tiles start at its first row).
+        zero = pid * 0  # int32 scalars, as the loop's offsets are
+        expert = zero - 1
+        row0 = zero
+        row_end = zero
+        start = zero
+        tiles_before = zero
+        for e in range(experts):
+            end = tl.load(offs_ptr + e)
+            tiles = tl.cdiv(end - start, BLOCK_M)
+            hit = (tile_m >= tiles_before) & (tile_m < tiles_before + tiles)
+            expert = tl.where(hit, e, expert)
+            row0 = tl.where(hit, start + (tile_m - tiles_before) * BLOCK_M, row0)
+            row_end = tl.where(hit, end, row_end)
+            tiles_before += tiles
+            start = end
+        if expert >= 0:
+            rows = row0 + tl.arange(0, BLOCK_M)
+            mask_m = rows < row_end
+            # Rows past the expert's end read its last row (a valid index): they are computed, not stored, so the
+            # loads need no row mask.
+            rows_in = tl.minimum(rows, row_end - 1)
+            if GATHER:
+                src = tl.load(idx_ptr + rows_in).to(tl.int64)
+            else:
+                src = rows_in.to(tl.int64)
+            cols_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = cols_n < width_n
+            ks = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + src[:, None] * stride_a + ks[None, :]
+            b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + ks[:, None].to(tl.int64) * stride_bk
+                      + cols_n[None, :].to(tl.int64) * stride_bn)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, width_k, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    if EVEN_N:
+                        b = tl.load(b_ptrs)
+                    else:
+                        b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+                else:
+                    mask_k = k0 + ks < width_k
+                    a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K * stride_bk
+            out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols_n[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+    return gathered_grouped_mm_kernel  # named for profiles: every kernel of the package shows as its module
+
+
+_triton_kernel = triton_kernel(_build)

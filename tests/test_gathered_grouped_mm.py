@@ -1,0 +1,121 @@
+"""``kernels.gathered_grouped_mm``: a grouped GEMM whose rows are read at their indices, eager and Triton."""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+
+from relay_compile.kernels.gathered_grouped_mm import gathered_grouped_mm, reference
+from tests.triton_interpreter import run_interpreted
+
+# Uneven experts, an empty one, and rows that fill no whole row tile of the kernel.
+COUNTS = [5, 0, 37, 16, 1]
+
+
+def _case(dtype: torch.dtype, counts=COUNTS, sources: int = 50, width_k: int = 40, width_n: int = 24,
+          gather: bool = True, transposed: bool = False, device: str = "cpu"):
+    """Source rows, the sorted rows' indices (None: the sources are the rows), weights ``(E, K, N)`` (a transposed
+    view of ``(E, N, K)`` where ``transposed``), the int32 offsets."""
+    gen = torch.Generator().manual_seed(0)
+    rows = sum(counts)
+    a = torch.randn(sources if gather else rows, width_k, generator=gen).to(dtype)
+    idx = torch.randint(0, sources, (rows,), generator=gen) if gather else None
+    if transposed:
+        b = torch.randn(len(counts), width_n, width_k, generator=gen).to(dtype).transpose(-2, -1)
+    else:
+        b = torch.randn(len(counts), width_k, width_n, generator=gen).to(dtype)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return [t if t is None else t.to(device) for t in (a, idx, b, offsets)]
+
+
+def _exact(a, idx, b, counts):
+    rows = (a if idx is None else a[idx]).double()
+    return torch.cat([r @ b[e].double() for e, r in enumerate(torch.split(rows, counts))])
+
+
+class GatheredGroupedMM(unittest.TestCase):
+    def test_reference_is_each_experts_product_of_the_gathered_rows(self) -> None:
+        a, idx, b, offsets = _case(torch.float32)
+        got = reference(a, idx, b, offsets, torch.full((sum(COUNTS), 24), float("nan")))
+        torch.testing.assert_close(got.double(), _exact(a, idx, b, COUNTS), rtol=1e-5, atol=1e-5)
+
+    def test_the_entry_point_takes_the_eager_form_on_cpu(self) -> None:
+        a, idx, b, offsets = _case(torch.bfloat16, transposed=True)
+        got = gathered_grouped_mm(a, idx, b, offsets)
+        want = torch._grouped_mm(a[idx], b, offs=offsets)
+        torch.testing.assert_close(got, want)
+
+    @unittest.skipIf(torch.cuda.is_available(), "on CUDA the compiled kernel is tested (test_triton_kernel_on_cuda)")
+    def test_kernel_under_the_interpreter_equals_the_exact_products(self) -> None:
+        # Triton's interpreter runs the kernel's index math on the CPU (in numpy, which has no bf16: fp16 rows).
+        script = """
+            import torch
+            from relay_compile.kernels import gathered_grouped_mm as k
+            from tests.test_gathered_grouped_mm import COUNTS, _case, _exact
+            for counts, gather, transposed, width_n in ((COUNTS, True, False, 24), ([70], False, True, 48),
+                                                        ([0, 0, 3], True, True, 20), ([33, 40], True, False, 32)):
+                a, idx, b, offsets = _case(torch.float16, counts, gather=gather, transposed=transposed,
+                                           width_k=32 if width_n == 32 else 40, width_n=width_n)
+                assert k.applies(a, b), "the kernel must run under the interpreter"
+                out = torch.full((sum(counts) + 3, width_n), 7.0, dtype=torch.float16)
+                got = k.gathered_grouped_mm(a, idx, b, offsets, out[: sum(counts)])
+                torch.testing.assert_close(got.double(), _exact(a, idx, b, counts), rtol=2e-3, atol=2e-2)
+                assert bool((out[sum(counts):] == 7).all()), "rows past the offsets were written"
+            print("ok")
+        """
+        run_interpreted(self, script)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
+    def test_triton_kernel_on_cuda(self) -> None:
+        counts = [3000, 0, 129, 4096, 1]
+        for transposed in (False, True):
+            a, idx, b, offsets = _case(torch.bfloat16, counts, sources=6000, width_k=2048 + 64, width_n=768,
+                                       transposed=transposed, device="cuda")
+            got = gathered_grouped_mm(a, idx, b, offsets)
+            want = torch._grouped_mm(a[idx], b, offs=offsets)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-1)
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
+class ExpertsReadRowsAtIndices(unittest.TestCase):
+    """``config.gather_in_gemm``: the grouped experts' forward and fused backward with their rows read at the
+    tokens' indices equal the same with the rows gathered first (the kernels under Triton's interpreter)."""
+
+    @unittest.skipIf(torch.cuda.is_available(), "CPU check under the interpreter")
+    def test_forward_and_backward_equal_the_gathered_rows(self) -> None:
+        script = """
+            import torch
+            from relay_compile import config
+            from relay_compile.experts import GroupedFFN
+            from relay_compile.grouped_gemm import GatheredRows
+            gen = torch.Generator().manual_seed(0)
+            T, H, F, counts = 40, 32, 16, [9, 0, 30, 5]
+            S, G = sum(counts), len(counts)
+            x = torch.randn(T, H, generator=gen).half()
+            dy = torch.randn(T, H, generator=gen).half()
+            tok = torch.randint(0, T, (S,), generator=gen)
+            score = torch.rand(S, generator=gen)
+            offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+            for activation, first in (("swiglu", 2 * F), ("gelu", F)):
+                ffn = GroupedFFN(activation)
+                w = [(torch.randn(G, first, H, generator=gen) * H ** -0.5).half(),
+                     (torch.randn(G, H, F, generator=gen) * F ** -0.5).half()]
+                results = {}
+                for at_indices in (False, True):
+                    with config.patch(gather_in_gemm=at_indices):
+                        assert ffn.reads_at_indices(x, w) == at_indices
+                        y = ffn.forward_rows(GatheredRows(x, tok), offs, counts, w)
+                        dx, ds, dws = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32)
+                        acc = [torch.ones(g.shape) for g in dws]
+                        ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
+                                     grad_into=lambda acc=acc: acc)
+                    results[at_indices] = [y, dx, ds, *dws, *acc]
+                for a, b in zip(results[False], results[True], strict=True):
+                    torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+            print("ok")
+        """
+        run_interpreted(self, script, timeout=300)
