@@ -6,7 +6,7 @@ import unittest
 
 import torch
 
-from relay_compile.kernels.gathered_grouped_mm import gathered_grouped_mm, reference
+from relay_compile.kernels.gathered_grouped_mm import gathered_grouped_mm, gathered_grouped_mm_scatter_add_, reference
 from tests.triton_interpreter import run_interpreted
 
 # Uneven experts, an empty one, and rows that fill no whole row tile of the kernel.
@@ -66,6 +66,36 @@ class GatheredGroupedMM(unittest.TestCase):
         """
         run_interpreted(self, script)
 
+    @unittest.skipIf(torch.cuda.is_available(), "on CUDA the compiled kernel is tested (test_triton_kernel_on_cuda)")
+    def test_scatter_epilogue_under_the_interpreter_adds_what_the_product_and_scatter_add(self) -> None:
+        script = """
+            import torch
+            from relay_compile.kernels import gathered_grouped_mm as k
+            from relay_compile.kernels.scatter_add_rows import reference as scatter_add
+            from tests.test_gathered_grouped_mm import COUNTS, _case
+            gen = torch.Generator().manual_seed(1)
+            a, idx, b, offsets = _case(torch.float16, transposed=True)
+            rows = sum(COUNTS)
+            tok = torch.randint(0, 30, (rows,), generator=gen)  # tokens met several times
+            scale = torch.rand(rows, generator=gen)
+            product = k.reference(a.float(), idx, b.float(), offsets, torch.empty(rows, 24))
+            for two_blocks in (False, True):
+                for s in (None, scale):
+                    # Two blocks with a row between them, which must stay as it was.
+                    sums = torch.randn(31, 24, generator=gen)
+                    head, tail = (sums[:15], sums[16:]) if two_blocks else (sums[:30], None)
+                    gap = sums[15].clone()
+                    want_head, want_tail = head.clone(), None if tail is None else tail.clone()
+                    k.gathered_grouped_mm_scatter_add_(a, idx, b, offsets, head, tok, s, tail_TN=tail)
+                    scatter_add(want_head, tok, product, None if s is None else s[:, None], tail_TH=want_tail)
+                    torch.testing.assert_close(head, want_head, rtol=2e-3, atol=2e-2)
+                    if two_blocks:
+                        torch.testing.assert_close(tail, want_tail, rtol=2e-3, atol=2e-2)
+                        assert torch.equal(sums[15], gap), "a row between the blocks was written"
+            print("ok")
+        """
+        run_interpreted(self, script)
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
     def test_triton_kernel_on_cuda(self) -> None:
         counts = [3000, 0, 129, 4096, 1]
@@ -75,6 +105,12 @@ class GatheredGroupedMM(unittest.TestCase):
             got = gathered_grouped_mm(a, idx, b, offsets)
             want = torch._grouped_mm(a[idx], b, offs=offsets)
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-1)
+            tok = torch.randint(0, 3000, (idx.shape[0],), device="cuda")
+            scale = torch.rand(idx.shape[0], device="cuda")
+            head, tail = torch.zeros(1500, 768, device="cuda"), torch.zeros(1500, 768, device="cuda")
+            gathered_grouped_mm_scatter_add_(a, idx, b, offsets, head, tok, scale, tail_TN=tail)
+            expect = torch.zeros(3000, 768, device="cuda").index_add_(0, tok, want.float() * scale[:, None])
+            torch.testing.assert_close(torch.cat([head, tail]), expect, rtol=2e-2, atol=2e-1)
 
 
 if __name__ == "__main__":

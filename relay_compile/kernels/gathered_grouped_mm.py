@@ -67,10 +67,44 @@ def gathered_grouped_mm(
     _triton_kernel()[grid](
         a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, out_SN, experts, width_n, width_k,
         a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), out_SN.stride(0),
-        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+        out_SN, out_SN, 0, 0,  # no scatter: its arguments unused
+        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, SCATTER=False,
+        HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages,
     )
     return out_SN
+
+
+def gathered_grouped_mm_scatter_add_(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tensor, sum_TN: Tensor, tok_S: Tensor,
+    scale_S: Tensor | None = None, *, tail_TN: Tensor | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> None:
+    """``sum[tok[s]] += scale[s] * (a[idx[s]] @ b[e(s)])`` in place, in ``sum``'s dtype (fp32): the product's rows
+    added into the ring's sum by the GEMM's epilogue (fp32 atomics), never written as an ``(S, N)`` buffer.
+    ``tail_TN``: the sum's rows from ``len(sum_TN)`` on (``RowSum``'s two blocks). Where the kernel does not run:
+    the product, then ``scatter_add_rows``."""
+    if not (applies(a_TK, b_EKN) and sum_TN.dtype == torch.float32 and sum_TN.stride(-1) == 1
+            and (tail_TN is None or tail_TN.stride() == sum_TN.stride())):
+        from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
+
+        rows_SN = gathered_grouped_mm(a_TK, idx_S, b_EKN, offsets_E)
+        scatter_add_rows_(sum_TN, tok_S, rows_SN, None if scale_S is None else scale_S[:, None], tail_TH=tail_TN)
+        return
+    rows = tok_S.shape[0]
+    experts, width_k, width_n = b_EKN.shape
+    block_m, block_n, block_k, group_m, warps, stages = config or _config()
+    tiles_m = _cdiv(rows, block_m) + experts
+    grid = (tiles_m * _cdiv(width_n, block_n),)
+    # The tail addressed from the sum's pointer (``scatter_add_rows``' convention): one pointer, no select.
+    tail_offset = 0 if tail_TN is None else (tail_TN.data_ptr() - sum_TN.data_ptr()) // sum_TN.element_size()
+    _triton_kernel()[grid](
+        a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, sum_TN, experts, width_n, width_k,
+        a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), sum_TN.stride(0),
+        tok_S, sum_TN if scale_S is None else scale_S, sum_TN.shape[0], tail_offset,
+        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, SCATTER=True,
+        HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_warps=warps, num_stages=stages,
+    )
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,8 +127,10 @@ def _build(triton: Any, tl: Any) -> Callable:
 
     @triton.jit
     def gathered_grouped_mm_kernel(a_ptr, idx_ptr, b_ptr, offs_ptr, out_ptr, experts, width_n, width_k,
-                                   stride_a, stride_be, stride_bk, stride_bn, stride_o, GATHER: tl.constexpr,
-                                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   stride_a, stride_be, stride_bk, stride_bn, stride_o, tok_ptr, scale_ptr,
+                                   split, tail_offset, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
+                                   EVEN_N: tl.constexpr, SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                   BLOCK_M: tl.constexpr,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(width_n, BLOCK_N)
@@ -152,8 +188,18 @@ def _build(triton: Any, tl: Any) -> Callable:
                 acc = tl.dot(a, b, acc)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K * stride_bk
-            out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols_n[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            mask = mask_m[:, None] & mask_n[None, :]
+            if SCATTER:
+                # Added into the sum's rows of the pairs' tokens: rows from ``split`` on live in the tail,
+                # ``tail_offset`` elements from the sum's start.
+                if HAS_SCALE:
+                    acc = acc * tl.load(scale_ptr + rows_in).to(tl.float32)[:, None]
+                token = tl.load(tok_ptr + rows_in).to(tl.int64)
+                dest = tl.where(token < split, token * stride_o, tail_offset + (token - split) * stride_o)
+                tl.atomic_add(out_ptr + dest[:, None] + cols_n[None, :], acc, mask=mask, sem="relaxed")
+            else:
+                out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols_n[None, :]
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     return gathered_grouped_mm_kernel  # named for profiles: every kernel of the package shows as its module
 

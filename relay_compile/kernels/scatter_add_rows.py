@@ -46,8 +46,8 @@ def reference(
     """Eager, a block of rows at a time; the definition the kernel is tested against."""
     for a in range(0, rows_SH.shape[0], WIDENED_ROWS):
         block = rows_SH[a : a + WIDENED_ROWS].to(sum_TH.dtype)
-        if scale_S1 is not None:
-            block.mul_(scale_S1[a : a + WIDENED_ROWS])
+        if scale_S1 is not None:  # out of place: rows already in the sum's dtype are ``block`` itself
+            block = block * scale_S1[a : a + WIDENED_ROWS]
         _index_add_split_(sum_TH, tail_TH, tok_S[a : a + WIDENED_ROWS], block)
 
 

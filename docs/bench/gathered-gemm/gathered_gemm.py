@@ -11,7 +11,9 @@ hop's chunk shapes (routing as the ring sees it: pairs sorted by expert), GPU us
 - ``triton, rows``: the kernel on rows already gathered (against ``_grouped_mm alone``: the kernel's own speed);
 
 for each GEMM of a hop that reads gathered rows (``h13 = x[tok] @ w13^T``, ``g = dy[tok] @ w2``) and one that
-does not (``dx = dh13 @ w13``), and the fp32 weight gradients with their rows gathered in the loads
+does not (``dx = dh13 @ w13``); the products the ring adds into its fp32 sums (``y += s * act @ w2^T``, ``dx +=
+dh13 @ w13``) as the library GEMM and ``scatter_add_rows`` against the kernel adding them in its epilogue
+(fp32 atomics); and the fp32 weight gradients with their rows gathered in the loads
 (``kernels.grouped_weight_grad``), beside the same on gathered rows.
 
     python docs/bench/gathered-gemm/gathered_gemm.py [--tokens 65536] [--chunks 4 2 1]
@@ -23,6 +25,7 @@ import torch
 from relay_compile.bench.measure import gpu_us_per_call
 from relay_compile.kernels import gathered_grouped_mm as ggmm
 from relay_compile.kernels import grouped_weight_grad as gwg
+from relay_compile.kernels import scatter_add_rows as sar
 
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
     (128, 256, 64, 8, 8, 3),
@@ -111,6 +114,42 @@ def main() -> None:
             if gathered:
                 row("triton, rows (default config)", lambda: ggmm.gathered_grouped_mm(rows, None, b, offs, out))
             del rows, want, out
+        # The products that the ring adds into its fp32 (T, H) sums: y += score * (act @ w2^T), dx += dh13 @ w13.
+        sum_TH = torch.zeros(T, H, device="cuda")
+        act = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)
+        score = torch.rand(S, device="cuda", generator=gen)
+        for name, (rows, b, scale) in {"y += s * act @ w2^T": (act, w2.transpose(-2, -1), score),
+                                       "dx += dh13 @ w13": (dh13, w13, None)}.items():
+            k, n = b.shape[1], b.shape[2]
+
+            def unfused(rows=rows, b=b, scale=scale):
+                out = torch._grouped_mm(rows, b, offs=offs)
+                if scale is not None:
+                    out.mul_(scale[:, None].to(bf))
+                sar.scatter_add_rows_(sum_TH, tok_S, out)
+
+            us = gpu_us_per_call(unfused, calls=args.calls)
+            print(f"| {chunks} | {S} | {G} | {name} | _grouped_mm + scatter_add_rows | {us:.1f} | "
+                  f"{tflops(S, k, n, us):.0f} | |", flush=True)
+            for cfg in CONFIGS:
+                try:
+                    fn = lambda cfg=cfg, rows=rows, b=b, scale=scale: ggmm.gathered_grouped_mm_scatter_add_(  # noqa
+                        rows, None, b, offs, sum_TH, tok_S, scale, config=cfg)
+                    us = gpu_us_per_call(fn, calls=args.calls)
+                    print(f"| {chunks} | {S} | {G} | {name} | triton, scatter epilogue {cfg} | {us:.1f} | "
+                          f"{tflops(S, k, n, us):.0f} | |", flush=True)
+                except Exception as e:  # a config the GPU cannot hold (shared memory)
+                    print(f"| {chunks} | {S} | {G} | {name} | triton, scatter epilogue {cfg} | failed: "
+                          f"{type(e).__name__} | | |")
+            a_sum, b_sum = torch.zeros(T, H, device="cuda"), torch.zeros(T, H, device="cuda")
+            out = torch._grouped_mm(rows, b, offs=offs).float()
+            b_sum.index_add_(0, tok_S, out if scale is None else out * scale[:, None])
+            ggmm.gathered_grouped_mm_scatter_add_(rows, None, b, offs, a_sum, tok_S, scale)
+            err = ((a_sum - b_sum).abs().max() / b_sum.abs().max()).item()
+            print(f"| {chunks} | {S} | {G} | {name} | scatter epilogue vs product + index_add: max rel err "
+                  f"{err:.1e} | | | |", flush=True)
+            del a_sum, b_sum, out
+        del sum_TH, act
         # Weight gradients, fp32 sums added into: dw2 = dy[tok]^T act, dw13 = dh13^T x[tok].
         act = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)
         acc2 = torch.zeros(G, H, F, device="cuda")
