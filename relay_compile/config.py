@@ -86,6 +86,12 @@ split_reads: bool = Config(default=True, env_name_default="RELAYMOE_SPLIT_READS"
 # experts without biases. Process-wide (a kernel choice, not a per-call option).
 gather_in_gemm: bool = Config(default=False, env_name_default="RELAYMOE_GATHER_IN_GEMM")
 
+# A hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows into the ring's fp32
+# ``(T, H)`` sums in their epilogue (``kernels.gathered_grouped_mm``, fp32 atomics) instead of writing them as an
+# ``(S, H)`` buffer that a scatter-add reads again: CUDA, 16-bit rows, grouped experts without biases, sums held on
+# this rank (not token routing's arriving ones). Process-wide.
+add_in_gemm: bool = Config(default=False, env_name_default="RELAYMOE_ADD_IN_GEMM")
+
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,
 # eager kernels: for debugging and for CPU tests), "eager" (run the rewritten Dynamo graph as is).
 inner_compiler: str = Config(

@@ -38,7 +38,9 @@ from torch import Tensor
 from relay_compile.grouped_gemm import (
     GatheredRows,
     Rows,
+    SumTarget,
     add_bias,
+    adds_in_gemm,
     batched_rows,
     bias_score_term,
     expert_of_rows,
@@ -46,6 +48,7 @@ from relay_compile.grouped_gemm import (
     grouped_bias_grad,
     grouped_linear,
     grouped_matmul,
+    grouped_matmul_into,
     grouped_mm_supported,
     grouped_weight_grad,
     offsets_or_counts,
@@ -228,12 +231,13 @@ def _swiglu_vjp(
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
     rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
     d_score_out: Tensor | None = None, projections_SU: Tensor | None = None, projections_writable: bool = False,
-    at_indices: bool = False,
-) -> tuple[Tensor, Tensor, list[Tensor]]:
+    at_indices: bool = False, dx_into: SumTarget | None = None,
+) -> tuple[Tensor | None, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
     (then ``db13``, ``db2`` for the biases ``biases`` has). ``projections_SU``: the rows' ``h13`` as the forward
     saved them (not recomputed; not overwritten unless ``projections_writable``: else ``[dh1, dh3]`` go to a
-    buffer of their own). ``at_indices``: the GEMMs read the rows at ``tok_S`` (``_recompute``).
+    buffer of their own). ``at_indices``: the GEMMs read the rows at ``tok_S`` (``_recompute``). ``dx_into``: ``dx``
+    is added there by its GEMM (``grouped_matmul_into``) and None is returned in its place.
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
@@ -261,8 +265,19 @@ def _swiglu_vjp(
     del dy_SH
     dw13 = grouped_weight_grad(dh13_SU, x_SH, offsets_L, wgrad_rows, grad_dtype, into13)
     del x_SH
-    dx_SH = grouped_matmul(dh13_SU, w13_LUH, offsets_L, counts_host)
+    dx_SH = _dx(dh13_SU, w13_LUH, offsets_L, counts_host, dx_into)
     return dx_SH, d_score_S, [] if into is not None else [dw13, dw2, *db]
+
+
+def _dx(
+    dh_SO: Tensor, w_first: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None,
+    into: SumTarget | None,
+) -> Tensor | None:
+    """``dx = dh @ w_first[e]``: returned, or added into ``into`` by its GEMM (None returned)."""
+    if into is None:
+        return grouped_matmul(dh_SO, w_first, offsets_L, counts_host)
+    grouped_matmul_into(dh_SO, w_first, offsets_L, counts_host, into)
+    return None
 
 
 def _activation_backward(activation: str, grad_SF: Tensor, h_SF: Tensor) -> Tensor:
@@ -284,8 +299,8 @@ def _ffn_vjp(
     dy_TH: Tensor, score_S: Tensor, activation: str, tok_S: Tensor | None = None,
     grad_dtype: torch.dtype | None = None, rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
     biases: _Biases | None = None, d_score_out: Tensor | None = None, projections_SU: Tensor | None = None,
-    at_indices: bool = False,
-) -> tuple[Tensor, Tensor, list[Tensor]]:
+    at_indices: bool = False, dx_into: SumTarget | None = None,
+) -> tuple[Tensor | None, Tensor, list[Tensor]]:
     """The fused backward of ``score * w2 @ act(w1 @ x)`` for a non-gated activation: ``dx``, ``d_score``,
     ``[dw1, dw2]`` (then ``db1``, ``db2`` for the biases ``biases`` has; ``_swiglu_vjp``'s contract: rows
     gathered here or read at their indices, ``grad_into`` asked before the first weight GEMM, ``projections_SU``
@@ -314,7 +329,7 @@ def _ffn_vjp(
     del dy_SH
     dw1 = grouped_weight_grad(dh_SF, x_SH, offsets_L, wgrad_rows, grad_dtype, into1)
     del x_SH
-    dx_SH = grouped_matmul(dh_SF, w1_LFH, offsets_L, counts_host)
+    dx_SH = _dx(dh_SF, w1_LFH, offsets_L, counts_host, dx_into)
     return dx_SH, d_score_S, [] if into is not None else [dw1, dw2, *db]
 
 
@@ -349,7 +364,8 @@ def expert_ffn(
 def _ffn(
     x_SH: Rows, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w1_LFH: Tensor, w2_LHF: Tensor,
     w3_LFH: Tensor | None, activation: Activation, biases: _Biases | None = None, save_into: Tensor | None = None,
-) -> Tensor:
+    add_into: SumTarget | None = None,
+) -> Tensor | None:
     """``expert_ffn`` given the grouping (device offsets, or host counts for the loop path); ``biases``
     (non-gated only): ``b1``, ``b2`` added to each row's projections; ``save_into`` (non-gated only): the first
     projection ``h`` (with its bias) is copied there, for a backward that does not recompute it."""
@@ -362,15 +378,29 @@ def _ffn(
     if activation in GATED:
         assert w3_LFH is not None and biases is None, f"{activation} needs w3 (and its biases packed)"
         h_SF = h_SF * grouped_linear(x_SH, w3_LFH, offsets_L, counts_host)
-    return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
+    return _down(h_SF, w2_LHF, offsets_L, counts_host, b, add_into)
+
+
+def _down(
+    h_SF: Tensor, w2_LHF: Tensor, offsets_L: Tensor | None, counts_host: Sequence[int] | None, b: _Biases,
+    add_into: SumTarget | None,
+) -> Tensor | None:
+    """The down projection (with its bias): returned, or added into ``add_into`` by its GEMM (no bias then)."""
+    if add_into is None:
+        return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
+    assert b.down is None, "a down projection with a bias is returned, not added by its GEMM"
+    grouped_matmul_into(h_SF, w2_LHF.transpose(-2, -1), offsets_L, counts_host, add_into)
+    return None
 
 
 def _gated_packed(
     x_SH: Rows, offsets_L: Tensor | None, counts_host: Sequence[int] | None, w13_LUH: Tensor, w2_LHF: Tensor,
     activation: str, biases: _Biases | None = None, save_into: Tensor | None = None,
-) -> Tensor:
+    add_into: SumTarget | None = None,
+) -> Tensor | None:
     """Gated experts on stacked weights ``w13 (E_l, 2F, H)``: one GEMM for ``h1`` and ``h3`` (their biases
-    ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them); ``save_into``: ``h13`` is copied there."""
+    ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them); ``save_into``: ``h13`` is copied there;
+    ``add_into``: the output rows are added there by the down projection's GEMM, and None is returned."""
     b = biases or _Biases()
     ffn = w2_LHF.shape[-1]
     h13_SU = add_bias(grouped_linear(x_SH, w13_LUH, offsets_L, counts_host), b.first, b.expert_S)
@@ -380,7 +410,7 @@ def _gated_packed(
         h_SF = swiglu_forward(h13_SU)  # one pass over both halves (a Triton kernel on CUDA)
     else:
         h_SF = activation_fn(activation)(h13_SU[:, :ffn]) * h13_SU[:, ffn:]
-    return add_bias(grouped_linear(h_SF, w2_LHF, offsets_L, counts_host), b.down, b.expert_S)
+    return _down(h_SF, w2_LHF, offsets_L, counts_host, b, add_into)
 
 
 class GroupedFFN:
@@ -454,6 +484,12 @@ class GroupedFFN:
             dbs[:1] = _split_w13(dbs[0], ffn)
         return [dw1, dw2, dw3, *dbs]
 
+    def adds_in_gemm(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
+        """Whether this function's last GEMMs can add their rows into the ring's sums (``forward_rows(add_into=)``,
+        ``vjp_rows(dx_into=)``: ``grouped_gemm.adds_in_gemm``; without biases, whose down bias is added to the
+        returned rows)."""
+        return not any(self.biases) and adds_in_gemm(x_TH, weights[0])
+
     def reads_at_indices(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
         """Whether this function's GEMMs read rows of ``x_TH`` at their indices (``grouped_gemm.reads_at_indices``;
         without biases, whose products take gathered rows)."""
@@ -487,46 +523,46 @@ class GroupedFFN:
 
     def forward_rows(
         self, x_SH: Rows, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        save_into: Tensor | None = None,
-    ) -> Tensor:
+        save_into: Tensor | None = None, add_into: SumTarget | None = None,
+    ) -> Tensor | None:
         """``GroupedExperts.forward_rows``; ``x_SH`` may be ``GatheredRows``: read at their indices by the first
-        projection's GEMM where ``reads_at_indices``, else gathered here."""
-        if isinstance(x_SH, GatheredRows):
-            if self.reads_at_indices(x_SH.source_TD, weights):
-                return self._forward(x_SH, (offsets_G, None), offsets_G, weights, save_into)
+        projection's GEMM where ``reads_at_indices``, else gathered here. ``add_into`` (where ``adds_in_gemm``):
+        the output rows are added there by the down projection's GEMM and None is returned."""
+        at_indices = isinstance(x_SH, GatheredRows) and self.reads_at_indices(x_SH.source_TD, weights)
+        if isinstance(x_SH, GatheredRows) and not at_indices:
             x_SH = x_SH.rows()
-        return self._forward(x_SH, self._grouping(x_SH, offsets_G, rows_G, weights), offsets_G, weights, save_into)
-
-    def _forward(
-        self, x_SH: Rows, grouping: tuple[Tensor | None, Sequence[int] | None], offsets_G: Tensor,
-        weights: Sequence[Tensor], save_into: Tensor | None,
-    ) -> Tensor:
+        # The kernels group rows by the device offsets, equal groups or not.
+        kernels = at_indices or add_into is not None
+        grouping = (offsets_G, None) if kernels else self._grouping(x_SH, offsets_G, rows_G, weights)  # type: ignore[arg-type]
         biases = self._biases(weights, offsets_G, x_SH.shape[0])
         if self.activation in GATED:
-            return _gated_packed(x_SH, *grouping, weights[0], weights[1], self.activation, biases, save_into)
-        return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation, biases, save_into)
+            return _gated_packed(x_SH, *grouping, weights[0], weights[1], self.activation, biases, save_into, add_into)
+        return _ffn(x_SH, *grouping, weights[0], weights[1], None, self.activation, biases, save_into, add_into)
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False,
-    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        projections_writable: bool = False, dx_into: SumTarget | None = None,
+    ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward of a chunk's rows (``GroupedExperts.vjp_rows``). ``projections``: the rows' saved
         first projections, read instead of recomputed; ``projections_writable``: they are this call's own copy
         (a padded chunk's gather), which the SwiGLU backward overwrites with their gradients instead of writing
-        those to a buffer of their own."""
+        those to a buffer of their own. ``dx_into`` (where ``adds_in_gemm``): ``dx`` is added there by its GEMM
+        and None is returned in its place."""
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
-        # Rows read at their indices: over the device offsets (the kernels' grouping), equal groups or not.
+        # Rows read at their indices, or dx added by its GEMM: over the device offsets (the kernels' grouping),
+        # equal groups or not.
         at_indices = tok_S is not None and self.reads_at_indices(x_TH, weights)
-        grouping = (offsets_G, None) if at_indices else self._grouping(x_TH, offsets_G, rows_G, weights)
+        kernels = at_indices or dx_into is not None
+        grouping = (offsets_G, None) if kernels else self._grouping(x_TH, offsets_G, rows_G, weights)
         biases = self._biases(weights, offsets_G, x_TH.shape[0] if tok_S is None else tok_S.shape[0])
         w1, w2 = weights[:2]
         if self.activation != "swiglu":
             return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
-                            grad_into, biases, d_score_out, projections, at_indices)
+                            grad_into, biases, d_score_out, projections, at_indices, dx_into)
         return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases,
-                           d_score_out, projections, projections_writable, at_indices)
+                           d_score_out, projections, projections_writable, at_indices, dx_into)
 
 
 def ffn_expert_fn(

@@ -11,7 +11,7 @@ Legend: S rows sorted by expert, E (or G) experts, D/I input width, O output wid
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from torch import Tensor
 from relay_compile import config
 from relay_compile.kernels import gathered_grouped_mm as gathered_kernel
 from relay_compile.kernels import grouped_weight_grad as grouped_weight_grad_kernel
+from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,26 @@ class GatheredRows:
 Rows = Tensor | GatheredRows
 
 
+@dataclass(frozen=True)
+class SumTarget:
+    """Where a grouped GEMM's product rows go instead of a returned ``(S, O)`` buffer: ``sum[tok[s]] += scale[s] *
+    row[s]`` into a wider (fp32) sum of one or two row blocks (``blocks()``: ``RowSum``'s head and tail)."""
+
+    blocks: Callable[[], tuple[Tensor, Tensor | None]]
+    tok_S: Tensor
+    scale_S: Tensor | None = None
+
+
 def gathered(x: Rows) -> Tensor:
     """``x``'s rows as a tensor (gathered where they are ``GatheredRows``)."""
     return x.rows() if isinstance(x, GatheredRows) else x
+
+
+def adds_in_gemm(x_SD: Rows, w: Tensor) -> bool:
+    """Whether GEMMs of rows like ``x_SD`` by weights like ``w`` add their products into the ring's sums in their
+    epilogue (``grouped_matmul_into``): the kernel runs (CUDA, 16-bit, Triton) and ``config.add_in_gemm`` is on."""
+    source = x_SD.source_TD if isinstance(x_SD, GatheredRows) else x_SD
+    return config.add_in_gemm and gathered_kernel.applies(source, w)
 
 
 def reads_at_indices(source_TD: Tensor, w: Tensor) -> bool:
@@ -112,6 +130,24 @@ def grouped_matmul(
     assert counts_E is not None
     chunks = torch.split(x_SD, list(counts_E))
     return torch.cat([c @ w_EDO[e] for e, c in enumerate(chunks)], dim=0)
+
+
+def grouped_matmul_into(
+    x_SD: Rows, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None, into: SumTarget
+) -> None:
+    """``grouped_matmul``'s rows added into ``into`` (``sum[tok[s]] += scale[s] * y[s]``): by the GEMM's epilogue
+    over device offsets where the kernel runs (fp32 atomics, no ``(S, O)`` buffer), else the product, then
+    ``scatter_add_rows``."""
+    head, tail = into.blocks()
+    if offsets_E is not None and head.dtype == torch.float32:
+        source, idx = (x_SD.source_TD, x_SD.index_S) if isinstance(x_SD, GatheredRows) else (x_SD, None)
+        if gathered_kernel.applies(source, w_EDO):
+            gathered_kernel.gathered_grouped_mm_scatter_add_(source, idx, w_EDO, offsets_E, head, into.tok_S,
+                                                             into.scale_S, tail_TN=tail)
+            return
+    y_SO = grouped_matmul(x_SD, w_EDO, offsets_E, counts_E)
+    scale_S1 = None if into.scale_S is None else into.scale_S[:, None]
+    scatter_add_rows_(head, into.tok_S, y_SO, scale_S1, tail_TH=tail)
 
 
 def expert_of_rows(offsets_G: Tensor, rows: int) -> Tensor:

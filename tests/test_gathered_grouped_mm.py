@@ -155,3 +155,62 @@ class ExpertsReadRowsAtIndices(unittest.TestCase):
             print("ok")
         """
         run_interpreted(self, script, timeout=300)
+
+
+class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
+    """The expert ring (stand-in group of 4, one process) with ``config.gather_in_gemm`` and ``config.add_in_gemm``
+    equals it without them, forward and backward, and the kernels ran (Triton's interpreter, fp16)."""
+
+    @unittest.skipIf(torch.cuda.is_available(), "CPU check under the interpreter")
+    def test_the_ring_is_unchanged_and_the_kernels_run(self) -> None:
+        script = """
+            import collections
+            import torch
+            from relay_compile import config, ring_moe
+            from relay_compile.bench import destroy_standin_groups, standin_group
+            from relay_compile.kernels import gathered_grouped_mm as k
+            from relay_compile.reference import moe_weights
+            T, H, F, K, WORLD, E_L = 48, 32, 16, 2, 4, 2
+            launches = collections.Counter()
+            compiled = k._triton_kernel
+
+            def counted():
+                kernel = compiled()
+
+                class Launch:
+                    def __getitem__(self, grid):
+                        def run(*args, **kwargs):
+                            launches["gather" if kwargs["GATHER"] else "add" if kwargs["SCATTER"] else "plain"] += 1
+                            return kernel[grid](*args, **kwargs)
+                        return run
+                return Launch()
+
+            k._triton_kernel = counted
+
+            def call():
+                gen = torch.Generator().manual_seed(0)
+                x = torch.randn(T, H, generator=gen).half().requires_grad_()
+                ids = torch.randint(0, WORLD * E_L, (T, K), generator=gen)
+                ids[: T // 2, 0] = 0  # a crowded expert beside the random ones
+                scores = torch.rand(T, K, generator=gen).requires_grad_()
+                w = moe_weights(0, H, F, E_L)
+                weights = [w[name].half().requires_grad_() for name in ("w1", "w2", "w3")]
+                y = ring_moe(x, ids, scores, *weights, group=standin_group(WORLD), routing="expert", ring="always")
+                dy = torch.randn(y.shape, generator=gen).half()
+                return [y.detach(), *torch.autograd.grad(y, [x, scores, *weights], dy)]
+
+            want = call()
+            assert not launches, launches
+            for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}):
+                launches.clear()
+                with config.patch(**patch):
+                    got = call()
+                # 4 hops: the forward's first projection and the backward's two reads (gather), or the forward's
+                # down projection and the backward's dx (add).
+                assert launches == ({"gather": 12} if "gather_in_gemm" in patch else {"add": 8}), (patch, launches)
+                for a, b in zip(want, got, strict=True):
+                    torch.testing.assert_close(b.float(), a.float(), rtol=5e-3, atol=5e-3 * a.abs().max().item())
+            destroy_standin_groups()
+            print("ok")
+        """
+        run_interpreted(self, script, timeout=300)

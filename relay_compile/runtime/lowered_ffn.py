@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.experts import GradSink, GroupedFFN
-from relay_compile.grouped_gemm import Rows, gathered
+from relay_compile.grouped_gemm import Rows, SumTarget, gathered
 from relay_compile.runtime.ffn_plan import BiasRole, ExpertFFN, WeightRole
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,10 +191,17 @@ class LoweredFFN:
             return x
         return gathered(x).to(dtype)
 
+    def _uncast(self, x_TH: Tensor) -> bool:
+        dtype = self.plan.compute_dtype
+        return dtype is None or dtype == x_TH.dtype
+
     def reads_at_indices(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
         """``GroupedFFN.reads_at_indices`` where F computes in the rows' dtype (a cast needs the gathered rows)."""
-        dtype = self.plan.compute_dtype
-        return (dtype is None or dtype == x_TH.dtype) and self.inner.reads_at_indices(x_TH, weights)
+        return self._uncast(x_TH) and self.inner.reads_at_indices(x_TH, weights)
+
+    def adds_in_gemm(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
+        """``GroupedFFN.adds_in_gemm`` where F computes in the rows' dtype (else its output is cast back first)."""
+        return self._uncast(x_TH) and self.inner.adds_in_gemm(x_TH, weights)
 
     def projection_dtype(self, weights: Sequence[Tensor]) -> torch.dtype:
         """``GroupedFFN.projection_dtype``: the packed weights' dtype (F's compute dtype where it casts)."""
@@ -202,16 +209,20 @@ class LoweredFFN:
 
     def forward_rows(
         self, x_SH: Rows, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor],
-        save_into: Tensor | None = None,
-    ) -> Tensor:
-        return self.inner.forward_rows(self._compute(x_SH), offsets_G, rows_G, weights, save_into).to(x_SH.dtype)
+        save_into: Tensor | None = None, add_into: SumTarget | None = None,
+    ) -> Tensor | None:
+        if add_into is not None:  # only where adds_in_gemm: no cast
+            return self.inner.forward_rows(x_SH, offsets_G, rows_G, weights, save_into, add_into)
+        out = self.inner.forward_rows(self._compute(x_SH), offsets_G, rows_G, weights, save_into)
+        assert out is not None
+        return out.to(x_SH.dtype)
 
     def vjp_rows(
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False,
-    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        projections_writable: bool = False, dx_into: SumTarget | None = None,
+    ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward; where F computes in another dtype than the rows' (torchtitan: bf16 GEMMs on fp32
         parameters and rows), on this chunk's rows cast to it and the packed weights (cast once per step, by
         ``pack``), as autograd through F's casts would: ``dy`` rounded to the GEMMs' dtype, ``dx`` cast back to
@@ -224,13 +235,15 @@ class LoweredFFN:
         if dtype is None or dtype == x_TH.dtype == dy_TH.dtype:
             return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into,
                                        d_score_out, projections=projections,
-                                       projections_writable=projections_writable)
+                                       projections_writable=projections_writable, dx_into=dx_into)
+        assert dx_into is None, "dx is added by its GEMM only where F computes in the rows' dtype (adds_in_gemm)"
         # Gathered, then cast: the chunk's rows only, never a cast copy of all T rows per chunk.
         x_SH = (x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)).to(dtype)
         dy_SH = (dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)).to(dtype)
         dx_SH, d_score_S, dws = self.inner.vjp_rows(x_SH, None, offsets_G, rows_G, weights, dy_SH, score_S,
                                                     grad_dtype, grad_into, d_score_out, projections=projections,
                                                     projections_writable=projections_writable)
+        assert dx_SH is not None
         return dx_SH.to(x_TH.dtype), d_score_S, dws
 
     # --- ExpertFn (the probe, and callers without grouped entry points) ---

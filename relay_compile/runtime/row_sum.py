@@ -73,6 +73,19 @@ class RowSum:
     def dtype(self) -> torch.dtype:
         return self._dtype if self.head_TH is None else self.head_TH.dtype
 
+    @property
+    def here(self) -> bool:
+        """Whether the sum is held here (not one that arrives with a transfer and is waited for at its first add)."""
+        return self._resolve is None
+
+    def blocks(self) -> tuple[Tensor, Tensor | None]:
+        """The sum's row blocks ``(head, tail)`` to add into in place (``grouped_gemm.SumTarget``); an arriving sum
+        is waited for here."""
+        if self.head_TH is None:
+            assert self._resolve is not None
+            self.head_TH = self._resolve()
+        return self.head_TH, self.tail_TH
+
     def add_(self, tok_S: Tensor, rows_SH: Tensor, scale_S1: Tensor | None = None) -> None:
         """``sum[tok[c]] += scale[c] * rows[c]`` (``kernels.scatter_add_rows``)."""
         if self.head_TH is None:

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from relay_compile.experts import ExpertFn, ExpertVJP, GroupedExperts, as_grouped
-from relay_compile.grouped_gemm import GatheredRows, Rows
+from relay_compile.grouped_gemm import GatheredRows, Rows, SumTarget
 from relay_compile.routing import Chunk, PairRouting
 from relay_compile.runtime import chunk_graphs
 from relay_compile.runtime.chunk_graphs import PaddedChunks
@@ -186,6 +186,7 @@ def segment_forward(
     """``y[t] += scores[p] * F_owner(x[t])`` (or ``F_owner(scores[p] * x[t])``) for the pairs ``p = (t, k)`` of
     the hop's chunks."""
     at_indices = _reads_at_indices(cfg, x_TH, weights)
+    adds = _adds_in_gemm(cfg, x_TH, weights, y)
     for chunk in rows.chunks:
         padded = rows.padded.of(chunk) if rows.padded is not None else None
         if padded is not None:
@@ -198,6 +199,11 @@ def segment_forward(
             x_SH: Rows = _gathered_scaled_rows(x_TH, tok_S, score_S1)
         else:
             x_SH = GatheredRows(x_TH, tok_S) if at_indices else torch.index_select(x_TH, 0, tok_S)
+        if adds:  # the down projection's GEMM adds score * out into y
+            saved = None if rows.projections_PU is None else rows.projections_PU[chunk.start : chunk.end]
+            cfg.grouped.forward_rows(x_SH, chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk),
+                                     save_into=saved, add_into=SumTarget(y.blocks, tok_S, score_S1[:, 0]))
+            continue
         if rows.projections_PU is not None:  # the step checked: grouped experts, scores after them
             assert cfg.grouped is not None
             out_SH = cfg.grouped.forward_rows(x_SH, chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk),
@@ -218,6 +224,14 @@ def _reads_at_indices(cfg: RingStepConfig, x_TH: Tensor, weights: Sequence[Tenso
     indices by its GEMMs, no gathered buffer): a grouped function that can (``reads_at_indices``), scores after it."""
     reads = getattr(cfg.grouped, "reads_at_indices", None)
     return reads is not None and not cfg.scores_before and reads(x_TH, weights)
+
+
+def _adds_in_gemm(cfg: RingStepConfig, x_TH: Tensor, weights: Sequence[Tensor], sum_TH: RowSum) -> bool:
+    """Whether a hop's last GEMMs add their rows into ``sum_TH`` (``y`` or ``dx``) in their epilogue: a grouped
+    function that can (``adds_in_gemm``), scores after it, a sum held here (token routing's arriving sums are
+    waited for at their first add, which would then come before the GEMM instead of after it)."""
+    adds = getattr(cfg.grouped, "adds_in_gemm", None)
+    return adds is not None and not cfg.scores_before and sum_TH.here and adds(x_TH, weights)
 
 
 @contextlib.contextmanager
@@ -299,6 +313,7 @@ def segment_backward(
     grouped = cfg.grouped
     fused = getattr(cfg.expert_fn, "vjp", None)
     no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
+    adds = not no_fused and _adds_in_gemm(cfg, x_TH, weights, dx)
     for chunk in rows.chunks:
         if no_fused:
             chunk_vjp(cfg, rows, [recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx, ds_S, dw)
@@ -335,6 +350,7 @@ def segment_backward(
                 # A padded chunk's projections are its own gather: overwritten by their gradients, no second buffer.
                 **({} if chunk_saved is None else {"projections": chunk_saved,
                                                    "projections_writable": equal is not None}),
+                **({"dx_into": SumTarget(dx.blocks, tok_S)} if adds else {}),
             )
         else:
             dx_SH, ds_out, dws = fused(
@@ -343,7 +359,8 @@ def segment_backward(
             )
         if ds_out is not chunk_ds_S:
             chunk_ds_S.copy_(ds_out)
-        dx.add_(tok_S, dx_SH)
+        if dx_SH is not None:  # else its GEMM added it
+            dx.add_(tok_S, dx_SH)
         if dws:  # else the GEMMs added them into ``dw.sink(chunk)``
             dw.add(dws, chunk if grouped is not None else None)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GEMMs that read their rows at the tokens' indices (issue 24): the kernels' CUDA tests, the kernel against a
 # gather and the library GEMM at a hop's shapes (gathered_gemm.py), the ring with and without it (check_ring.py),
-# and the forced ring at EP=8 and EP=64, 65536 tokens, 5 interleaved rounds, gather first against gather in GEMM.
+# and the forced ring at EP=8 and EP=64, 65536 tokens, 5 interleaved rounds: gather first, gather in GEMM, add in
+# GEMM (the sums added by the last GEMMs' epilogue), both.
 # Usage: bash docs/bench/gathered-gemm/run.sh OUT [tests] [gemm] [check] [sweep]   (no parts: all)
 set -uo pipefail
 OUT=$1; shift
@@ -13,6 +14,7 @@ tests) timeout 240 python -m pytest -q -p no:cacheprovider tests/test_gathered_g
 gemm) timeout 240 python docs/bench/gathered-gemm/gathered_gemm.py --chunks 4 2 1 2>&1 | quiet | tee $OUT/gathered-gemm.txt ;;
 check) timeout 120 python docs/bench/gathered-gemm/check_ring.py --ep 8 --tokens 8192 2>&1 | quiet | tee $OUT/check-ring.txt ;;
 sweep) for ep in 8 64; do
-         sweep ab-ep$ep 200 --ep $ep --tokens 65536 --rows "ring auto, gather first" "ring auto, gather in GEMM"
+         sweep ab-ep$ep 200 --ep $ep --tokens 65536 --rows "ring auto, gather first" "ring auto, gather in GEMM" \
+           "ring auto, add in GEMM" "ring auto, gather and add in GEMM"
        done ;;
 esac; done
