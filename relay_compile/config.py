@@ -83,13 +83,13 @@ split_reads: bool = Config(default=True, env_name_default="RELAYMOE_SPLIT_READS"
 
 # A hop's grouped GEMMs read their rows at the tokens' indices (``kernels.gathered_grouped_mm``, and the fp32
 # weight gradients' kernel) instead of gathering them into an ``(S, H)`` buffer first: CUDA, 16-bit rows, grouped
-# experts without biases. Process-wide (a kernel choice, not a per-call option).
+# experts without biases. Per call too (``options={"gather_in_gemm": True}``, ``ring_moe(..., gather_in_gemm=True)``).
 gather_in_gemm: bool = Config(default=False, env_name_default="RELAYMOE_GATHER_IN_GEMM")
 
 # A hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows into the ring's fp32
 # ``(T, H)`` sums in their epilogue (``kernels.gathered_grouped_mm``, fp32 atomics) instead of writing them as an
 # ``(S, H)`` buffer that a scatter-add reads again: CUDA, 16-bit rows, grouped experts without biases, sums held on
-# this rank (not token routing's arriving ones). Process-wide.
+# this rank (not token routing's arriving ones). Per call too, as ``gather_in_gemm``.
 add_in_gemm: bool = Config(default=False, env_name_default="RELAYMOE_ADD_IN_GEMM")
 
 # What compiles the graph after the rewrite: "inductor" (aot_autograd + inductor), "aot_eager" (aot_autograd,

@@ -486,14 +486,19 @@ class GroupedFFN:
 
     def adds_in_gemm(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
         """Whether this function's last GEMMs can add their rows into the ring's sums (``forward_rows(add_into=)``,
-        ``vjp_rows(dx_into=)``: ``grouped_gemm.adds_in_gemm``; without biases, whose down bias is added to the
-        returned rows)."""
-        return not any(self.biases) and adds_in_gemm(x_TH, weights[0])
+        ``vjp_rows(dx_into=)``: ``grouped_gemm.adds_in_gemm``): ``_kernels_fit``."""
+        return self._kernels_fit(x_TH, weights) and adds_in_gemm(x_TH, weights[0])
 
     def reads_at_indices(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
-        """Whether this function's GEMMs read rows of ``x_TH`` at their indices (``grouped_gemm.reads_at_indices``;
-        without biases, whose products take gathered rows)."""
-        return not any(self.biases) and reads_at_indices(x_TH, weights[0])
+        """Whether this function's GEMMs can read rows of ``x_TH`` at their indices (``forward_rows`` of
+        ``GatheredRows``, ``vjp_rows(rows_at_indices=True)``: ``grouped_gemm.reads_at_indices``): ``_kernels_fit``."""
+        return self._kernels_fit(x_TH, weights) and reads_at_indices(x_TH, weights[0])
+
+    def _kernels_fit(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
+        """No biases (their products take gathered rows) and the grouped GEMM for the chunk's other GEMMs: in kernel
+        mode every GEMM of a chunk groups its rows by the device offsets."""
+        return (not any(self.biases) and self.use_grouped_mm is not False
+                and grouped_mm_supported(x_TH, *weights[:2]))
 
     def _grouping(
         self, x_SH: Tensor, offsets_G: Tensor, rows_G: Sequence[int], weights: Sequence[Tensor]
@@ -543,17 +548,18 @@ class GroupedFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False, dx_into: SumTarget | None = None,
+        projections_writable: bool = False, dx_into: SumTarget | None = None, rows_at_indices: bool = False,
     ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward of a chunk's rows (``GroupedExperts.vjp_rows``). ``projections``: the rows' saved
         first projections, read instead of recomputed; ``projections_writable``: they are this call's own copy
         (a padded chunk's gather), which the SwiGLU backward overwrites with their gradients instead of writing
         those to a buffer of their own. ``dx_into`` (where ``adds_in_gemm``): ``dx`` is added there by its GEMM
-        and None is returned in its place."""
+        and None is returned in its place. ``rows_at_indices`` (where ``reads_at_indices``): the GEMMs read the rows
+        at ``tok_S`` instead of gathering them."""
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         # Rows read at their indices, or dx added by its GEMM: over the device offsets (the kernels' grouping),
         # equal groups or not.
-        at_indices = tok_S is not None and self.reads_at_indices(x_TH, weights)
+        at_indices = rows_at_indices and tok_S is not None and self.reads_at_indices(x_TH, weights)
         kernels = at_indices or dx_into is not None
         grouping = (offsets_G, None) if kernels else self._grouping(x_TH, offsets_G, rows_G, weights)
         biases = self._biases(weights, offsets_G, x_TH.shape[0] if tok_S is None else tok_S.shape[0])

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from relay_compile import config
 from relay_compile.kernels import gathered_grouped_mm as gathered_kernel
 from relay_compile.kernels import grouped_weight_grad as grouped_weight_grad_kernel
 from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
@@ -57,6 +56,14 @@ class SumTarget:
     tok_S: Tensor
     scale_S: Tensor | None = None
 
+    def add_rows(self, y_SO: Tensor) -> None:
+        """Add rows computed elsewhere (``scatter_add_rows``; scaled in their own dtype, as the ring's unfused
+        forward scales its output rows)."""
+        head, tail = self.blocks()
+        if self.scale_S is not None:
+            y_SO = y_SO * self.scale_S[:, None].to(y_SO.dtype)
+        scatter_add_rows_(head, self.tok_S, y_SO, tail_TH=tail)
+
 
 def gathered(x: Rows) -> Tensor:
     """``x``'s rows as a tensor (gathered where they are ``GatheredRows``)."""
@@ -64,16 +71,16 @@ def gathered(x: Rows) -> Tensor:
 
 
 def adds_in_gemm(x_SD: Rows, w: Tensor) -> bool:
-    """Whether GEMMs of rows like ``x_SD`` by weights like ``w`` add their products into the ring's sums in their
-    epilogue (``grouped_matmul_into``): the kernel runs (CUDA, 16-bit, Triton) and ``config.add_in_gemm`` is on."""
+    """Whether GEMMs of rows like ``x_SD`` by weights like ``w`` can add their products into fp32 sums in their
+    epilogue (``grouped_matmul_into``): the kernel runs (CUDA, 16-bit, Triton)."""
     source = x_SD.source_TD if isinstance(x_SD, GatheredRows) else x_SD
-    return config.add_in_gemm and gathered_kernel.applies(source, w)
+    return gathered_kernel.applies(source, w)
 
 
 def reads_at_indices(source_TD: Tensor, w: Tensor) -> bool:
-    """Whether GEMMs of rows of ``source_TD`` by weights like ``w`` read the rows at their indices: the kernels run
-    (CUDA, 16-bit, Triton) and ``config.gather_in_gemm`` is on."""
-    return config.gather_in_gemm and gathered_kernel.applies(source_TD, w)
+    """Whether GEMMs of rows of ``source_TD`` by weights like ``w`` can read the rows at their indices: the kernels
+    run (CUDA, 16-bit, Triton)."""
+    return gathered_kernel.applies(source_TD, w)
 
 
 def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
@@ -145,9 +152,7 @@ def grouped_matmul_into(
             gathered_kernel.gathered_grouped_mm_scatter_add_(source, idx, w_EDO, offsets_E, head, into.tok_S,
                                                              into.scale_S, tail_TN=tail)
             return
-    y_SO = grouped_matmul(x_SD, w_EDO, offsets_E, counts_E)
-    scale_S1 = None if into.scale_S is None else into.scale_S[:, None]
-    scatter_add_rows_(head, into.tok_S, y_SO, scale_S1, tail_TH=tail)
+    into.add_rows(grouped_matmul(x_SD, w_EDO, offsets_E, counts_E))
 
 
 def expert_of_rows(offsets_G: Tensor, rows: int) -> Tensor:

@@ -1,7 +1,7 @@
 """Validated options of one compilation: ``relay_compile.config`` overridden by ``options={...}``.
 
 The ring's own options (routing, overlap, remat, max_hop_rows, fp32_accumulation, chunk_graphs, ring, fp8,
-link_gbps, save_projections) become a
+link_gbps, save_projections, gather_in_gemm, add_in_gemm) become a
 ``RingOptions``, which validates them; this module adds the backend's (inner compiler, dumps, verify, activation
 memory budget) and the conversions from the config's spellings (environment strings, ``0`` for "no bound on hop
 rows").
@@ -209,6 +209,8 @@ def resolve(options: Mapping[str, Any] | None = None) -> Options:
             chunk_graphs=_graphs(*pick("chunk_graphs")), ring=_str("ring", *pick("ring")),
             fp8=_bool("fp8", *pick("fp8")), link_gbps=_link(*pick("link_gbps")),
             save_projections=_saves(*pick("save_projections")),
+            gather_in_gemm=_bool("gather_in_gemm", *pick("gather_in_gemm")),
+            add_in_gemm=_bool("add_in_gemm", *pick("add_in_gemm")),
         )
     except InvalidRingOption as e:
         raise ValueError(f"relaymoe: option {e.problem}") from None

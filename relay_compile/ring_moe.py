@@ -130,6 +130,8 @@ def ring_moe_experts(
     name: str | None = None,
     scores_applied: ScoresApplied = "after",
     save_projections: SaveProjections = "auto",
+    gather_in_gemm: bool = False,
+    add_in_gemm: bool = False,
 ) -> Tensor:
     """``ring_moe`` with any expert function (``relay_compile.experts`` gives its contract).
 
@@ -142,7 +144,7 @@ def ring_moe_experts(
             function's code and what it captures (``runtime.fn_identity``), so a new closure over equal
             values is the same expert function, and a different one is told apart. Under torch.compile the
             spec is registered while Dynamo traces: the compiled graph keeps the function it was traced with.
-        scores_applied, save_projections: see ``ring_moe``.
+        scores_applied, save_projections, gather_in_gemm, add_in_gemm: see ``ring_moe``.
     """
     group_name = _group_name(group)
     with _raising_together(group_name, x):
@@ -153,7 +155,7 @@ def ring_moe_experts(
         options = dict(
             routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
             fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8, link_gbps=link_gbps,
-            save_projections=save_projections)
+            save_projections=save_projections, gather_in_gemm=gather_in_gemm, add_in_gemm=add_in_gemm)
         compiling = torch.compiler.is_compiling()
         key = _register(expert_fn, experts_per_rank, group_name, options, name, scores_applied, compiling)
         saves = (_saves_traced(expert_fn, options, scores_applied, x.device.type) if compiling else
@@ -212,6 +214,8 @@ def ring_moe(
     use_grouped_mm: bool | None = None,
     scores_applied: ScoresApplied = "after",
     save_projections: SaveProjections = "auto",
+    gather_in_gemm: bool = False,
+    add_in_gemm: bool = False,
 ) -> Tensor:
     """The RelayMoE block: ``y[t] = sum_k topk_scores[t, k] * FFN_{topk_ids[t, k]}(x[t])``.
 
@@ -262,6 +266,12 @@ def ring_moe(
             the all-to-all's (CUDA, eager calls); True: wherever the ring
             runs in expert routing (scores after the experts, no chunk graphs or FP8 hops); False: never. A
             per-rank knob: a call saves where every rank's call can.
+        gather_in_gemm: a hop's grouped GEMMs read their rows at the tokens' indices (``kernels.gathered_grouped_mm``)
+            instead of gathering them into a buffer first (CUDA, 16-bit rows; FFN experts without biases). A
+            per-rank knob.
+        add_in_gemm: a hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows into
+            the ring's fp32 sums in their epilogue instead of writing them for a scatter-add (the same experts;
+            sums held on the rank). A per-rank knob.
 
     Returns:
         ``(T, H)`` in ``x``'s dtype.
@@ -295,5 +305,6 @@ def ring_moe(
         fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8,
         link_gbps=link_gbps,
         name=f"ffn[{activation},grouped_mm={use_grouped_mm}]",
-        scores_applied=scores_applied, save_projections=save_projections,
+        scores_applied=scores_applied, save_projections=save_projections, gather_in_gemm=gather_in_gemm,
+        add_in_gemm=add_in_gemm,
     )

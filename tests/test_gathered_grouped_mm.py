@@ -118,14 +118,13 @@ if __name__ == "__main__":
 
 
 class ExpertsReadRowsAtIndices(unittest.TestCase):
-    """``config.gather_in_gemm``: the grouped experts' forward and fused backward with their rows read at the
+    """``gather_in_gemm``: the grouped experts' forward and fused backward with their rows read at the
     tokens' indices equal the same with the rows gathered first (the kernels under Triton's interpreter)."""
 
     @unittest.skipIf(torch.cuda.is_available(), "CPU check under the interpreter")
     def test_forward_and_backward_equal_the_gathered_rows(self) -> None:
         script = """
             import torch
-            from relay_compile import config
             from relay_compile.experts import GroupedFFN
             from relay_compile.grouped_gemm import GatheredRows
             gen = torch.Generator().manual_seed(0)
@@ -141,14 +140,15 @@ class ExpertsReadRowsAtIndices(unittest.TestCase):
                 w = [(torch.randn(G, first, H, generator=gen) * H ** -0.5).half(),
                      (torch.randn(G, H, F, generator=gen) * F ** -0.5).half()]
                 results = {}
+                assert ffn.reads_at_indices(x, w)
                 for at_indices in (False, True):
-                    with config.patch(gather_in_gemm=at_indices):
-                        assert ffn.reads_at_indices(x, w) == at_indices
-                        y = ffn.forward_rows(GatheredRows(x, tok), offs, counts, w)
-                        dx, ds, dws = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32)
-                        acc = [torch.ones(g.shape) for g in dws]
-                        ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
-                                     grad_into=lambda acc=acc: acc)
+                    rows = GatheredRows(x, tok) if at_indices else x[tok]
+                    y = ffn.forward_rows(rows, offs, counts, w)
+                    dx, ds, dws = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
+                                               rows_at_indices=at_indices)
+                    acc = [torch.ones(g.shape) for g in dws]
+                    ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
+                                 grad_into=lambda acc=acc: acc, rows_at_indices=at_indices)
                     results[at_indices] = [y, dx, ds, *dws, *acc]
                 for a, b in zip(results[False], results[True], strict=True):
                     torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
@@ -158,7 +158,7 @@ class ExpertsReadRowsAtIndices(unittest.TestCase):
 
 
 class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
-    """The expert ring (stand-in group of 4, one process) with ``config.gather_in_gemm`` and ``config.add_in_gemm``
+    """The expert ring (stand-in group of 4, one process) with the options ``gather_in_gemm`` and ``add_in_gemm``
     equals it without them, forward and backward, and the kernels ran (Triton's interpreter, fp16)."""
 
     @unittest.skipIf(torch.cuda.is_available(), "CPU check under the interpreter")
@@ -166,7 +166,7 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
         script = """
             import collections
             import torch
-            from relay_compile import config, ring_moe
+            from relay_compile import ring_moe
             from relay_compile.bench import destroy_standin_groups, standin_group
             from relay_compile.kernels import gathered_grouped_mm as k
             from relay_compile.reference import moe_weights
@@ -187,7 +187,7 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
 
             k._triton_kernel = counted
 
-            def call():
+            def call(**options):
                 gen = torch.Generator().manual_seed(0)
                 x = torch.randn(T, H, generator=gen).half().requires_grad_()
                 ids = torch.randint(0, WORLD * E_L, (T, K), generator=gen)
@@ -195,7 +195,8 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
                 scores = torch.rand(T, K, generator=gen).requires_grad_()
                 w = moe_weights(0, H, F, E_L)
                 weights = [w[name].half().requires_grad_() for name in ("w1", "w2", "w3")]
-                y = ring_moe(x, ids, scores, *weights, group=standin_group(WORLD), routing="expert", ring="always")
+                y = ring_moe(x, ids, scores, *weights, group=standin_group(WORLD), routing="expert", ring="always",
+                             **options)
                 dy = torch.randn(y.shape, generator=gen).half()
                 return [y.detach(), *torch.autograd.grad(y, [x, scores, *weights], dy)]
 
@@ -203,8 +204,7 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             assert not launches, launches
             for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}):
                 launches.clear()
-                with config.patch(**patch):
-                    got = call()
+                got = call(**patch)
                 # 4 hops: the forward's first projection and the backward's two reads (gather), or the forward's
                 # down projection and the backward's dx (add).
                 assert launches == ({"gather": 12} if "gather_in_gemm" in patch else {"add": 8}), (patch, launches)

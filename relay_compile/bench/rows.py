@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from relay_compile import config, ring_moe
+from relay_compile import ring_moe
 from relay_compile.bench.configs import BenchOptions, LayerConfig
 from relay_compile.bench.standin_group import standin_group
 from relay_compile.reference import a2a_moe
@@ -126,22 +126,6 @@ def link_stream_builder(builder: RowBuilder, ctas: int = 0, high_priority: bool 
     def build(cfg: LayerConfig, group: Any) -> LayerFn:
         return builder(cfg, standin_group(cfg.ep, link_stream=True, link_ctas=ctas,
                                           link_high_priority=high_priority))
-
-    return build
-
-
-def config_builder(builder: RowBuilder, **patch: Any) -> RowBuilder:
-    """``builder``'s layer called under ``relay_compile.config.patch(**patch)``: a process-wide setting (a kernel
-    choice such as ``gather_in_gemm``) beside the rows without it, in the same process and rounds."""
-
-    def build(cfg: LayerConfig, group: Any) -> LayerFn:
-        fn = builder(cfg, group)
-
-        def run(*args: Tensor) -> Tensor:
-            with config.patch(**patch):
-                return fn(*args)
-
-        return run
 
     return build
 

@@ -56,6 +56,7 @@ def gathered_grouped_mm(
     where ``applies``, else ``reference``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)``."""
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
     experts, width_k, width_n = b_EKN.shape
+    _check(offsets_E, experts, idx_S)
     if out_SN is None:
         out_SN = a_TK.new_empty((rows, width_n))
     if not applies(a_TK, b_EKN):
@@ -92,6 +93,7 @@ def gathered_grouped_mm_scatter_add_(
         return
     rows = tok_S.shape[0]
     experts, width_k, width_n = b_EKN.shape
+    _check(offsets_E, experts, idx_S, tok_S, scale_S)
     block_m, block_n, block_k, group_m, warps, stages = config or _config()
     tiles_m = _cdiv(rows, block_m) + experts
     grid = (tiles_m * _cdiv(width_n, block_n),)
@@ -105,6 +107,14 @@ def gathered_grouped_mm_scatter_add_(
         HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=warps, num_stages=stages,
     )
+
+
+def _check(offsets_E: Tensor, experts: int, *indices: Tensor | None) -> None:
+    """What the kernel's loads assume: int32 offsets, one per weight matrix; contiguous index and scale vectors."""
+    assert offsets_E.dtype == torch.int32 and offsets_E.shape == (experts,), (
+        f"gathered_grouped_mm: offsets must be int32 ({experts},), got {offsets_E.dtype} {tuple(offsets_E.shape)}")
+    assert all(t is None or (t.dim() == 1 and t.is_contiguous()) for t in indices), (
+        "gathered_grouped_mm: indices and scales must be contiguous vectors")
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -70,7 +70,7 @@ Direction = str  # "forward" | "backward" (programs.schedule spells it the same)
 ARGUMENTS = (
     "x", "topk_ids", "topk_scores", "weights", "w1", "w2", "w3", "grad_y", "experts_per_rank", "expert_fn",
     "name", "activation", "use_grouped_mm", "routing", "overlap", "remat", "max_hop_rows", "fp32_accumulation",
-    "scores_applied", "ring", "fp8", "link_gbps", "save_projections",
+    "scores_applied", "ring", "fp8", "link_gbps", "save_projections", "gather_in_gemm", "add_in_gemm",
     "the call",
 )
 # Dtypes as small codes (any fixed numbering works: every rank uses this table); others by a stable CRC.

@@ -200,7 +200,8 @@ class LoweredFFN:
         return self._uncast(x_TH) and self.inner.reads_at_indices(x_TH, weights)
 
     def adds_in_gemm(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
-        """``GroupedFFN.adds_in_gemm`` where F computes in the rows' dtype (else its output is cast back first)."""
+        """``GroupedFFN.adds_in_gemm`` where F computes in the rows' dtype (else its output is cast back first; a
+        backward whose ``dy`` is in another dtype adds ``dx`` after its cast)."""
         return self._uncast(x_TH) and self.inner.adds_in_gemm(x_TH, weights)
 
     def projection_dtype(self, weights: Sequence[Tensor]) -> torch.dtype:
@@ -221,7 +222,7 @@ class LoweredFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False, dx_into: SumTarget | None = None,
+        projections_writable: bool = False, dx_into: SumTarget | None = None, rows_at_indices: bool = False,
     ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward; where F computes in another dtype than the rows' (torchtitan: bf16 GEMMs on fp32
         parameters and rows), on this chunk's rows cast to it and the packed weights (cast once per step, by
@@ -235,8 +236,8 @@ class LoweredFFN:
         if dtype is None or dtype == x_TH.dtype == dy_TH.dtype:
             return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into,
                                        d_score_out, projections=projections,
-                                       projections_writable=projections_writable, dx_into=dx_into)
-        assert dx_into is None, "dx is added by its GEMM only where F computes in the rows' dtype (adds_in_gemm)"
+                                       projections_writable=projections_writable, dx_into=dx_into,
+                                       rows_at_indices=rows_at_indices)
         # Gathered, then cast: the chunk's rows only, never a cast copy of all T rows per chunk.
         x_SH = (x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)).to(dtype)
         dy_SH = (dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)).to(dtype)
@@ -244,6 +245,9 @@ class LoweredFFN:
                                                     grad_dtype, grad_into, d_score_out, projections=projections,
                                                     projections_writable=projections_writable)
         assert dx_SH is not None
+        if dx_into is not None:  # the rows cast back, then added (the GEMM cannot add what F's cast rounds)
+            dx_into.add_rows(dx_SH.to(x_TH.dtype))
+            return None, d_score_S, dws
         return dx_SH.to(x_TH.dtype), d_score_S, dws
 
     # --- ExpertFn (the probe, and callers without grouped entry points) ---

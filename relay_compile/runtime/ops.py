@@ -174,7 +174,8 @@ def _run(
         max_hop_rows=hop_row_bound(spec.options.max_hop_rows, x.shape[0], forward=direction == "forward"),
         acc_dtype=torch.float32 if spec.options.fp32_accumulation else None,
         scores_before=spec.scores_applied == "before", chunk_graphs=spec.options.graphs_on(x.device),
-        equal_groups=equal_groups.applies(x.device),
+        equal_groups=equal_groups.applies(x.device), gather_in_gemm=spec.options.gather_in_gemm,
+        add_in_gemm=spec.options.add_in_gemm,
     )
     local = _prepare(direction, state, cfg, x, topk_ids, topk_scores, weights, grad_y, projections is not False,
                      agreed_counts_E)

@@ -315,6 +315,12 @@ class RingOptions:
       than the all-to-all, or faster by less than its error (``cost_model.SAVE_MARGIN``), and its peak with
       them still no higher than the all-to-all's (CUDA; never elsewhere); False: never. Decided before the op,
       per rank; a call saves where every rank's op does and the expert ring runs (``agreement``).
+    - ``gather_in_gemm``: a hop's grouped GEMMs read their rows at the tokens' indices
+      (``kernels.gathered_grouped_mm``, and the fp32 weight gradients' kernel) instead of gathering them into an
+      ``(S, H)`` buffer first (CUDA, 16-bit rows, grouped FFN experts without biases). A per-rank knob.
+    - ``add_in_gemm``: a hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows
+      into the ring's fp32 ``(T, H)`` sums in their epilogue instead of writing them for a scatter-add (the same
+      experts, sums held on this rank: not token routing's arriving ones). A per-rank knob.
     """
 
     routing: str = "auto"
@@ -327,6 +333,8 @@ class RingOptions:
     fp8: bool = False
     link_gbps: LinkGbps = "auto"
     save_projections: SaveProjections = "auto"
+    gather_in_gemm: bool = False
+    add_in_gemm: bool = False
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -347,7 +355,7 @@ class RingOptions:
         if self.save_projections != "auto" and not isinstance(self.save_projections, bool):
             raise InvalidRingOption(f"save_projections must be True, False or 'auto', got {self.save_projections!r}",
                                     "save_projections")
-        for name in ("overlap", "remat", "fp32_accumulation", "fp8"):
+        for name in ("overlap", "remat", "fp32_accumulation", "fp8", "gather_in_gemm", "add_in_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRingOption(f"{name} must be a bool, got {getattr(self, name)!r}", name)
 
@@ -356,13 +364,14 @@ class RingOptions:
         cls, caller: str, *, routing: str = "auto", overlap: bool = True, remat: bool = True,
         max_hop_rows: MaxHopRows = "auto", fp32_accumulation: bool = True, chunk_graphs: ChunkGraphs = False,
         ring: str = "auto", fp8: bool = False, link_gbps: LinkGbps = "auto",
-        save_projections: SaveProjections = "auto",
+        save_projections: SaveProjections = "auto", gather_in_gemm: bool = False, add_in_gemm: bool = False,
     ) -> RingOptions:
         """``RingOptions(...)``; a bad value raises ``InvalidRingOption("<caller>: <problem>")``."""
         try:
             return cls(routing=routing, overlap=overlap, remat=remat, max_hop_rows=max_hop_rows,
                        fp32_accumulation=fp32_accumulation, chunk_graphs=chunk_graphs, ring=ring, fp8=fp8,
-                       link_gbps=link_gbps, save_projections=save_projections)
+                       link_gbps=link_gbps, save_projections=save_projections, gather_in_gemm=gather_in_gemm,
+                       add_in_gemm=add_in_gemm)
         except InvalidRingOption as e:
             raise InvalidRingOption(f"{caller}: {e.problem}", e.argument) from None
 
@@ -375,6 +384,7 @@ class RingOptions:
             f"|ring={self.ring}" + ("|fp8=1" if self.fp8 else "")
             + ("" if self.link_gbps == "auto" else f"|link_gbps={float(self.link_gbps):g}")
             + ("" if self.save_projections == "auto" else f"|save_projections={int(self.save_projections)}")
+            + ("|gather_in_gemm=1" if self.gather_in_gemm else "") + ("|add_in_gemm=1" if self.add_in_gemm else "")
         )
 
     @property

@@ -70,6 +70,10 @@ class RingStepConfig:
     # Backward chunks padded to equal rows per expert, run as batched GEMMs (``runtime.equal_groups``): where
     # the tokens are on CUDA.
     equal_groups: bool = False
+    # A grouped expert function's GEMMs read a chunk's rows at the tokens' indices (the option ``gather_in_gemm``),
+    # and its last GEMMs add their rows into ``y`` / ``dx`` (``add_in_gemm``), where it can.
+    gather_in_gemm: bool = False
+    add_in_gemm: bool = False
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
     grouped: GroupedExperts | None = field(init=False)
 
@@ -223,15 +227,17 @@ def _reads_at_indices(cfg: RingStepConfig, x_TH: Tensor, weights: Sequence[Tenso
     """Whether the forward hands its chunks' rows to the expert function as ``GatheredRows`` (read at their
     indices by its GEMMs, no gathered buffer): a grouped function that can (``reads_at_indices``), scores after it."""
     reads = getattr(cfg.grouped, "reads_at_indices", None)
-    return reads is not None and not cfg.scores_before and reads(x_TH, weights)
+    return cfg.gather_in_gemm and reads is not None and not cfg.scores_before and reads(x_TH, weights)
 
 
 def _adds_in_gemm(cfg: RingStepConfig, x_TH: Tensor, weights: Sequence[Tensor], sum_TH: RowSum) -> bool:
     """Whether a hop's last GEMMs add their rows into ``sum_TH`` (``y`` or ``dx``) in their epilogue: a grouped
     function that can (``adds_in_gemm``), scores after it, a sum held here (token routing's arriving sums are
-    waited for at their first add, which would then come before the GEMM instead of after it)."""
+    waited for at their first add, which would then come before the GEMM instead of after it), in fp32 (the
+    kernel's atomics)."""
     adds = getattr(cfg.grouped, "adds_in_gemm", None)
-    return adds is not None and not cfg.scores_before and sum_TH.here and adds(x_TH, weights)
+    return (cfg.add_in_gemm and adds is not None and not cfg.scores_before and sum_TH.here
+            and sum_TH.dtype == torch.float32 and adds(x_TH, weights))
 
 
 @contextlib.contextmanager
@@ -314,6 +320,7 @@ def segment_backward(
     fused = getattr(cfg.expert_fn, "vjp", None)
     no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
     adds = not no_fused and _adds_in_gemm(cfg, x_TH, weights, dx)
+    at_indices = not no_fused and _reads_at_indices(cfg, x_TH, weights)
     for chunk in rows.chunks:
         if no_fused:
             chunk_vjp(cfg, rows, [recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx, ds_S, dw)
@@ -351,6 +358,7 @@ def segment_backward(
                 **({} if chunk_saved is None else {"projections": chunk_saved,
                                                    "projections_writable": equal is not None}),
                 **({"dx_into": SumTarget(dx.blocks, tok_S)} if adds else {}),
+                **({"rows_at_indices": True} if at_indices else {}),
             )
         else:
             dx_SH, ds_out, dws = fused(

@@ -1,5 +1,5 @@
 """The forced ring with its rows read at their indices and/or its sums added by its GEMMs, against the same ring with
-its rows gathered first and its sums added after its GEMMs: output and
+its rows gathered first and its sums added after its GEMMs (the options ``gather_in_gemm``, ``add_in_gemm``): output and
 gradients of one forward+backward on the stand-in group (CUDA, bf16, Qwen3 layer), as max error relative to each
 tensor's largest value.
 
@@ -11,7 +11,7 @@ import torch
 
 from relay_compile.bench.sweep import standin_rows
 
-ROWS = ("ring auto, gather first", "ring auto, gather in GEMM", "ring auto, add in GEMM",
+ROWS = ("ring auto", "ring auto, gather in GEMM", "ring auto, add in GEMM",
         "ring auto, gather and add in GEMM")
 
 

@@ -14,7 +14,7 @@ tests) timeout 240 python -m pytest -q -p no:cacheprovider tests/test_gathered_g
 gemm) timeout 240 python docs/bench/gathered-gemm/gathered_gemm.py --chunks 4 2 1 2>&1 | quiet | tee $OUT/gathered-gemm.txt ;;
 check) timeout 120 python docs/bench/gathered-gemm/check_ring.py --ep 8 --tokens 8192 2>&1 | quiet | tee $OUT/check-ring.txt ;;
 sweep) for ep in 8 64; do
-         sweep ab-ep$ep 200 --ep $ep --tokens 65536 --rows "ring auto, gather first" "ring auto, gather in GEMM" \
+         sweep ab-ep$ep 200 --ep $ep --tokens 65536 --rows "ring auto" "ring auto, gather in GEMM" \
            "ring auto, add in GEMM" "ring auto, gather and add in GEMM"
        done ;;
 esac; done
