@@ -66,8 +66,10 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 2, 1])
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N tile configs only")
     args = ap.parse_args()
     T, H, F = args.tokens, args.hidden, args.ffn
+    configs = CONFIGS[: args.configs]
     bf = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     x_TH = torch.randn(T, H, device="cuda", dtype=bf, generator=gen)
@@ -105,7 +107,7 @@ def main() -> None:
                 row("gather + _grouped_mm", lambda: torch._grouped_mm(torch.index_select(src, 0, tok_S), b, offs=offs))
             row("_grouped_mm alone", lambda: torch._grouped_mm(rows, b, offs=offs))
             out = torch.empty(S, n, device="cuda", dtype=bf)
-            for cfg in CONFIGS:
+            for cfg in configs:
                 try:
                     fn = lambda cfg=cfg: ggmm.gathered_grouped_mm(src, idx, b, offs, out, config=cfg)  # noqa: E731
                     row(f"triton{', gathered' if gathered else ''} {cfg}", fn, fn)
@@ -131,7 +133,7 @@ def main() -> None:
             us = gpu_us_per_call(unfused, calls=args.calls)
             print(f"| {chunks} | {S} | {G} | {name} | _grouped_mm + scatter_add_rows | {us:.1f} | "
                   f"{tflops(S, k, n, us):.0f} | |", flush=True)
-            for cfg in CONFIGS:
+            for cfg in configs:
                 try:
                     fn = lambda cfg=cfg, rows=rows, b=b, scale=scale: ggmm.gathered_grouped_mm_scatter_add_(  # noqa
                         rows, None, b, offs, sum_TH, tok_S, scale, config=cfg)
