@@ -150,7 +150,7 @@ class BackendOptions(unittest.TestCase):
         env = {**os.environ, "RELAYMOE_DUMP_DIR": "0", "RELAYMOE_OVERLAP": "FALSE", "RELAYMOE_VERIFY": "1",
                "RELAYMOE_ROUTING": "token", "RELAYMOE_CHUNK_GRAPHS": "auto", "RELAYMOE_RING": "memory",
                "RELAYMOE_DYNAMIC_KEEP": "false", "RELAYMOE_LINK_GBPS": "50", "RELAYMOE_SAVE_PROJECTIONS": "true",
-               "OMP_NUM_THREADS": "1"}
+               "RELAYMOE_ADD_IN_GEMM": "1", "OMP_NUM_THREADS": "1"}
         script = (
             "from relay_compile.options import resolve\n"
             "try:\n    resolve()\nexcept ValueError as e:\n    print(e)\n"
@@ -161,7 +161,7 @@ class BackendOptions(unittest.TestCase):
         self.assertRegex(out[0], r"^relaymoe: option dump_dir=False is a switch, not a directory")
         self.assertIn("RingOptions(routing='token', overlap=False, remat=True, max_hop_rows='auto', "
                       "fp32_accumulation=True, chunk_graphs='auto', ring='memory', fp8=False, link_gbps=50.0, "
-                      "save_projections=True)", out[1])
+                      "save_projections=True, gather_in_gemm=False, add_in_gemm=True)", out[1])
         self.assertIn("dump_dir='', verify=True", out[1])
         self.assertIn("dynamic_keep=False", out[1])
 
