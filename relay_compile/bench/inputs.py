@@ -59,3 +59,23 @@ def make_inputs(cfg: LayerConfig, weights: list[Tensor] | None = None) -> LayerI
         x_TH=x_TH.requires_grad_(), topk_ids_TK=ids_TK, topk_scores_TK=scores_TK.requires_grad_(),
         weights=weights if weights is not None else make_weights(cfg), grad_y_TH=grad_y_TH,
     )
+
+
+def first_hop_chunks(
+    tokens: int, experts: int, top_k: int, ep: int, chunks: int, gen: torch.Generator
+) -> list[tuple[Tensor, list[int]]]:
+    """The first hop's chunks as the ring forms them, for kernel probes at a hop's shapes (docs/bench/): uniform
+    random top-k routing of ``tokens`` over ``experts``, pairs sorted by expert (stable), rank 0's ``experts / ep``
+    experts split into ``chunks`` runs of experts; per chunk its pairs' tokens ``tok_S`` and its rows per expert."""
+    ids_TK = torch.rand(tokens, experts, device=gen.device, generator=gen).topk(top_k, dim=1).indices
+    flat = ids_TK.flatten()
+    order = torch.sort(flat, stable=True).indices
+    per_rank = experts // ep
+    counts = torch.bincount(flat, minlength=experts)[:per_rank].tolist()
+    edges = [round(c * per_rank / chunks) for c in range(chunks + 1)]
+    out, start = [], 0
+    for a, b in zip(edges, edges[1:]):
+        rows = sum(counts[a:b])
+        out.append((order[start : start + rows] // top_k, counts[a:b]))
+        start += rows
+    return out

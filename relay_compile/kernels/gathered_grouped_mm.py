@@ -70,7 +70,8 @@ def gathered_grouped_mm(
         a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), out_SN.stride(0),
         out_SN, out_SN, 0, 0,  # no scatter: its arguments unused
         GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, SCATTER=False,
-        HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+        HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps,
+        num_stages=stages,
     )
     return out_SN
 
@@ -121,8 +122,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): Hopper's usual 128 x 256 bf16 tile (measured against the
-# library's grouped GEMM at a hop's shapes: docs/bench/gathered-gemm/).
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): Hopper's usual 128 x 256 bf16 tile. Not yet measured:
+# docs/bench/gathered-gemm/gathered_gemm.py times it beside other tiles and the library's grouped GEMM.
 _CONFIG = (128, 256, 64, 8, 8, 3)
 
 
@@ -140,8 +141,8 @@ def _build(triton: Any, tl: Any) -> Callable:
                                    stride_a, stride_be, stride_bk, stride_bn, stride_o, tok_ptr, scale_ptr,
                                    split, tail_offset, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
                                    EVEN_N: tl.constexpr, SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-                                   BLOCK_M: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(width_n, BLOCK_N)
         tiles_m = tl.num_programs(0) // tiles_n

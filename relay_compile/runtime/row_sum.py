@@ -88,10 +88,8 @@ class RowSum:
 
     def add_(self, tok_S: Tensor, rows_SH: Tensor, scale_S1: Tensor | None = None) -> None:
         """``sum[tok[c]] += scale[c] * rows[c]`` (``kernels.scatter_add_rows``)."""
-        if self.head_TH is None:
-            assert self._resolve is not None
-            self.head_TH = self._resolve()
-        scatter_add_rows_(self.head_TH, tok_S, rows_SH, scale_S1, tail_TH=self.tail_TH)
+        head, tail = self.blocks()
+        scatter_add_rows_(head, tok_S, rows_SH, scale_S1, tail_TH=tail)
 
     def finish(self, dtype: torch.dtype) -> Tensor:
         """The sum in ``dtype``; a two-block sum is narrowed in place and must not be added into afterwards."""

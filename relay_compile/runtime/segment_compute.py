@@ -204,6 +204,7 @@ def segment_forward(
         else:
             x_SH = GatheredRows(x_TH, tok_S) if at_indices else torch.index_select(x_TH, 0, tok_S)
         if adds:  # the down projection's GEMM adds score * out into y
+            assert cfg.grouped is not None
             saved = None if rows.projections_PU is None else rows.projections_PU[chunk.start : chunk.end]
             cfg.grouped.forward_rows(x_SH, chunk.offsets_G, chunk.rows, _chunk_weights(cfg, weights, chunk),
                                      save_into=saved, add_into=SumTarget(y.blocks, tok_S, score_S1[:, 0]))

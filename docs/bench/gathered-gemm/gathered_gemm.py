@@ -22,6 +22,7 @@ import argparse
 
 import torch
 
+from relay_compile.bench.inputs import first_hop_chunks
 from relay_compile.bench.measure import gpu_us_per_call
 from relay_compile.kernels import gathered_grouped_mm as ggmm
 from relay_compile.kernels import grouped_weight_grad as gwg
@@ -37,22 +38,6 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
     (64, 256, 64, 8, 4, 4),
     (128, 128, 128, 8, 8, 3),
 ]
-
-
-def hop_chunks(tokens: int, experts: int, top_k: int, ep: int, chunks: int, gen: torch.Generator):
-    """The first hop's chunks as the ring forms them: [(tok_S, rows per expert)], pairs sorted by expert."""
-    ids_TK = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
-    flat = ids_TK.flatten()
-    order = torch.sort(flat, stable=True).indices
-    per_rank = experts // ep
-    counts = torch.bincount(flat, minlength=experts)[:per_rank].tolist()
-    edges = [round(c * per_rank / chunks) for c in range(chunks + 1)]
-    out, start = [], 0
-    for a, b in zip(edges, edges[1:]):
-        rows = sum(counts[a:b])
-        out.append((order[start:start + rows] // top_k, counts[a:b]))
-        start += rows
-    return out
 
 
 def tflops(rows: int, k: int, n: int, us: float) -> float:
@@ -79,7 +64,7 @@ def main() -> None:
     print("| chunks | rows | experts | GEMM | form | us | TFLOPS | max rel err |")
     print("|---:|---:|---:|---|---|---:|---:|---:|")
     for chunks in args.chunks:
-        tok_S, counts = hop_chunks(T, 128, 8, 8, chunks, gen)[0]
+        tok_S, counts = first_hop_chunks(T, 128, 8, 8, chunks, gen)[0]
         S, G = tok_S.numel(), len(counts)
         offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
         w13 = torch.randn(G, 2 * F, H, device="cuda", dtype=bf, generator=gen) * H ** -0.5

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from relay_compile.bench.inputs import first_hop_chunks
 from relay_compile.bench.measure import gpu_us_per_call
 from relay_compile.kernels import scatter_add_rows as sar
 
@@ -73,22 +74,6 @@ def plain_rmw_kernel(sum_ptr, tok_ptr, rows_ptr, scale_ptr, hidden, stride_sum, 
     tl.store(dest, tl.load(dest, mask=mask) + value, mask=mask)
 
 
-def hop_chunks(tokens: int, experts: int, top_k: int, ep: int, chunks: int, gen: torch.Generator):
-    """The first hop's chunks as the ring forms them: (tok_S, rows per chunk), pairs sorted by expert (stable)."""
-    ids_TK = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
-    flat = ids_TK.flatten()
-    order = torch.sort(flat, stable=True).indices
-    per_rank = experts // ep
-    counts = torch.bincount(flat, minlength=experts)[:per_rank].tolist()
-    edges = [round(c * per_rank / chunks) for c in range(chunks + 1)]
-    out, start = [], 0
-    for a, b in zip(edges, edges[1:]):
-        rows = sum(counts[a:b])
-        out.append(order[start:start + rows] // top_k)
-        start += rows
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=65536)
@@ -102,7 +87,7 @@ def main() -> None:
     print("| chunk | rows | distinct tokens | form | us | TB/s | max err vs reference |")
     print("|---|---:|---:|---|---:|---:|---:|")
     for chunks in (4, 2, 1):
-        tok_S = hop_chunks(T, 128, 8, 8, chunks, gen)[0]
+        tok_S = first_hop_chunks(T, 128, 8, 8, chunks, gen)[0][0]
         S = tok_S.numel()
         rows_SH = torch.randn(S, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         scale_S = torch.rand(S, device="cuda", generator=gen)
