@@ -109,7 +109,10 @@ class GatheredGroupedMM(unittest.TestCase):
             scale = torch.rand(idx.shape[0], device="cuda")
             head, tail = torch.zeros(1500, 768, device="cuda"), torch.zeros(1500, 768, device="cuda")
             gathered_grouped_mm_scatter_add_(a, idx, b, offsets, head, tok, scale, tail_TN=tail)
-            expect = torch.zeros(3000, 768, device="cuda").index_add_(0, tok, want.float() * scale[:, None])
+            # The epilogue adds the fp32 products, unrounded: against them (``want`` rounds each to bf16 first,
+            # about 0.1 at these magnitudes, more than the tolerance once a few land on one token and cancel).
+            want32 = reference(a.float(), idx, b.float(), offsets, torch.empty(idx.shape[0], 768, device="cuda"))
+            expect = torch.zeros(3000, 768, device="cuda").index_add_(0, tok, want32 * scale[:, None])
             torch.testing.assert_close(torch.cat([head, tail]), expect, rtol=2e-2, atol=2e-1)
 
 
@@ -205,9 +208,9 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}):
                 launches.clear()
                 got = call(**patch)
-                # 4 hops: the forward's first projection and the backward's two reads (gather), or the forward's
-                # down projection and the backward's dx (add).
-                assert launches == ({"gather": 12} if "gather_in_gemm" in patch else {"add": 8}), (patch, launches)
+                # 4 hops: the forward's first projection (gather; the backward gathers its rows first), or the
+                # forward's down projection and the backward's dx (add).
+                assert launches == ({"gather": 4} if "gather_in_gemm" in patch else {"add": 8}), (patch, launches)
                 for a, b in zip(want, got, strict=True):
                     torch.testing.assert_close(b.float(), a.float(), rtol=5e-3, atol=5e-3 * a.abs().max().item())
             destroy_standin_groups()

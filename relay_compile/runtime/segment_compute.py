@@ -321,7 +321,10 @@ def segment_backward(
     fused = getattr(cfg.expert_fn, "vjp", None)
     no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
     adds = not no_fused and _adds_in_gemm(cfg, x_TH, weights, dx)
-    at_indices = not no_fused and _reads_at_indices(cfg, x_TH, weights)
+    # The backward gathers its rows first even under ``gather_in_gemm``: its weight gradients reduce over the rows,
+    # and read at their indices they ran 1.6x slower than a gather and the kernel on the gathered rows (dw13 at
+    # EP=8 65536 tokens, one H100: 1417 against 866 us), which outweighs what ``g = dy @ w2`` and the first
+    # projection gain (docs/bench/gathered-gemm/raw-1-h100: the ring's backward 33.3 -> 45.8 ms).
     for chunk in rows.chunks:
         if no_fused:
             chunk_vjp(cfg, rows, [recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx, ds_S, dw)
@@ -359,7 +362,6 @@ def segment_backward(
                 **({} if chunk_saved is None else {"projections": chunk_saved,
                                                    "projections_writable": equal is not None}),
                 **({"dx_into": SumTarget(dx.blocks, tok_S)} if adds else {}),
-                **({"rows_at_indices": True} if at_indices else {}),
             )
         else:
             dx_SH, ds_out, dws = fused(
