@@ -81,9 +81,9 @@ dynamic_keep: bool = Config(default=True, env_name_default="RELAYMOE_DYNAMIC_KEE
 # the cost model's kept all-to-all time, ``Calibration.kept_a2a_ratio``, assumes the pass ran).
 split_reads: bool = Config(default=True, env_name_default="RELAYMOE_SPLIT_READS")
 
-# A hop's grouped GEMMs read their rows at the tokens' indices (``kernels.gathered_grouped_mm``, and the fp32
-# weight gradients' kernel) instead of gathering them into an ``(S, H)`` buffer first: CUDA, 16-bit rows, grouped
-# experts without biases. Per call too (``options={"gather_in_gemm": True}``, ``ring_moe(..., gather_in_gemm=True)``).
+# A forward hop's first projection reads its rows at the tokens' indices (``kernels.gathered_grouped_mm``) instead
+# of gathering them into an ``(S, H)`` buffer first: CUDA, 16-bit rows, grouped experts without biases (the
+# backward gathers first: its weight gradients ran slower reading rows at their indices). Per call too (``options={"gather_in_gemm": True}``, ``ring_moe(..., gather_in_gemm=True)``).
 gather_in_gemm: bool = Config(default=False, env_name_default="RELAYMOE_GATHER_IN_GEMM")
 
 # A hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows into the ring's fp32
