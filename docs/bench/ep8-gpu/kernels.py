@@ -1,7 +1,7 @@
 """Where the GPU time of the EP=8 ring goes at 65536 tokens per rank (issue 24's 0.7x bar): per-kernel GPU time of
 one forward + backward, the ring forced (recomputing and with saved projections) beside a2a eager.
 
-    python docs/bench/ep8-gpu/kernels.py [--ep 8] [--tokens 65536] [--top 25]
+    python docs/bench/ep8-gpu/kernels.py [--ep 8] [--tokens 65536] [--top 25] [--rows "a2a eager" "ring expert" ...]
 """
 import argparse
 import collections
@@ -16,6 +16,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--ep", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=65536)
 ap.add_argument("--top", type=int, default=25)
+ap.add_argument("--rows", nargs="+", default=["a2a eager", "ring expert", "ring expert saved"])
 args = ap.parse_args()
 
 
@@ -25,7 +26,7 @@ def step(fn):
 
 
 with quiet_warnings():
-    inp, rows = standin_rows(args.ep, args.tokens, ["a2a eager", "ring expert", "ring expert saved"])
+    inp, rows = standin_rows(args.ep, args.tokens, args.rows)
     for name, fn in rows.items():
         for _ in range(2):
             step(fn)
