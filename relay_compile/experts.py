@@ -44,7 +44,6 @@ from relay_compile.grouped_gemm import (
     batched_rows,
     bias_score_term,
     expert_of_rows,
-    gathered,
     grouped_bias_grad,
     grouped_linear,
     grouped_matmul,
@@ -155,7 +154,7 @@ class _Biases:
     expert_S: Tensor | None = None
 
     def grads(
-        self, dh_SO: Tensor, dy_SH: Rows, score_S: Tensor, grad_dtype: torch.dtype | None,
+        self, dh_SO: Tensor, dy_SH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None,
         into: Sequence[Tensor | None],
     ) -> list[Tensor]:
         """``[db_first, db_down]`` (those there are): the first projection's from its pre-activation gradient
@@ -164,7 +163,6 @@ class _Biases:
         if self.first is None and self.down is None:
             return []
         assert self.expert_S is not None, "bias gradients need each row's expert"
-        dy_SH = gathered(dy_SH)
         sinks = iter(into)
         out = []
         if self.first is not None:
@@ -202,25 +200,24 @@ def _split_w13(w13_LUH: Tensor, ffn: int) -> list[Tensor]:
             w13_LUH[:, ffn:].clone(memory_format=torch.contiguous_format)]
 
 
-def _rows(x_TH: Tensor, tok_S: Tensor | None, at_indices: bool) -> Rows:
-    """The rows ``x[tok]`` (``x`` itself without ``tok_S``): gathered, or left to the GEMMs to read at their
-    indices (``at_indices``: ``GatheredRows``)."""
-    if tok_S is None:
-        return x_TH
-    return GatheredRows(x_TH, tok_S) if at_indices else torch.index_select(x_TH, 0, tok_S)
+def _rows(x_TH: Tensor, tok_S: Tensor | None) -> Tensor:
+    """The rows ``x[tok]``, gathered (``x`` itself without ``tok_S``). Gathered even where the GEMMs could read
+    them at their indices: the weight gradients reduce over them, and read there ran 1.6x slower than a gather
+    and the kernel on the gathered rows (docs/BENCHMARKS.md, "GEMMs that read their rows at the tokens'
+    indices")."""
+    return x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)
 
 
 def _recompute(
     x_TH: Tensor, dy_TH: Tensor, tok_S: Tensor | None, w_first: Tensor, w2_LHF: Tensor, offsets_L: Tensor | None,
-    counts_host: Sequence[int] | None, b: _Biases, projections_SU: Tensor | None = None, at_indices: bool = False,
-) -> tuple[Rows, Tensor, Rows, Tensor]:
-    """What both fused backwards start from: the rows ``dy``, ``x`` (gathered by ``tok_S`` unless given, or
-    ``at_indices``: read there by the GEMMs, ``GatheredRows``), ``g = dy @ w2[e]`` and the first projection ``h``
-    (with its bias): recomputed, or the forward's where it saved them (``projections_SU``, read only). Returned,
-    not kept: the caller releases each after its last use."""
-    dy_SH = _rows(dy_TH, tok_S, at_indices)
+    counts_host: Sequence[int] | None, b: _Biases, projections_SU: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What both fused backwards start from: the rows ``dy``, ``x`` (gathered by ``tok_S`` unless given),
+    ``g = dy @ w2[e]`` and the first projection ``h`` (with its bias): recomputed, or the forward's where it saved
+    them (``projections_SU``, read only). Returned, not kept: the caller releases each after its last use."""
+    dy_SH = _rows(dy_TH, tok_S)
     g_SF = grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
-    x_SH = _rows(x_TH, tok_S, at_indices)
+    x_SH = _rows(x_TH, tok_S)
     if projections_SU is not None:
         return dy_SH, g_SF, x_SH, projections_SU
     return dy_SH, g_SF, x_SH, add_bias(grouped_linear(x_SH, w_first, offsets_L, counts_host), b.first, b.expert_S)
@@ -231,13 +228,12 @@ def _swiglu_vjp(
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
     rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
     d_score_out: Tensor | None = None, projections_SU: Tensor | None = None, projections_writable: bool = False,
-    at_indices: bool = False, dx_into: SumTarget | None = None,
+    dx_into: SumTarget | None = None,
 ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
     (then ``db13``, ``db2`` for the biases ``biases`` has). ``projections_SU``: the rows' ``h13`` as the forward
     saved them (not recomputed; not overwritten unless ``projections_writable``: else ``[dh1, dh3]`` go to a
-    buffer of their own). ``at_indices``: the GEMMs read the rows at ``tok_S`` (``_recompute``). ``dx_into``: ``dx``
-    is added there by its GEMM (``grouped_matmul_into``) and None is returned in its place.
+    buffer of their own). ``dx_into``: ``dx`` is added there by its GEMM (``grouped_matmul_into``) and None is returned in its place.
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
@@ -249,11 +245,11 @@ def _swiglu_vjp(
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
     dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b,
-                                           projections_SU, at_indices)
+                                           projections_SU)
     dh13_out = None if projections_SU is None or projections_writable else torch.empty_like(h13_SU)
     d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out, dh13_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
-        d_score_S += bias_score_term(gathered(dy_SH), b.down, b.expert_S)
+        d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
     act_scaled_SF, dh13_SU = g_SF, h13_SU if dh13_out is None else dh13_out
     del h13_SU
     into = grad_into() if grad_into is not None else None  # may wait for the ring's incoming sum
@@ -299,11 +295,11 @@ def _ffn_vjp(
     dy_TH: Tensor, score_S: Tensor, activation: str, tok_S: Tensor | None = None,
     grad_dtype: torch.dtype | None = None, rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None,
     biases: _Biases | None = None, d_score_out: Tensor | None = None, projections_SU: Tensor | None = None,
-    at_indices: bool = False, dx_into: SumTarget | None = None,
+    dx_into: SumTarget | None = None,
 ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
     """The fused backward of ``score * w2 @ act(w1 @ x)`` for a non-gated activation: ``dx``, ``d_score``,
     ``[dw1, dw2]`` (then ``db1``, ``db2`` for the biases ``biases`` has; ``_swiglu_vjp``'s contract: rows
-    gathered here or read at their indices, ``grad_into`` asked before the first weight GEMM, ``projections_SU``
+    gathered here, ``grad_into`` asked before the first weight GEMM, ``projections_SU``
     the saved ``h``, read only).
 
     ``d_score = <dy @ w2, act(h)>``, so the output GEMM is not recomputed: one recomputed GEMM (``h``) and four
@@ -312,11 +308,11 @@ def _ffn_vjp(
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
     dy_SH, g_SF, x_SH, h_SF = _recompute(x_TH, dy_TH, tok_S, w1_LFH, w2_LHF, offsets_L, counts_host, b,
-                                         projections_SU, at_indices)
+                                         projections_SU)
     act_SF = activation_fn(activation)(h_SF)
     d_score_S = torch.sum(g_SF.float() * act_SF.float(), -1, out=d_score_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
-        d_score_S += bias_score_term(gathered(dy_SH), b.down, b.expert_S)
+        d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
     score_S1 = score_S[:, None].to(g_SF.dtype)
     dh_SF = _activation_backward(activation, g_SF.mul_(score_S1), h_SF)
     del g_SF, h_SF
@@ -490,8 +486,8 @@ class GroupedFFN:
         return self._kernels_fit(x_TH, weights) and adds_in_gemm(x_TH, weights[0])
 
     def reads_at_indices(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
-        """Whether this function's GEMMs can read rows of ``x_TH`` at their indices (``forward_rows`` of
-        ``GatheredRows``, ``vjp_rows(rows_at_indices=True)``: ``grouped_gemm.reads_at_indices``): ``_kernels_fit``."""
+        """Whether this function's first projection can read rows of ``x_TH`` at their indices (``forward_rows`` of
+        ``GatheredRows``: ``grouped_gemm.reads_at_indices``): ``_kernels_fit``."""
         return self._kernels_fit(x_TH, weights) and reads_at_indices(x_TH, weights[0])
 
     def _kernels_fit(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
@@ -548,27 +544,24 @@ class GroupedFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False, dx_into: SumTarget | None = None, rows_at_indices: bool = False,
+        projections_writable: bool = False, dx_into: SumTarget | None = None,
     ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward of a chunk's rows (``GroupedExperts.vjp_rows``). ``projections``: the rows' saved
         first projections, read instead of recomputed; ``projections_writable``: they are this call's own copy
         (a padded chunk's gather), which the SwiGLU backward overwrites with their gradients instead of writing
         those to a buffer of their own. ``dx_into`` (where ``adds_in_gemm``): ``dx`` is added there by its GEMM
-        and None is returned in its place. ``rows_at_indices`` (where ``reads_at_indices``): the GEMMs read the rows
-        at ``tok_S`` instead of gathering them."""
+        and None is returned in its place. The rows are gathered (``_rows``)."""
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
-        # Rows read at their indices, or dx added by its GEMM: over the device offsets (the kernels' grouping),
-        # equal groups or not.
-        at_indices = rows_at_indices and tok_S is not None and self.reads_at_indices(x_TH, weights)
-        kernels = at_indices or dx_into is not None
+        # dx added by its GEMM: over the device offsets (the kernel's grouping), equal groups or not.
+        kernels = dx_into is not None
         grouping = (offsets_G, None) if kernels else self._grouping(x_TH, offsets_G, rows_G, weights)
         biases = self._biases(weights, offsets_G, x_TH.shape[0] if tok_S is None else tok_S.shape[0])
         w1, w2 = weights[:2]
         if self.activation != "swiglu":
             return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
-                            grad_into, biases, d_score_out, projections, at_indices, dx_into)
+                            grad_into, biases, d_score_out, projections, dx_into)
         return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases,
-                           d_score_out, projections, projections_writable, at_indices, dx_into)
+                           d_score_out, projections, projections_writable, dx_into)
 
 
 def ffn_expert_fn(

@@ -57,12 +57,11 @@ class SumTarget:
     scale_S: Tensor | None = None
 
     def add_rows(self, y_SO: Tensor) -> None:
-        """Add rows computed elsewhere (``scatter_add_rows``; scaled in their own dtype, as the ring's unfused
-        forward scales its output rows)."""
+        """Add rows computed elsewhere (``scatter_add_rows``, which scales them in the sum's dtype, as the ring's
+        unfused forward adds its output rows into a wider sum)."""
         head, tail = self.blocks()
-        if self.scale_S is not None:
-            y_SO = y_SO * self.scale_S[:, None].to(y_SO.dtype)
-        scatter_add_rows_(head, self.tok_S, y_SO, tail_TH=tail)
+        scatter_add_rows_(head, self.tok_S, y_SO, None if self.scale_S is None else self.scale_S[:, None],
+                          tail_TH=tail)
 
 
 def gathered(x: Rows) -> Tensor:
@@ -74,7 +73,7 @@ def adds_in_gemm(x_SD: Rows, w: Tensor) -> bool:
     """Whether GEMMs of rows like ``x_SD`` by weights like ``w`` can add their products into fp32 sums in their
     epilogue (``grouped_matmul_into``): the kernel runs (CUDA, 16-bit, Triton)."""
     source = x_SD.source_TD if isinstance(x_SD, GatheredRows) else x_SD
-    return gathered_kernel.applies(source, w)
+    return gathered_kernel.applies(source, w, scatter=True)
 
 
 def reads_at_indices(source_TD: Tensor, w: Tensor) -> bool:
@@ -148,7 +147,7 @@ def grouped_matmul_into(
     head, tail = into.blocks()
     if offsets_E is not None and head.dtype == torch.float32:
         source, idx = (x_SD.source_TD, x_SD.index_S) if isinstance(x_SD, GatheredRows) else (x_SD, None)
-        if gathered_kernel.applies(source, w_EDO):
+        if gathered_kernel.applies(source, w_EDO, scatter=True):
             gathered_kernel.gathered_grouped_mm_scatter_add_(source, idx, w_EDO, offsets_E, head, into.tok_S,
                                                              into.scale_S, tail_TN=tail)
             return
@@ -203,7 +202,7 @@ def bias_score_term(dy_SH: Tensor, b2_GH: Tensor, expert_S: Tensor | None) -> Te
 
 
 def grouped_weight_grad(
-    dy_SO: Rows, x_SI: Rows, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
+    dy_SO: Tensor, x_SI: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
     grad_dtype: torch.dtype | None = None, into_EOI: Tensor | None = None,
 ) -> Tensor:
     """``dw[e] = dy_e.T @ x_e`` over the row groups ``(E, O, I)``: the weight gradient of ``grouped_linear``.
@@ -215,14 +214,10 @@ def grouped_weight_grad(
     the GEMMs themselves (``addmm`` with an output dtype), so no partial of the chunk is ever allocated. On CUDA
     an fp32 result over device offsets is one Triton launch (``kernels.grouped_weight_grad``), not a GEMM per
     expert.
-    Equal groups (``uniform_rows``): one batched GEMM, whatever the dtypes. ``GatheredRows`` are read at their
-    indices where the Triton kernel runs, else gathered first.
+    Equal groups (``uniform_rows``): one batched GEMM, whatever the dtypes. The rows come gathered: reading them at
+    their indices (the kernel's ``dy_idx_S`` / ``x_idx_S``) ran 1.6x slower (docs/BENCHMARKS.md, "GEMMs that read
+    their rows at the tokens' indices").
     """
-    if isinstance(dy_SO, GatheredRows) or isinstance(x_SI, GatheredRows):
-        done = _weight_grad_at_indices(dy_SO, x_SI, offsets_E, grad_dtype, into_EOI)
-        if done is not None:
-            return done
-        dy_SO, x_SI = gathered(dy_SO), gathered(x_SI)
     rows = batched_rows(dy_SO, counts_E)
     if rows:
         groups = len(counts_E)  # type: ignore[arg-type]
@@ -259,23 +254,6 @@ def grouped_weight_grad(
     for d_OS, x_SI_e, dw_OI in _per_expert(dy_SO, x_SI, counts_E, dw_EOI, skip_empty=False):
         mm_widened(d_OS, x_SI_e, dw_OI)
     return dw_EOI
-
-
-def _weight_grad_at_indices(
-    dy_SO: Rows, x_SI: Rows, offsets_E: Tensor | None, grad_dtype: torch.dtype | None, into_EOI: Tensor | None,
-) -> Tensor | None:
-    """``grouped_weight_grad`` by the Triton kernel reading ``GatheredRows`` at their indices, or None where it
-    does not run (fp32 sums over device offsets on CUDA only)."""
-    dy_src, dy_idx = (dy_SO.source_TD, dy_SO.index_S) if isinstance(dy_SO, GatheredRows) else (dy_SO, None)
-    x_src, x_idx = (x_SI.source_TD, x_SI.index_S) if isinstance(x_SI, GatheredRows) else (x_SI, None)
-    sum_dtype = into_EOI.dtype if into_EOI is not None else grad_dtype or dy_src.dtype
-    if offsets_E is None or not grouped_weight_grad_kernel.applies(dy_src, x_src, sum_dtype, into_EOI):
-        return None
-    out_EOI = into_EOI if into_EOI is not None else dy_src.new_empty(
-        (offsets_E.shape[0], dy_src.shape[1], x_src.shape[1]), dtype=sum_dtype)
-    grouped_weight_grad_kernel.grouped_weight_grad_(dy_src, x_src, offsets_E, out_EOI, accumulate=into_EOI is not None,
-                                                    dy_idx_S=dy_idx, x_idx_S=x_idx)
-    return out_EOI
 
 
 def _per_expert(

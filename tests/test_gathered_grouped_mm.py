@@ -40,6 +40,19 @@ class GatheredGroupedMM(unittest.TestCase):
         got = reference(a, idx, b, offsets, torch.full((sum(COUNTS), 24), float("nan")))
         torch.testing.assert_close(got.double(), _exact(a, idx, b, COUNTS), rtol=1e-5, atol=1e-5)
 
+    def test_the_eager_epilogue_adds_only_the_rows_the_offsets_cover(self) -> None:
+        # 12 rows, offsets ending at 5: the kernel writes and adds 5 (its contract), and so must its eager form;
+        # the scores as a column of a (S, K) matrix (not contiguous).
+        a, idx, b, _ = _case(torch.float32, [5, 0, 7])
+        offsets = torch.tensor([3, 5, 5], dtype=torch.int32)
+        tok = torch.arange(12) % 4
+        scores_SK = torch.rand(12, 2)
+        sum_TN = torch.zeros(4, 24)
+        gathered_grouped_mm_scatter_add_(a, idx, b, offsets, sum_TN, tok, scores_SK[:, 1])
+        rows = _exact(a, idx[:5], b[:2], [3, 2])
+        want = torch.zeros(4, 24, dtype=torch.float64).index_add_(0, tok[:5], rows * scores_SK[:5, 1:].double())
+        torch.testing.assert_close(sum_TN.double(), want, rtol=1e-5, atol=1e-5)
+
     def test_the_entry_point_takes_the_eager_form_on_cpu(self) -> None:
         a, idx, b, offsets = _case(torch.bfloat16, transposed=True)
         got = gathered_grouped_mm(a, idx, b, offsets)
@@ -116,20 +129,18 @@ class GatheredGroupedMM(unittest.TestCase):
             torch.testing.assert_close(torch.cat([head, tail]), expect, rtol=2e-2, atol=2e-1)
 
 
-if __name__ == "__main__":
-    unittest.main()
 
-
-class ExpertsReadRowsAtIndices(unittest.TestCase):
-    """``gather_in_gemm``: the grouped experts' forward and fused backward with their rows read at the
-    tokens' indices equal the same with the rows gathered first (the kernels under Triton's interpreter)."""
+class ExpertsReadRowsAtIndicesAndAddTheirRows(unittest.TestCase):
+    """``gather_in_gemm`` / ``add_in_gemm`` on the grouped experts: the forward with its rows read at the tokens'
+    indices equals it on gathered rows; the forward's output and the fused backward's ``dx`` added into fp32 sums by
+    the GEMMs equal the returned rows scatter-added (the kernels under Triton's interpreter)."""
 
     @unittest.skipIf(torch.cuda.is_available(), "CPU check under the interpreter")
-    def test_forward_and_backward_equal_the_gathered_rows(self) -> None:
+    def test_rows_at_indices_and_sums_added_equal_the_gathered_and_returned_rows(self) -> None:
         script = """
             import torch
             from relay_compile.experts import GroupedFFN
-            from relay_compile.grouped_gemm import GatheredRows
+            from relay_compile.grouped_gemm import GatheredRows, SumTarget
             gen = torch.Generator().manual_seed(0)
             T, H, F, counts = 40, 32, 16, [9, 0, 30, 5]
             S, G = sum(counts), len(counts)
@@ -138,23 +149,30 @@ class ExpertsReadRowsAtIndices(unittest.TestCase):
             tok = torch.randint(0, T, (S,), generator=gen)
             score = torch.rand(S, generator=gen)
             offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+            close = dict(rtol=2e-2, atol=2e-2)
             for activation, first in (("swiglu", 2 * F), ("gelu", F)):
                 ffn = GroupedFFN(activation)
                 w = [(torch.randn(G, first, H, generator=gen) * H ** -0.5).half(),
                      (torch.randn(G, H, F, generator=gen) * F ** -0.5).half()]
-                results = {}
-                assert ffn.reads_at_indices(x, w)
-                for at_indices in (False, True):
-                    rows = GatheredRows(x, tok) if at_indices else x[tok]
-                    y = ffn.forward_rows(rows, offs, counts, w)
-                    dx, ds, dws = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
-                                               rows_at_indices=at_indices)
-                    acc = [torch.ones(g.shape) for g in dws]
-                    ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
-                                 grad_into=lambda acc=acc: acc, rows_at_indices=at_indices)
-                    results[at_indices] = [y, dx, ds, *dws, *acc]
-                for a, b in zip(results[False], results[True], strict=True):
-                    torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+                assert ffn.reads_at_indices(x, w) and ffn.adds_in_gemm(x, w)
+                y = ffn.forward_rows(x[tok], offs, counts, w)
+                torch.testing.assert_close(ffn.forward_rows(GatheredRows(x, tok), offs, counts, w).float(),
+                                           y.float(), **close)
+                # Two blocks, as RowSum holds them: rows from 25 on in the tail.
+                head, tail = torch.zeros(25, H), torch.zeros(T - 25, H)
+                out = ffn.forward_rows(GatheredRows(x, tok), offs, counts, w,
+                                       add_into=SumTarget(lambda: (head, tail), tok, score))
+                assert out is None
+                want = torch.zeros(T, H).index_add_(0, tok, y.float() * score[:, None])
+                torch.testing.assert_close(torch.cat([head, tail]), want, **close)
+                dx, ds, dws = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32)
+                dx_sum = torch.zeros(T, H)
+                dx_none, ds2, dws2 = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
+                                                  dx_into=SumTarget(lambda: (dx_sum, None), tok))
+                assert dx_none is None
+                torch.testing.assert_close(dx_sum, torch.zeros(T, H).index_add_(0, tok, dx.float()), **close)
+                for a, b in zip([ds, *dws], [ds2, *dws2], strict=True):
+                    torch.testing.assert_close(b.float(), a.float(), **close)
             print("ok")
         """
         run_interpreted(self, script, timeout=300)
@@ -217,3 +235,7 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             print("ok")
         """
         run_interpreted(self, script, timeout=300)
+
+
+if __name__ == "__main__":
+    unittest.main()

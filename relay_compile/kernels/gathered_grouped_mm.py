@@ -1,10 +1,11 @@
 """``out[s] = a[idx[s]] @ b[e(s)]`` over rows sorted by expert, the row gather inside the GEMM's loads.
 
-A hop's grouped GEMMs read their rows gathered by token: the forward's ``x[tok]`` into the first projection, the
-backward's ``x[tok]`` (its recomputed first projection) and ``dy[tok]`` (``dy @ w2``). Gathered first, each is an
-``(S, H)`` buffer written once and read once more by the GEMM: on one H100 at EP=8, 65536 tokens per rank, the
-step's row gathers move 12.9 GB in 4.7 ms of its 51 (docs/BENCHMARKS.md, "Where the ring's last 5% goes"). This
-kernel reads each row straight from ``a`` at its index instead: a program per (expert's row tile, output tile),
+A hop's grouped GEMMs read their rows gathered by token (the forward's ``x[tok]`` into the first projection; the
+backward's ``x[tok]`` and ``dy[tok]``). Gathered first, each is an ``(S, H)`` buffer written once and read once more
+by the GEMM: on one H100 at EP=8, 65536 tokens per rank, the step's row gathers move 12.9 GB in 4.7 ms of its 51
+(docs/BENCHMARKS.md, "Where the ring's last 5% goes"). This kernel reads each row straight from ``a`` at its index
+instead (the ring's forward, option ``gather_in_gemm``: 676 against 777 us for a gather and ``_grouped_mm`` at that
+hop's first projection; the backward gathers first, as its weight gradients need the rows anyway): a program per (expert's row tile, output tile),
 the tiles of every expert laid end to end (each expert's rows from the int32 prefix sums ``offsets_E`` on the
 device: no host counts, no sync), swizzled by ``GROUP_M`` row tiles so that a row tile is read from HBM about once
 for all output tiles. Rows past ``offsets_E[-1]`` are not written (``torch._grouped_mm``'s contract).
@@ -16,6 +17,7 @@ K the reduced width, N the output width.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,14 +39,28 @@ def reference(a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tens
     return out_SN
 
 
-def applies(a_TK: Tensor, b_EKN: Tensor) -> bool:
+def applies(a_TK: Tensor, b_EKN: Tensor, scatter: bool = False) -> bool:
     """Where the kernel runs: CUDA (or Triton's interpreter), 16-bit rows and weights of one dtype, unit column
-    strides of the rows, Triton importable, outside of tracing (a traced graph takes the eager form)."""
+    strides of the rows, Triton importable, outside of tracing (a traced graph takes the eager form), and a GPU
+    whose shared memory holds the tile's pipeline (``scatter``: the epilogue's deeper one)."""
     return (
         (a_TK.is_cuda and b_EKN.is_cuda or _interpreted()) and a_TK.dtype in (torch.bfloat16, torch.float16)
         and b_EKN.dtype == a_TK.dtype and a_TK.stride(-1) == 1 and not torch.compiler.is_compiling()
-        and _triton_kernel() is not None
+        and _triton_kernel() is not None and (not a_TK.is_cuda or _pipeline_fits(a_TK.device, _config(scatter)))
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _pipeline_fits(device: torch.device, config: tuple[int, int, int, int, int, int]) -> bool:
+    """Whether ``stages`` buffers of a 16-bit A and B tile fit one block's shared memory on ``device``: Hopper's
+    227 KiB hold the tiles chosen there (144 and 192 KiB), an A100's 163 KiB or an sm_89 card's 99 KiB do not, where
+    the launch would fail with ``OutOfResources`` instead of falling back."""
+    block_m, block_n, block_k, _, _, stages = config
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin is None:  # an older torch: Hopper and later have the room
+        return props.major >= 9
+    return stages * (block_m + block_n) * block_k * 2 <= optin
 
 
 def gathered_grouped_mm(
@@ -56,10 +72,11 @@ def gathered_grouped_mm(
     where ``applies``, else ``reference``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)``."""
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
     experts, width_k, width_n = b_EKN.shape
-    _check(offsets_E, experts, idx_S)
+    _check(offsets_E, experts)
+    idx_S = _vector(idx_S)
     if out_SN is None:
         out_SN = a_TK.new_empty((rows, width_n))
-    if not applies(a_TK, b_EKN):
+    if not (applies(a_TK, b_EKN) and out_SN.stride(-1) == 1):
         return reference(a_TK, idx_S, b_EKN, offsets_E, out_SN)
     block_m, block_n, block_k, group_m, warps, stages = config or _config()
     # Every expert adds at most one partial row tile: programs past the real tiles return at once.
@@ -85,16 +102,21 @@ def gathered_grouped_mm_scatter_add_(
     added into the ring's sum by the GEMM's epilogue (fp32 atomics), never written as an ``(S, N)`` buffer.
     ``tail_TN``: the sum's rows from ``len(sum_TN)`` on (``RowSum``'s two blocks). Where the kernel does not run:
     the product, then ``scatter_add_rows``."""
-    if not (applies(a_TK, b_EKN) and sum_TN.dtype == torch.float32 and sum_TN.stride(-1) == 1
+    idx_S, tok_S, scale_S = _vector(idx_S), _vector(tok_S), _vector(scale_S)
+    if not (applies(a_TK, b_EKN, scatter=True) and sum_TN.dtype == torch.float32 and sum_TN.stride(-1) == 1
             and (tail_TN is None or tail_TN.stride() == sum_TN.stride())):
         from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 
-        rows_SN = gathered_grouped_mm(a_TK, idx_S, b_EKN, offsets_E)
-        scatter_add_rows_(sum_TN, tok_S, rows_SN, None if scale_S is None else scale_S[:, None], tail_TH=tail_TN)
+        # Only the rows the offsets cover (the kernel's contract; the rest of the product is not written).
+        rows = int(offsets_E[-1]) if offsets_E.numel() else 0
+        rows_SN = gathered_grouped_mm(a_TK, None if idx_S is None else idx_S[:rows], b_EKN, offsets_E,
+                                      a_TK.new_empty((rows, b_EKN.shape[-1])))
+        scatter_add_rows_(sum_TN, tok_S[:rows], rows_SN, None if scale_S is None else scale_S[:rows, None],
+                          tail_TH=tail_TN)
         return
     rows = tok_S.shape[0]
     experts, width_k, width_n = b_EKN.shape
-    _check(offsets_E, experts, idx_S, tok_S, scale_S)
+    _check(offsets_E, experts)
     block_m, block_n, block_k, group_m, warps, stages = config or _config(scatter=True)
     tiles_m = _cdiv(rows, block_m) + experts
     grid = (tiles_m * _cdiv(width_n, block_n),)
@@ -110,12 +132,16 @@ def gathered_grouped_mm_scatter_add_(
     )
 
 
-def _check(offsets_E: Tensor, experts: int, *indices: Tensor | None) -> None:
-    """What the kernel's loads assume: int32 offsets, one per weight matrix; contiguous index and scale vectors."""
+def _check(offsets_E: Tensor, experts: int) -> None:
+    """What the kernel's loads assume of the offsets: int32, one per weight matrix."""
     assert offsets_E.dtype == torch.int32 and offsets_E.shape == (experts,), (
         f"gathered_grouped_mm: offsets must be int32 ({experts},), got {offsets_E.dtype} {tuple(offsets_E.shape)}")
-    assert all(t is None or (t.dim() == 1 and t.is_contiguous()) for t in indices), (
-        "gathered_grouped_mm: indices and scales must be contiguous vectors")
+
+
+def _vector(t: Tensor | None) -> Tensor | None:
+    """An index or scale vector as the kernel loads it: contiguous (a column of ``(T, K)`` scores is not)."""
+    assert t is None or t.dim() == 1, f"gathered_grouped_mm: indices and scales are vectors, got {tuple(t.shape)}"
+    return t if t is None else t.contiguous()
 
 
 def _cdiv(a: int, b: int) -> int:

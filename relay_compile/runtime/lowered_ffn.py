@@ -222,7 +222,7 @@ class LoweredFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False, dx_into: SumTarget | None = None, rows_at_indices: bool = False,
+        projections_writable: bool = False, dx_into: SumTarget | None = None,
     ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward; where F computes in another dtype than the rows' (torchtitan: bf16 GEMMs on fp32
         parameters and rows), on this chunk's rows cast to it and the packed weights (cast once per step, by
@@ -236,8 +236,7 @@ class LoweredFFN:
         if dtype is None or dtype == x_TH.dtype == dy_TH.dtype:
             return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into,
                                        d_score_out, projections=projections,
-                                       projections_writable=projections_writable, dx_into=dx_into,
-                                       rows_at_indices=rows_at_indices)
+                                       projections_writable=projections_writable, dx_into=dx_into)
         # Gathered, then cast: the chunk's rows only, never a cast copy of all T rows per chunk.
         x_SH = (x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)).to(dtype)
         dy_SH = (dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)).to(dtype)

@@ -70,8 +70,8 @@ class RingStepConfig:
     # Backward chunks padded to equal rows per expert, run as batched GEMMs (``runtime.equal_groups``): where
     # the tokens are on CUDA.
     equal_groups: bool = False
-    # A grouped expert function's GEMMs read a chunk's rows at the tokens' indices (the option ``gather_in_gemm``),
-    # and its last GEMMs add their rows into ``y`` / ``dx`` (``add_in_gemm``), where it can.
+    # A grouped expert function's forward reads a chunk's rows at the tokens' indices (the option
+    # ``gather_in_gemm``), and its last GEMMs add their rows into ``y`` / ``dx`` (``add_in_gemm``), where it can.
     gather_in_gemm: bool = False
     add_in_gemm: bool = False
     # The expert function's grouped entry points, if it has them (a Protocol check is slow: once per step).
