@@ -87,6 +87,11 @@ class GroupedExperts(Protocol):
     The entry points take the weights in the function's *packed* layout (``pack``: for example SwiGLU's
     ``w1`` and ``w3`` stacked, so one GEMM computes both): that is what circulates, what a chunk slices and
     what the weight gradients accumulate in, until ``unpack_grads`` hands them back in the caller's layout.
+
+    Optional, found by ``getattr`` (``GroupedFFN`` has them): ``reads_at_indices(x_TH, weights)`` (then
+    ``forward_rows`` takes ``grouped_gemm.GatheredRows``) and ``adds_in_gemm(x_TH, weights)`` (then ``forward_rows``
+    takes ``add_into=`` and ``vjp_rows`` ``dx_into=``, a ``grouped_gemm.SumTarget``, and return None for the rows
+    they added): the options ``gather_in_gemm`` / ``add_in_gemm`` use them where a function has them.
     """
 
     has_fused_backward: bool

@@ -69,11 +69,10 @@ def gathered(x: Rows) -> Tensor:
     return x.rows() if isinstance(x, GatheredRows) else x
 
 
-def adds_in_gemm(x_SD: Rows, w: Tensor) -> bool:
+def adds_in_gemm(x_SD: Tensor, w: Tensor) -> bool:
     """Whether GEMMs of rows like ``x_SD`` by weights like ``w`` can add their products into fp32 sums in their
     epilogue (``grouped_matmul_into``): the kernel runs (CUDA, 16-bit, Triton)."""
-    source = x_SD.source_TD if isinstance(x_SD, GatheredRows) else x_SD
-    return gathered_kernel.applies(source, w, scatter=True)
+    return gathered_kernel.applies(x_SD, w, scatter=True)
 
 
 def reads_at_indices(source_TD: Tensor, w: Tensor) -> bool:
