@@ -238,7 +238,8 @@ def _swiglu_vjp(
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
     (then ``db13``, ``db2`` for the biases ``biases`` has). ``projections_SU``: the rows' ``h13`` as the forward
     saved them (not recomputed; not overwritten unless ``projections_writable``: else ``[dh1, dh3]`` go to a
-    buffer of their own). ``dx_into``: ``dx`` is added there by its GEMM (``grouped_matmul_into``) and None is returned in its place.
+    buffer of their own). ``dx_into``: ``dx`` is added there by its GEMM (``grouped_matmul_into``) and None is
+    returned in its place.
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
@@ -496,8 +497,8 @@ class GroupedFFN:
         return self._kernels_fit(x_TH, weights) and reads_at_indices(x_TH, weights[0])
 
     def _kernels_fit(self, x_TH: Tensor, weights: Sequence[Tensor]) -> bool:
-        """No biases (their products take gathered rows) and the grouped GEMM for the chunk's other GEMMs: in kernel
-        mode every GEMM of a chunk groups its rows by the device offsets."""
+        """No biases (their products take gathered rows) and the grouped GEMM for the chunk's other GEMMs: with rows
+        read at their indices every GEMM of a chunk groups its rows by the device offsets."""
         return (not any(self.biases) and self.use_grouped_mm is not False
                 and grouped_mm_supported(x_TH, *weights[:2]))
 
@@ -537,9 +538,11 @@ class GroupedFFN:
         at_indices = isinstance(x_SH, GatheredRows) and self.reads_at_indices(x_SH.source_TD, weights)
         if isinstance(x_SH, GatheredRows) and not at_indices:
             x_SH = x_SH.rows()
-        # The kernels group rows by the device offsets, equal groups or not.
-        kernels = at_indices or add_into is not None
-        grouping = (offsets_G, None) if kernels else self._grouping(x_SH, offsets_G, rows_G, weights)  # type: ignore[arg-type]
+        # Rows read at their indices: over the device offsets (the kernel's grouping), equal groups or not. The
+        # down projection adds into ``add_into`` in its epilogue where its rows are grouped so (not batched equal
+        # groups: those keep their batched GEMMs, and their rows are added after).
+        grouping = (offsets_G, None) if at_indices else self._grouping(
+            x_SH, offsets_G, rows_G, weights)  # type: ignore[arg-type]
         biases = self._biases(weights, offsets_G, x_SH.shape[0])
         if self.activation in GATED:
             return _gated_packed(x_SH, *grouping, weights[0], weights[1], self.activation, biases, save_into, add_into)
@@ -557,9 +560,9 @@ class GroupedFFN:
         those to a buffer of their own. ``dx_into`` (where ``adds_in_gemm``): ``dx`` is added there by its GEMM
         and None is returned in its place. The rows are gathered (``_rows``)."""
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
-        # dx added by its GEMM: over the device offsets (the kernel's grouping), equal groups or not.
-        kernels = dx_into is not None
-        grouping = (offsets_G, None) if kernels else self._grouping(x_TH, offsets_G, rows_G, weights)
+        # dx is added by its GEMM's epilogue where the rows are grouped by the device offsets (batched equal groups
+        # keep their batched GEMMs, and dx is added after).
+        grouping = self._grouping(x_TH, offsets_G, rows_G, weights)
         biases = self._biases(weights, offsets_G, x_TH.shape[0] if tok_S is None else tok_S.shape[0])
         w1, w2 = weights[:2]
         if self.activation != "swiglu":
