@@ -5,10 +5,11 @@ backward's ``x[tok]`` and ``dy[tok]``). Gathered first, each is an ``(S, H)`` bu
 by the GEMM: on one H100 at EP=8, 65536 tokens per rank, the step's row gathers move 12.9 GB in 4.7 ms of its 51
 (docs/BENCHMARKS.md, "Where the ring's last 5% goes"). This kernel reads each row straight from ``a`` at its index
 instead (the ring's forward, option ``gather_in_gemm``: 676 against 777 us for a gather and ``_grouped_mm`` at that
-hop's first projection; the backward gathers first, as its weight gradients need the rows anyway): a program per (expert's row tile, output tile),
-the tiles of every expert laid end to end (each expert's rows from the int32 prefix sums ``offsets_E`` on the
-device: no host counts, no sync), swizzled by ``GROUP_M`` row tiles so that a row tile is read from HBM about once
-for all output tiles. Rows past ``offsets_E[-1]`` are not written (``torch._grouped_mm``'s contract).
+hop's first projection; the backward gathers first, as its weight gradients need the rows anyway): a program per
+(expert's row tile, output tile), the tiles of every expert laid end to end (each expert's rows from the int32
+prefix sums ``offsets_E`` on the device: no host counts, no sync), swizzled by ``GROUP_M`` row tiles so that a row
+tile is read from HBM about once for all output tiles. Rows past ``offsets_E[-1]`` are not written
+(``torch._grouped_mm``'s contract).
 
 Elsewhere (CPU tests, CI) ``reference`` computes it with ``index_select`` and one product per expert; the
 kernel's logic is tested on the CPU under Triton's interpreter. Legend: T source rows, S sorted rows, E experts,
@@ -101,7 +102,7 @@ def gathered_grouped_mm_scatter_add_(
     """``sum[tok[s]] += scale[s] * (a[idx[s]] @ b[e(s)])`` in place, in ``sum``'s dtype (fp32): the product's rows
     added into the ring's sum by the GEMM's epilogue (fp32 atomics), never written as an ``(S, N)`` buffer.
     ``tail_TN``: the sum's rows from ``len(sum_TN)`` on (``RowSum``'s two blocks). Where the kernel does not run:
-    the product, then ``scatter_add_rows``."""
+    the product of the rows the offsets cover (a host read of their end), then ``scatter_add_rows``."""
     idx_S, tok_S, scale_S = _vector(idx_S), _vector(tok_S), _vector(scale_S)
     if not (applies(a_TK, b_EKN, scatter=True) and sum_TN.dtype == torch.float32 and sum_TN.stride(-1) == 1
             and (tail_TN is None or tail_TN.stride() == sum_TN.stride())):
