@@ -49,6 +49,7 @@ from relay_compile.grouped_gemm import (
     grouped_matmul,
     grouped_matmul_into,
     grouped_mm_supported,
+    grouped_swiglu,
     grouped_weight_grad,
     offsets_or_counts,
     reads_at_indices,
@@ -404,6 +405,10 @@ def _gated_packed(
     ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them); ``save_into``: ``h13`` is copied there;
     ``add_into``: the output rows are added there by the down projection's GEMM, and None is returned."""
     b = biases or _Biases()
+    if activation == "swiglu" and b.first is None and save_into is None:
+        # No projections kept or biased: SwiGLU in the first GEMM's epilogue where its kernel runs.
+        return _down(grouped_swiglu(x_SH, w13_LUH, offsets_L, counts_host), w2_LHF, offsets_L, counts_host, b,
+                     add_into)
     ffn = w2_LHF.shape[-1]
     h13_SU = add_bias(grouped_linear(x_SH, w13_LUH, offsets_L, counts_host), b.first, b.expert_S)
     if save_into is not None:

@@ -20,6 +20,7 @@ from torch import Tensor
 from relay_compile.kernels import gathered_grouped_mm as gathered_kernel
 from relay_compile.kernels import grouped_weight_grad as grouped_weight_grad_kernel
 from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
+from relay_compile.kernels.swiglu_forward import swiglu_forward
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def gathered(x: Rows) -> Tensor:
 def adds_in_gemm(x_SD: Tensor, w: Tensor) -> bool:
     """Whether GEMMs of rows like ``x_SD`` by weights like ``w`` can add their products into fp32 sums in their
     epilogue (``grouped_matmul_into``): the kernel runs (CUDA, 16-bit, Triton)."""
-    return gathered_kernel.applies(x_SD, w, scatter=True)
+    return gathered_kernel.applies(x_SD, w, "scatter")
 
 
 def reads_at_indices(source_TD: Tensor, w: Tensor) -> bool:
@@ -137,6 +138,19 @@ def grouped_matmul(
     return torch.cat([c @ w_EDO[e] for e, c in enumerate(chunks)], dim=0)
 
 
+def grouped_swiglu(
+    x_SD: Rows, w13_EUD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
+) -> Tensor:
+    """``silu(x @ w1[e].T) * (x @ w3[e].T)`` ``(S, F)`` on stacked weights ``w13 (E, 2F, D)``. ``GatheredRows`` over
+    device offsets where the kernel runs: one launch that reads the rows at their indices and applies SwiGLU in its
+    epilogue (the ``(S, 2F)`` projections never written); else ``grouped_linear``, then ``swiglu_forward``."""
+    if isinstance(x_SD, GatheredRows) and offsets_E is not None:
+        w_EDU = w13_EUD.transpose(-2, -1)
+        if gathered_kernel.applies(x_SD.source_TD, w_EDU, "swiglu"):
+            return gathered_kernel.gathered_grouped_swiglu(x_SD.source_TD, x_SD.index_S, w_EDU, offsets_E)
+    return swiglu_forward(grouped_linear(x_SD, w13_EUD, offsets_E, counts_E))
+
+
 def grouped_matmul_into(
     x_SD: Rows, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None, into: SumTarget
 ) -> None:
@@ -146,7 +160,7 @@ def grouped_matmul_into(
     head, tail = into.blocks()
     if offsets_E is not None and head.dtype == torch.float32:
         source, idx = (x_SD.source_TD, x_SD.index_S) if isinstance(x_SD, GatheredRows) else (x_SD, None)
-        if gathered_kernel.applies(source, w_EDO, scatter=True):
+        if gathered_kernel.applies(source, w_EDO, "scatter"):
             gathered_kernel.gathered_grouped_mm_scatter_add_(source, idx, w_EDO, offsets_E, head, into.tok_S,
                                                              into.scale_S, tail_TN=tail)
             return

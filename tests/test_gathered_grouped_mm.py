@@ -6,7 +6,12 @@ import unittest
 
 import torch
 
-from relay_compile.kernels.gathered_grouped_mm import gathered_grouped_mm, gathered_grouped_mm_scatter_add_, reference
+from relay_compile.kernels.gathered_grouped_mm import (
+    gathered_grouped_mm,
+    gathered_grouped_mm_scatter_add_,
+    gathered_grouped_swiglu,
+    reference,
+)
 from tests.triton_interpreter import run_interpreted
 
 # Uneven experts, an empty one, and rows that fill no whole row tile of the kernel.
@@ -32,6 +37,11 @@ def _case(dtype: torch.dtype, counts=COUNTS, sources: int = 50, width_k: int = 4
 def _exact(a, idx, b, counts):
     rows = (a if idx is None else a[idx]).double()
     return torch.cat([r @ b[e].double() for e, r in enumerate(torch.split(rows, counts))])
+
+
+def _exact_swiglu(h13):
+    half = h13.shape[-1] // 2
+    return torch.nn.functional.silu(h13[:, :half]) * h13[:, half:]
 
 
 class GatheredGroupedMM(unittest.TestCase):
@@ -109,6 +119,37 @@ class GatheredGroupedMM(unittest.TestCase):
         """
         run_interpreted(self, script)
 
+    @unittest.skipIf(torch.cuda.is_available(), "on CUDA the compiled kernel is tested (test_triton_kernel_on_cuda)")
+    def test_swiglu_epilogue_under_the_interpreter_equals_the_exact_activations(self) -> None:
+        # Halves of 24 and 16 columns (tiles of 16: one partial, one even), K of 40 (partial) and 32 (even).
+        script = """
+            import torch
+            from relay_compile.kernels import gathered_grouped_mm as k
+            from tests.test_gathered_grouped_mm import COUNTS, _case, _exact, _exact_swiglu
+            for counts, gather, ffn, width_k in ((COUNTS, True, 24, 40), ([0, 33, 40], True, 16, 32),
+                                                  ([21], False, 16, 40)):
+                a, idx, b, offsets = _case(torch.float16, counts, gather=gather, transposed=True, width_k=width_k,
+                                           width_n=2 * ffn)
+                assert k.applies(a, b, "swiglu"), "the kernel must run under the interpreter"
+                got = k.gathered_grouped_swiglu(a, idx, b, offsets)
+                assert got.shape == (sum(counts), ffn) and got.dtype == torch.float16
+                torch.testing.assert_close(got.double(), _exact_swiglu(_exact(a, idx, b, counts)), rtol=1e-2,
+                                           atol=1e-2)
+                # Rows past the offsets are zero (the last expert's rows ending up to two short).
+                short = offsets.clone()
+                short[-1] -= min(2, counts[-1])
+                tail = k.gathered_grouped_swiglu(a, idx, b, short)[short[-1]:]
+                assert bool((tail == 0).all()), "rows past the offsets were computed"
+            print("ok")
+        """
+        run_interpreted(self, script)
+
+    def test_the_swiglu_entry_point_takes_the_eager_form_on_cpu(self) -> None:
+        a, idx, b, offsets = _case(torch.bfloat16, transposed=True, width_n=32)
+        got = gathered_grouped_swiglu(a, idx, b, offsets)
+        h13 = torch._grouped_mm(a[idx], b, offs=offsets)
+        self.assertTrue(torch.equal(got, torch.nn.functional.silu(h13[:, :16]) * h13[:, 16:]))
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
     def test_triton_kernel_on_cuda(self) -> None:
         counts = [3000, 0, 129, 4096, 1]
@@ -127,6 +168,11 @@ class GatheredGroupedMM(unittest.TestCase):
             want32 = reference(a.float(), idx, b.float(), offsets, torch.empty(idx.shape[0], 768, device="cuda"))
             expect = torch.zeros(3000, 768, device="cuda").index_add_(0, tok, want32 * scale[:, None])
             torch.testing.assert_close(torch.cat([head, tail]), expect, rtol=2e-2, atol=2e-1)
+            if transposed:  # the stacked w13 as the experts hold it: (E, 2F, K) viewed (E, K, 2F)
+                act = gathered_grouped_swiglu(a, idx, b, offsets)
+                h13 = torch._grouped_mm(a[idx], b, offs=offsets)
+                want = torch.nn.functional.silu(h13[:, :384]) * h13[:, 384:]
+                torch.testing.assert_close(act.float(), want.float(), rtol=2e-2, atol=2e-1)
 
 
 
@@ -201,7 +247,8 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
                 class Launch:
                     def __getitem__(self, grid):
                         def run(*args, **kwargs):
-                            launches["gather" if kwargs["GATHER"] else "add" if kwargs["SCATTER"] else "plain"] += 1
+                            kind = "swiglu" if kwargs["SWIGLU"] else "add" if kwargs["SCATTER"] else "plain"
+                            launches[("gather " if kwargs["GATHER"] else "") + kind] += 1
                             return kernel[grid](*args, **kwargs)
                         return run
                 return Launch()
@@ -227,9 +274,9 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}, both):
                 launches.clear()
                 got = call(**patch)
-                # 4 hops: the forward's first projection (gather; the backward gathers its rows first), and/or the
-                # forward's down projection and the backward's dx (add).
-                want_launches = {**({"gather": 4} if "gather_in_gemm" in patch else {}),
+                # 4 hops: the forward's first projection with SwiGLU in its epilogue (gather; the backward gathers
+                # its rows first), and/or the forward's down projection and the backward's dx (add).
+                want_launches = {**({"gather swiglu": 4} if "gather_in_gemm" in patch else {}),
                                  **({"add": 8} if "add_in_gemm" in patch else {})}
                 assert launches == want_launches, (patch, launches)
                 for a, b in zip(want, got, strict=True):

@@ -11,6 +11,11 @@ prefix sums ``offsets_E`` on the device: no host counts, no sync), swizzled by `
 tile is read from HBM about once for all output tiles. Rows past ``offsets_E[-1]`` are not written
 (``torch._grouped_mm``'s contract).
 
+Three epilogues (``Epilogue``): ``store`` the product rows; ``scatter`` add them, scaled, into an fp32 sum at the
+pairs' tokens (``gathered_grouped_mm_scatter_add_``); ``swiglu`` compute both halves of a stacked gate/up
+projection per tile and store ``silu(h1) * h3`` (``gathered_grouped_swiglu``): the ``(S, 2F)`` projections are
+never written, nor read again by a pointwise kernel.
+
 Elsewhere (CPU tests, CI) ``reference`` computes it with ``index_select`` and one product per expert; the
 kernel's logic is tested on the CPU under Triton's interpreter. Legend: T source rows, S sorted rows, E experts,
 K the reduced width, N the output width.
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -40,23 +45,27 @@ def reference(a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tens
     return out_SN
 
 
-def applies(a_TK: Tensor, b_EKN: Tensor, scatter: bool = False) -> bool:
+Epilogue = Literal["store", "scatter", "swiglu"]
+
+
+def applies(a_TK: Tensor, b_EKN: Tensor, epilogue: Epilogue = "store") -> bool:
     """Where the kernel runs: CUDA (or Triton's interpreter), 16-bit rows and weights of one dtype, unit column
     strides of the rows, Triton importable, outside of tracing (a traced graph takes the eager form), and a GPU
-    whose shared memory holds the tile's pipeline (``scatter``: the epilogue's deeper one)."""
+    whose shared memory holds the pipeline of ``epilogue``'s tile."""
     return (
         (a_TK.is_cuda and b_EKN.is_cuda or _interpreted()) and a_TK.dtype in (torch.bfloat16, torch.float16)
         and b_EKN.dtype == a_TK.dtype and a_TK.stride(-1) == 1 and not torch.compiler.is_compiling()
-        and _triton_kernel() is not None and (not a_TK.is_cuda or _pipeline_fits(a_TK.device, _config(scatter)))
+        and _triton_kernel() is not None and (not a_TK.is_cuda or _pipeline_fits(a_TK.device, epilogue))
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _pipeline_fits(device: torch.device, config: tuple[int, int, int, int, int, int]) -> bool:
-    """Whether ``stages`` buffers of a 16-bit A and B tile fit one block's shared memory on ``device``: Hopper's
-    227 KiB hold the tiles chosen there (144 and 192 KiB), an A100's 163 KiB or an sm_89 card's 99 KiB do not, where
-    the launch would fail with ``OutOfResources`` instead of falling back."""
-    block_m, block_n, block_k, _, _, stages = config
+def _pipeline_fits(device: torch.device, epilogue: Epilogue) -> bool:
+    """Whether ``stages`` buffers of a 16-bit A and B tile (two B tiles for ``swiglu``'s halves) fit one block's
+    shared memory on ``device``: Hopper's 227 KiB hold the tiles chosen there (144 and 192 KiB), an A100's 163 KiB
+    or an sm_89 card's 99 KiB do not, where the launch would fail with ``OutOfResources`` instead of falling back."""
+    block_m, block_n, block_k, _, _, stages = _config(epilogue)
+    block_n *= 2 if epilogue == "swiglu" else 1
     props = torch.cuda.get_device_properties(device)
     optin = getattr(props, "shared_memory_per_block_optin", None)
     if optin is None:  # an older torch: Hopper and later have the room
@@ -86,9 +95,9 @@ def gathered_grouped_mm(
     _triton_kernel()[grid](
         a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, out_SN, experts, width_n, width_k,
         a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), out_SN.stride(0),
-        out_SN, out_SN, 0, 0,  # no scatter: its arguments unused
+        out_SN, out_SN, 0, 0, 0,  # no scatter, no second half: their arguments unused
         GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, SCATTER=False,
-        HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps,
+        SWIGLU=False, HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps,
         num_stages=stages,
     )
     return out_SN
@@ -104,7 +113,7 @@ def gathered_grouped_mm_scatter_add_(
     ``tail_TN``: the sum's rows from ``len(sum_TN)`` on (``RowSum``'s two blocks). Where the kernel does not run:
     the product of the rows the offsets cover (a host read of their end), then ``scatter_add_rows``."""
     idx_S, tok_S, scale_S = _vector(idx_S), _vector(tok_S), _vector(scale_S)
-    if not (applies(a_TK, b_EKN, scatter=True) and sum_TN.dtype == torch.float32 and sum_TN.stride(-1) == 1
+    if not (applies(a_TK, b_EKN, "scatter") and sum_TN.dtype == torch.float32 and sum_TN.stride(-1) == 1
             and (tail_TN is None or tail_TN.stride() == sum_TN.stride())):
         from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 
@@ -118,7 +127,7 @@ def gathered_grouped_mm_scatter_add_(
     rows = tok_S.shape[0]
     experts, width_k, width_n = b_EKN.shape
     _check(offsets_E, experts)
-    block_m, block_n, block_k, group_m, warps, stages = config or _config(scatter=True)
+    block_m, block_n, block_k, group_m, warps, stages = config or _config("scatter")
     tiles_m = _cdiv(rows, block_m) + experts
     grid = (tiles_m * _cdiv(width_n, block_n),)
     # The tail addressed from the sum's pointer (``scatter_add_rows``' convention): one pointer, no select.
@@ -126,11 +135,52 @@ def gathered_grouped_mm_scatter_add_(
     _triton_kernel()[grid](
         a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, sum_TN, experts, width_n, width_k,
         a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), sum_TN.stride(0),
-        tok_S, sum_TN if scale_S is None else scale_S, sum_TN.shape[0], tail_offset,
+        tok_S, sum_TN if scale_S is None else scale_S, sum_TN.shape[0], tail_offset, 0,
         GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, SCATTER=True,
-        HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        SWIGLU=False, HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=warps, num_stages=stages,
     )
+
+
+def swiglu_reference(a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor) -> Tensor:
+    """Eager: the stacked projections ``h13`` (``reference``), then ``silu(h1) * h3`` as the forward's pointwise
+    kernel rounds it (``kernels.swiglu_forward``); the definition the fused epilogue is tested against."""
+    from relay_compile.kernels.swiglu_forward import reference as swiglu
+
+    rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
+    h13_SU = reference(a_TK, idx_S, b_EKU, offsets_E, a_TK.new_zeros((rows, b_EKU.shape[-1])))
+    return swiglu(h13_SU)
+
+
+def gathered_grouped_swiglu(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> Tensor:
+    """``act[s] = silu(h1[s]) * h3[s]`` ``(S, F)``, ``h13[s] = a[idx[s]] @ b[e(s)]`` the stacked gate and up
+    projections (``b_EKU``: ``(E, K, 2F)``, e.g. a transposed view of ``w13 (E, 2F, K)``): each program computes a
+    tile of both halves and stores its activations, rounded as the two-kernel form rounds them (each projection to
+    the rows' dtype, then ``silu``, then the product). Rows past ``offsets_E[-1]`` are zero, not computed."""
+    rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
+    experts, width_k, width_u = b_EKU.shape
+    assert width_u % 2 == 0, f"gathered_grouped_swiglu: the projections' width {width_u} is not two halves"
+    _check(offsets_E, experts)
+    idx_S = _vector(idx_S)
+    ffn = width_u // 2
+    if not applies(a_TK, b_EKU, "swiglu"):
+        return swiglu_reference(a_TK, idx_S, b_EKU, offsets_E)
+    out_SF = a_TK.new_zeros((rows, ffn))  # rows past the offsets: zero, as the eager form leaves them
+    block_m, block_n, block_k, group_m, warps, stages = config or _config("swiglu")
+    tiles_m = _cdiv(rows, block_m) + experts
+    grid = (tiles_m * _cdiv(ffn, block_n),)
+    _triton_kernel()[grid](
+        a_TK, a_TK if idx_S is None else idx_S, b_EKU, offsets_E, out_SF, experts, ffn, width_k,
+        a_TK.stride(0), b_EKU.stride(0), b_EKU.stride(1), b_EKU.stride(2), out_SF.stride(0),
+        out_SF, out_SF, 0, 0, ffn * b_EKU.stride(2),  # the up half: ``ffn`` columns on
+        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=ffn % block_n == 0, SCATTER=False,
+        SWIGLU=True, HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_warps=warps, num_stages=stages,
+    )
+    return out_SF
 
 
 def _check(offsets_E: Tensor, experts: int) -> None:
@@ -153,14 +203,18 @@ def _cdiv(a: int, b: int) -> int:
 # (docs/bench/gathered-gemm/raw-1-h100/gathered-gemm-8configs.txt, EP=8 65536 tokens): 128 x 256 x 64 with 8 warps,
 # 3 stages for the products (h13 = x[tok] @ w13^T: 676 us against 777 for a gather and ``_grouped_mm``), 4 for the
 # scatter epilogue, whose atomics a deeper pipeline hides better (y += s * act @ w2^T: 641 against 740 us at 3).
-_CONFIG = (128, 256, 64, 8, 8, 3)
-_SCATTER_CONFIG = (128, 256, 64, 8, 8, 4)
+# SwiGLU's tile holds both halves: 128 x (2 x 128), the products' accumulator and shared memory (not measured).
+_CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "store": (128, 256, 64, 8, 8, 3),
+    "scatter": (128, 256, 64, 8, 8, 4),
+    "swiglu": (128, 128, 64, 8, 8, 3),
+}
 
 
-def _config(scatter: bool = False) -> tuple[int, int, int, int, int, int]:
+def _config(epilogue: Epilogue = "store") -> tuple[int, int, int, int, int, int]:
     if _interpreted():  # the interpreter runs each program in numpy: small tiles keep the CPU tests quick
         return (16, 16, 16, 2, 1, 1)
-    return _SCATTER_CONFIG if scatter else _CONFIG
+    return _CONFIGS[epilogue]
 
 
 def _build(triton: Any, tl: Any) -> Callable:
@@ -169,8 +223,9 @@ def _build(triton: Any, tl: Any) -> Callable:
     @triton.jit
     def gathered_grouped_mm_kernel(a_ptr, idx_ptr, b_ptr, offs_ptr, out_ptr, experts, width_n, width_k,
                                    stride_a, stride_be, stride_bk, stride_bn, stride_o, tok_ptr, scale_ptr,
-                                   split, tail_offset, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
-                                   EVEN_N: tl.constexpr, SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                   split, tail_offset, up_offset, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
+                                   EVEN_N: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
+                                   HAS_SCALE: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                    GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -215,21 +270,36 @@ def _build(triton: Any, tl: Any) -> Callable:
             b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + ks[:, None].to(tl.int64) * stride_bk
                       + cols_n[None, :].to(tl.int64) * stride_bn)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's up half (unused otherwise)
             for k0 in range(0, width_k, BLOCK_K):
                 if EVEN_K:
+                    mask_kn = mask_n[None, :]
                     a = tl.load(a_ptrs)
-                    if EVEN_N:
-                        b = tl.load(b_ptrs)
-                    else:
-                        b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
                 else:
                     mask_k = k0 + ks < width_k
+                    mask_kn = mask_k[:, None] & mask_n[None, :]
                     a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                if EVEN_K and EVEN_N:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=mask_kn, other=0.0)
                 acc = tl.dot(a, b, acc)
+                if SWIGLU:
+                    if EVEN_K and EVEN_N:
+                        b_up = tl.load(b_ptrs + up_offset)
+                    else:
+                        b_up = tl.load(b_ptrs + up_offset, mask=mask_kn, other=0.0)
+                    acc_up = tl.dot(a, b_up, acc_up)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K * stride_bk
             mask = mask_m[:, None] & mask_n[None, :]
+            if SWIGLU:
+                # Rounded as the unfused form rounds: each projection to the rows' dtype (the GEMM's output),
+                # silu to it too (the pointwise kernel's), the product in fp32.
+                h1 = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+                h3 = acc_up.to(out_ptr.dtype.element_ty)
+                silu = (h1 / (1.0 + tl.exp(-h1))).to(h3.dtype)
+                acc = silu.to(tl.float32) * h3.to(tl.float32)
             if SCATTER:
                 # Added into the sum's rows of the pairs' tokens: rows from ``split`` on live in the tail,
                 # ``tail_offset`` elements from the sum's start.

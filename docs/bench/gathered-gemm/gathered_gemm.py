@@ -11,7 +11,8 @@ hop's chunk shapes (routing as the ring sees it: pairs sorted by expert), GPU us
 - ``triton, rows``: the kernel on rows already gathered (against ``_grouped_mm alone``: the kernel's own speed);
 
 for each GEMM of a hop that reads gathered rows (``h13 = x[tok] @ w13^T``, ``g = dy[tok] @ w2``) and one that
-does not (``dx = dh13 @ w13``); the products the ring adds into its fp32 sums (``y += s * act @ w2^T``, ``dx +=
+does not (``dx = dh13 @ w13``); the forward's first projection with SwiGLU in its epilogue (``act`` stored, not
+``h13``) against the gather, ``_grouped_mm`` and ``swiglu_forward`` the ring runs; the products the ring adds into its fp32 sums (``y += s * act @ w2^T``, ``dx +=
 dh13 @ w13``) as the library GEMM and ``scatter_add_rows`` against the kernel adding them in its epilogue
 (fp32 atomics); and the fp32 weight gradients with their rows gathered in the loads
 (``kernels.grouped_weight_grad``), beside the same on gathered rows.
@@ -27,6 +28,7 @@ from relay_compile.bench.measure import gpu_us_per_call
 from relay_compile.kernels import gathered_grouped_mm as ggmm
 from relay_compile.kernels import grouped_weight_grad as gwg
 from relay_compile.kernels import scatter_add_rows as sar
+from relay_compile.kernels.swiglu_forward import swiglu_forward
 
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
     (128, 256, 64, 8, 8, 3),
@@ -37,6 +39,14 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
     (128, 256, 32, 8, 8, 5),
     (64, 256, 64, 8, 4, 4),
     (128, 128, 128, 8, 8, 3),
+]
+
+
+SWIGLU_CONFIGS = [  # both halves' tiles: BLOCK_N columns of each
+    (128, 128, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4),
+    (128, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 4),
 ]
 
 
@@ -101,6 +111,29 @@ def main() -> None:
             if gathered:
                 row("triton, rows (default config)", lambda: ggmm.gathered_grouped_mm(rows, None, b, offs, out))
             del rows, want, out
+        # SwiGLU in the first projection's epilogue: act = silu(h1) * h3 of x[tok] @ w13^T, never writing h13.
+        b13 = w13.transpose(-2, -1)
+        want_act = swiglu_forward(torch._grouped_mm(torch.index_select(x_TH, 0, tok_S), b13, offs=offs)).float()
+        name, act_scale = "act = swiglu(x[tok] @ w13^T)", want_act.abs().max().item()
+        us = gpu_us_per_call(lambda: swiglu_forward(torch._grouped_mm(torch.index_select(x_TH, 0, tok_S), b13,
+                                                                      offs=offs)), calls=args.calls)
+        print(f"| {chunks} | {S} | {G} | {name} | gather + _grouped_mm + swiglu_forward | {us:.1f} | "
+              f"{tflops(S, H, 2 * F, us):.0f} | |", flush=True)
+        us = gpu_us_per_call(lambda: swiglu_forward(ggmm.gathered_grouped_mm(x_TH, tok_S, b13, offs)),
+                             calls=args.calls)
+        print(f"| {chunks} | {S} | {G} | {name} | triton gathered + swiglu_forward | {us:.1f} | "
+              f"{tflops(S, H, 2 * F, us):.0f} | |", flush=True)
+        for cfg in SWIGLU_CONFIGS[: max(1, args.configs)]:
+            try:
+                fn = lambda cfg=cfg: ggmm.gathered_grouped_swiglu(x_TH, tok_S, b13, offs, config=cfg)  # noqa: E731
+                us = gpu_us_per_call(fn, calls=args.calls)
+                err = (fn().float() - want_act).abs().max().item() / act_scale
+                print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu epilogue {cfg} | {us:.1f} | "
+                      f"{tflops(S, H, 2 * F, us):.0f} | {err:.1e} |", flush=True)
+            except Exception as e:  # a config the GPU cannot hold (shared memory)
+                print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu epilogue {cfg} | failed: "
+                      f"{type(e).__name__} | | |")
+        del want_act
         # The products that the ring adds into its fp32 (T, H) sums: y += score * (act @ w2^T), dx += dh13 @ w13.
         sum_TH = torch.zeros(T, H, device="cuda")
         act = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)

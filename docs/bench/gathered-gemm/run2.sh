@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# After raw-1-h100 (the backward gathers first again, the epilogue at 4 stages): what decides the two options'
+# After raw-1-h100 (the backward gathers first again, the epilogue at 4 stages, SwiGLU in the gathered first
+# projection's epilogue): what decides the two options'
 # defaults, most telling first, each part skipped once the call's budget (BUDGET seconds, default 540) would not
 # hold it: the kernels' CUDA tests; the forced ring at EP=8 65536 with and without each option (twice, apart, for
 # the spread); the per-kernel census of the ring with and without both; EP=64 16384 (host-bound: do the Triton
@@ -20,4 +21,4 @@ fits 50 ab-ep64-16384 && sweep ab-ep64-16384 50 --ep 64 --tokens 16384 --rows "r
 fits 60 ab-ep8-2 && sweep ab-ep8-2 60 --ep 8 --tokens 65536 --rows "${ROWS[@]}"
 fits 90 ab-ep64-65536 && sweep ab-ep64-65536 90 --ep 64 --tokens 65536 --rows "${ROWS[@]}"
 fits 120 gemm && { timeout 120 python docs/bench/gathered-gemm/gathered_gemm.py --chunks 4 1 --configs 2 2>&1 | quiet \
-  > $OUT/gathered-gemm.txt; grep "scatter\|+" $OUT/gathered-gemm.txt | head -20; }
+  > $OUT/gathered-gemm.txt; grep "scatter\|+\|swiglu" $OUT/gathered-gemm.txt | head -30; }
