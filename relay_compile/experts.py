@@ -50,6 +50,7 @@ from relay_compile.grouped_gemm import (
     grouped_matmul_into,
     grouped_mm_supported,
     grouped_swiglu,
+    grouped_swiglu_backward_,
     grouped_weight_grad,
     offsets_or_counts,
     reads_at_indices,
@@ -90,7 +91,8 @@ class GroupedExperts(Protocol):
     what the weight gradients accumulate in, until ``unpack_grads`` hands them back in the caller's layout.
 
     Optional, found by ``getattr`` (``GroupedFFN`` has them): ``reads_at_indices(x_TH, weights)`` (then
-    ``forward_rows`` takes ``grouped_gemm.GatheredRows``) and ``adds_in_gemm(x_TH, weights)`` (then ``forward_rows``
+    ``forward_rows`` takes ``grouped_gemm.GatheredRows`` and ``vjp_rows`` ``activation_in_gemm=True``: the
+    recomputed first projection's kernel applies the activation's backward in its epilogue) and ``adds_in_gemm(x_TH, weights)`` (then ``forward_rows``
     takes ``add_into=`` and ``vjp_rows`` ``dx_into=``, a ``grouped_gemm.SumTarget``, and return None for the rows
     they added): the options ``gather_in_gemm`` / ``add_in_gemm`` use them where a function has them.
     """
@@ -234,13 +236,14 @@ def _swiglu_vjp(
     dy_TH: Tensor, score_S: Tensor, tok_S: Tensor | None = None, grad_dtype: torch.dtype | None = None,
     rows_host: Sequence[int] | None = None, grad_into: GradSink | None = None, biases: _Biases | None = None,
     d_score_out: Tensor | None = None, projections_SU: Tensor | None = None, projections_writable: bool = False,
-    dx_into: SumTarget | None = None,
+    dx_into: SumTarget | None = None, activation_in_gemm: bool = False,
 ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
     """The fused SwiGLU backward on stacked weights ``w13 (E_l, 2F, H)``: ``dx``, ``d_score``, ``[dw13, dw2]``
     (then ``db13``, ``db2`` for the biases ``biases`` has). ``projections_SU``: the rows' ``h13`` as the forward
     saved them (not recomputed; not overwritten unless ``projections_writable``: else ``[dh1, dh3]`` go to a
     buffer of their own). ``dx_into``: ``dx`` is added there by its GEMM (``grouped_matmul_into``) and None is
-    returned in its place.
+    returned in its place. ``activation_in_gemm`` (recomputed, unbiased projections): SwiGLU's backward in the
+    recomputing GEMM's epilogue (``grouped_swiglu_backward_``).
 
     The rows are ``x_TH[tok_S]``/``dy_TH[tok_S]`` (``tok_S=None``: ``x_TH``/``dy_TH`` themselves), gathered
     here so that each is released after its last GEMM; the pointwise step runs in place
@@ -251,10 +254,17 @@ def _swiglu_vjp(
     """
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
-    dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b,
-                                           projections_SU)
-    dh13_out = None if projections_SU is None or projections_writable else torch.empty_like(h13_SU)
-    d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out, dh13_out)
+    if activation_in_gemm and projections_SU is None and b.first is None:
+        dy_SH, x_SH = _rows(dy_TH, tok_S), _rows(x_TH, tok_S)
+        g_SF = grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
+        h13_SU, d_score_S = grouped_swiglu_backward_(x_SH, w13_LUH, offsets_L, counts_host, g_SF, score_S,
+                                                     d_score_out)  # h13 holds [dh1, dh3]
+        dh13_out = None
+    else:
+        dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b,
+                                               projections_SU)
+        dh13_out = None if projections_SU is None or projections_writable else torch.empty_like(h13_SU)
+        d_score_S = swiglu_backward_(h13_SU, g_SF, score_S, d_score_out, dh13_out)
     if b.down is not None:  # out = act @ w2^T + b2: <dy, out> has <dy, b2> besides <dy @ w2, act>
         d_score_S += bias_score_term(dy_SH, b.down, b.expert_S)
     act_scaled_SF, dh13_SU = g_SF, h13_SU if dh13_out is None else dh13_out
@@ -557,13 +567,14 @@ class GroupedFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False, dx_into: SumTarget | None = None,
+        projections_writable: bool = False, dx_into: SumTarget | None = None, activation_in_gemm: bool = False,
     ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward of a chunk's rows (``GroupedExperts.vjp_rows``). ``projections``: the rows' saved
         first projections, read instead of recomputed; ``projections_writable``: they are this call's own copy
         (a padded chunk's gather), which the SwiGLU backward overwrites with their gradients instead of writing
         those to a buffer of their own. ``dx_into`` (where ``adds_in_gemm``): ``dx`` is added there by its GEMM
-        and None is returned in its place. The rows are gathered (``_rows``)."""
+        and None is returned in its place. ``activation_in_gemm`` (where ``reads_at_indices``): SwiGLU's backward
+        runs in the recomputed first projection's epilogue. The rows are gathered (``_rows``)."""
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         # dx is added by its GEMM's epilogue where the rows are grouped by the device offsets (batched equal groups
         # keep their batched GEMMs, and dx is added after).
@@ -574,7 +585,7 @@ class GroupedFFN:
             return _ffn_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, self.activation, tok_S, grad_dtype, rows_G,
                             grad_into, biases, d_score_out, projections, dx_into)
         return _swiglu_vjp(x_TH, *grouping, w1, w2, dy_TH, score_S, tok_S, grad_dtype, rows_G, grad_into, biases,
-                           d_score_out, projections, projections_writable, dx_into)
+                           d_score_out, projections, projections_writable, dx_into, activation_in_gemm)
 
 
 def ffn_expert_fn(

@@ -20,6 +20,8 @@ from torch import Tensor
 from relay_compile.kernels import gathered_grouped_mm as gathered_kernel
 from relay_compile.kernels import grouped_weight_grad as grouped_weight_grad_kernel
 from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
+from relay_compile.kernels import swiglu_gemm
+from relay_compile.kernels.swiglu_backward import swiglu_backward_
 from relay_compile.kernels.swiglu_forward import swiglu_forward
 
 
@@ -143,12 +145,34 @@ def grouped_swiglu(
 ) -> Tensor:
     """``silu(x @ w1[e].T) * (x @ w3[e].T)`` ``(S, F)`` on stacked weights ``w13 (E, 2F, D)``. ``GatheredRows`` over
     device offsets where the kernel runs: one launch that reads the rows at their indices and applies SwiGLU in its
-    epilogue (the ``(S, 2F)`` projections never written); else ``grouped_linear``, then ``swiglu_forward``."""
+    epilogue (``kernels.swiglu_gemm``: the ``(S, 2F)`` projections never written); else ``grouped_linear``, then
+    ``swiglu_forward``."""
     if isinstance(x_SD, GatheredRows) and offsets_E is not None:
         w_EDU = w13_EUD.transpose(-2, -1)
         if gathered_kernel.applies(x_SD.source_TD, w_EDU, "swiglu"):
-            return gathered_kernel.gathered_grouped_swiglu(x_SD.source_TD, x_SD.index_S, w_EDU, offsets_E)
+            return swiglu_gemm.grouped_swiglu(x_SD.source_TD, x_SD.index_S, w_EDU, offsets_E)
     return swiglu_forward(grouped_linear(x_SD, w13_EUD, offsets_E, counts_E))
+
+
+def swiglu_in_gemm(x_SD: Tensor, w13_EUD: Tensor) -> bool:
+    """Whether the backward's recomputed first projection of rows like ``x_SD`` can run SwiGLU's backward in its
+    epilogue (``grouped_swiglu_backward_``): the kernel runs (CUDA, 16-bit, Triton)."""
+    return gathered_kernel.applies(x_SD, w13_EUD.transpose(-2, -1), "swiglu_backward")
+
+
+def grouped_swiglu_backward_(
+    x_SD: Tensor, w13_EUD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None, g_SF: Tensor,
+    score_S: Tensor, d_score_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """SwiGLU's backward from its recomputed first projection ``h13 = x @ w13[e].T``: ``([dh1, dh3], d_score)``,
+    ``g = dy @ w2[e]`` turned into ``score * act`` in place (``kernels.swiglu_backward``'s contract). One launch
+    over device offsets where the kernel runs (``kernels.swiglu_gemm``: ``h13`` never written), else the GEMM,
+    then ``swiglu_backward_`` in place over its output."""
+    if offsets_E is not None and swiglu_in_gemm(x_SD, w13_EUD):
+        return swiglu_gemm.grouped_swiglu_backward_(x_SD, None, w13_EUD.transpose(-2, -1), offsets_E, g_SF, score_S,
+                                                    d_score_out)
+    h13_SU = grouped_linear(x_SD, w13_EUD, offsets_E, counts_E)
+    return h13_SU, swiglu_backward_(h13_SU, g_SF, score_S, d_score_out)
 
 
 def grouped_matmul_into(

@@ -6,12 +6,10 @@ import unittest
 
 import torch
 
-from relay_compile.kernels.gathered_grouped_mm import (
-    gathered_grouped_mm,
-    gathered_grouped_mm_scatter_add_,
-    gathered_grouped_swiglu,
-    reference,
-)
+from relay_compile.kernels import swiglu_gemm
+from relay_compile.kernels.gathered_grouped_mm import gathered_grouped_mm, gathered_grouped_mm_scatter_add_, reference
+from relay_compile.kernels.swiglu_backward import reference as swiglu_backward_reference
+from relay_compile.kernels.swiglu_backward import swiglu_backward_
 from tests.triton_interpreter import run_interpreted
 
 # Uneven experts, an empty one, and rows that fill no whole row tile of the kernel.
@@ -42,6 +40,13 @@ def _exact(a, idx, b, counts):
 def _exact_swiglu(h13):
     half = h13.shape[-1] // 2
     return torch.nn.functional.silu(h13[:, :half]) * h13[:, half:]
+
+
+def _exact_swiglu_backward(h13, g, score):
+    """``(score * act, [dh1, dh3], d_score)`` of exact projections, in fp32 (``kernels.swiglu_backward.reference``'s
+    arithmetic), as float64."""
+    act, dh1, dh3, d_score = swiglu_backward_reference(h13, g.double(), score.double())
+    return act.double(), torch.cat([dh1, dh3], 1).double(), d_score.double()
 
 
 class GatheredGroupedMM(unittest.TestCase):
@@ -120,35 +125,61 @@ class GatheredGroupedMM(unittest.TestCase):
         run_interpreted(self, script)
 
     @unittest.skipIf(torch.cuda.is_available(), "on CUDA the compiled kernel is tested (test_triton_kernel_on_cuda)")
-    def test_swiglu_epilogue_under_the_interpreter_equals_the_exact_activations(self) -> None:
+    def test_swiglu_epilogues_under_the_interpreter_equal_the_exact_forward_and_backward(self) -> None:
         # Halves of 24 and 16 columns (tiles of 16: one partial, one even), K of 40 (partial) and 32 (even).
         script = """
             import torch
             from relay_compile.kernels import gathered_grouped_mm as k
-            from tests.test_gathered_grouped_mm import COUNTS, _case, _exact, _exact_swiglu
+            from relay_compile.kernels import swiglu_gemm
+            from tests.test_gathered_grouped_mm import COUNTS, _case, _exact, _exact_swiglu, _exact_swiglu_backward
+            gen = torch.Generator().manual_seed(2)
+            close = dict(rtol=1e-2, atol=1e-2)
             for counts, gather, ffn, width_k in ((COUNTS, True, 24, 40), ([0, 33, 40], True, 16, 32),
                                                   ([21], False, 16, 40)):
                 a, idx, b, offsets = _case(torch.float16, counts, gather=gather, transposed=True, width_k=width_k,
                                            width_n=2 * ffn)
-                assert k.applies(a, b, "swiglu"), "the kernel must run under the interpreter"
-                got = k.gathered_grouped_swiglu(a, idx, b, offsets)
-                assert got.shape == (sum(counts), ffn) and got.dtype == torch.float16
-                torch.testing.assert_close(got.double(), _exact_swiglu(_exact(a, idx, b, counts)), rtol=1e-2,
-                                           atol=1e-2)
-                # Rows past the offsets are zero (the last expert's rows ending up to two short).
+                rows = sum(counts)
+                assert k.applies(a, b, "swiglu") and k.applies(a, b, "swiglu_backward"), "must run interpreted"
+                h13 = _exact(a, idx, b, counts)
+                got = swiglu_gemm.grouped_swiglu(a, idx, b, offsets)
+                assert got.shape == (rows, ffn) and got.dtype == torch.float16
+                torch.testing.assert_close(got.double(), _exact_swiglu(h13), **close)
+                g = torch.randn(rows, ffn, generator=gen).half()
+                score = torch.rand(rows, generator=gen)
+                # Against the projections rounded to the rows' dtype, as the GEMM's output is in both forms.
+                act, dh13, d_score = _exact_swiglu_backward(h13.half().double(), g, score)
+                d_score_out = torch.full((rows,), float("nan"))
+                g_inout = g.clone()
+                got_dh13, got_ds = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, offsets, g_inout, score,
+                                                                        d_score_out)
+                assert got_ds is d_score_out and got_dh13.shape == (rows, 2 * ffn)
+                torch.testing.assert_close(got_dh13.double(), dh13, **close)
+                torch.testing.assert_close(got_ds.double(), d_score, **close)
+                torch.testing.assert_close(g_inout.double(), act, **close)  # g became score * act
+                # Rows past the offsets (the last expert's up to two short): zero, and g there untouched.
                 short = offsets.clone()
                 short[-1] -= min(2, counts[-1])
-                tail = k.gathered_grouped_swiglu(a, idx, b, short)[short[-1]:]
-                assert bool((tail == 0).all()), "rows past the offsets were computed"
+                end = int(short[-1])
+                assert bool((swiglu_gemm.grouped_swiglu(a, idx, b, short)[end:] == 0).all())
+                g_inout = g.clone()
+                dh13_short, ds_short = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, short, g_inout, score)
+                assert bool((dh13_short[end:] == 0).all()) and bool((ds_short[end:] == 0).all())
+                assert torch.equal(g_inout[end:], g[end:]), "g past the offsets was written"
             print("ok")
         """
         run_interpreted(self, script)
 
-    def test_the_swiglu_entry_point_takes_the_eager_form_on_cpu(self) -> None:
+    def test_the_swiglu_entry_points_take_the_two_kernel_forms_on_cpu(self) -> None:
         a, idx, b, offsets = _case(torch.bfloat16, transposed=True, width_n=32)
-        got = gathered_grouped_swiglu(a, idx, b, offsets)
+        got = swiglu_gemm.grouped_swiglu(a, idx, b, offsets)
         h13 = torch._grouped_mm(a[idx], b, offs=offsets)
         self.assertTrue(torch.equal(got, torch.nn.functional.silu(h13[:, :16]) * h13[:, 16:]))
+        g, score = torch.randn(idx.shape[0], 16).bfloat16(), torch.rand(idx.shape[0])
+        want_g, dh13 = g.clone(), h13.clone()
+        want_ds = swiglu_backward_(dh13, want_g, score)
+        got_dh13, got_ds = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, offsets, g, score)
+        for got_t, want_t in ((got_dh13, dh13), (got_ds, want_ds), (g, want_g)):
+            self.assertTrue(torch.equal(got_t, want_t))
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the device machine)")
     def test_triton_kernel_on_cuda(self) -> None:
@@ -169,10 +200,17 @@ class GatheredGroupedMM(unittest.TestCase):
             expect = torch.zeros(3000, 768, device="cuda").index_add_(0, tok, want32 * scale[:, None])
             torch.testing.assert_close(torch.cat([head, tail]), expect, rtol=2e-2, atol=2e-1)
             if transposed:  # the stacked w13 as the experts hold it: (E, 2F, K) viewed (E, K, 2F)
-                act = gathered_grouped_swiglu(a, idx, b, offsets)
+                act = swiglu_gemm.grouped_swiglu(a, idx, b, offsets)
                 h13 = torch._grouped_mm(a[idx], b, offs=offsets)
                 want = torch.nn.functional.silu(h13[:, :384]) * h13[:, 384:]
                 torch.testing.assert_close(act.float(), want.float(), rtol=2e-2, atol=2e-1)
+                g = torch.randn(idx.shape[0], 384, device="cuda", dtype=torch.bfloat16)
+                score = torch.rand(idx.shape[0], device="cuda")
+                g_want = g.clone()
+                dh13, ds = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, offsets, g, score)
+                want_ds = swiglu_backward_(h13, g_want, score)  # h13 becomes [dh1, dh3]
+                for got_t, want_t in ((dh13, h13), (ds, want_ds), (g, g_want)):
+                    torch.testing.assert_close(got_t.float(), want_t.float(), rtol=2e-2, atol=2e-1)
 
 
 
@@ -212,6 +250,11 @@ class ExpertsReadRowsAtIndicesAndAddTheirRows(unittest.TestCase):
                 want = torch.zeros(T, H).index_add_(0, tok, y.float() * score[:, None])
                 torch.testing.assert_close(torch.cat([head, tail]), want, **close)
                 dx, ds, dws = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32)
+                # SwiGLU's backward in the recomputing GEMM's epilogue (the other activations ignore it).
+                dx3, ds3, dws3 = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
+                                              activation_in_gemm=True)
+                for a, b in zip([dx, ds, *dws], [dx3, ds3, *dws3], strict=True):
+                    torch.testing.assert_close(b.float(), a.float(), **close)
                 dx_sum = torch.zeros(T, H)
                 dx_none, ds2, dws2 = ffn.vjp_rows(x, tok, offs, counts, w, dy, score, grad_dtype=torch.float32,
                                                   dx_into=SumTarget(lambda: (dx_sum, None), tok))
@@ -247,8 +290,7 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
                 class Launch:
                     def __getitem__(self, grid):
                         def run(*args, **kwargs):
-                            kind = "swiglu" if kwargs["SWIGLU"] else "add" if kwargs["SCATTER"] else "plain"
-                            launches[("gather " if kwargs["GATHER"] else "") + kind] += 1
+                            launches[("gather " if kwargs["GATHER"] else "") + kwargs["EPILOGUE"]] += 1
                             return kernel[grid](*args, **kwargs)
                         return run
                 return Launch()
@@ -274,10 +316,11 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}, both):
                 launches.clear()
                 got = call(**patch)
-                # 4 hops: the forward's first projection with SwiGLU in its epilogue (gather; the backward gathers
-                # its rows first), and/or the forward's down projection and the backward's dx (add).
-                want_launches = {**({"gather swiglu": 4} if "gather_in_gemm" in patch else {}),
-                                 **({"add": 8} if "add_in_gemm" in patch else {})}
+                # 4 hops: the forward's first projection with SwiGLU in its epilogue, its rows read at their
+                # indices, and the backward's recomputed one with SwiGLU's backward (its rows gathered first);
+                # and/or the forward's down projection and the backward's dx (added into the sums).
+                want_launches = {**({"gather swiglu": 4, "swiglu_backward": 4} if "gather_in_gemm" in patch else {}),
+                                 **({"scatter": 8} if "add_in_gemm" in patch else {})}
                 assert launches == want_launches, (patch, launches)
                 for a, b in zip(want, got, strict=True):
                     torch.testing.assert_close(b.float(), a.float(), rtol=5e-3, atol=5e-3 * a.abs().max().item())

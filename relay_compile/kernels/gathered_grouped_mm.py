@@ -11,10 +11,10 @@ prefix sums ``offsets_E`` on the device: no host counts, no sync), swizzled by `
 tile is read from HBM about once for all output tiles. Rows past ``offsets_E[-1]`` are not written
 (``torch._grouped_mm``'s contract).
 
-Three epilogues (``Epilogue``): ``store`` the product rows; ``scatter`` add them, scaled, into an fp32 sum at the
-pairs' tokens (``gathered_grouped_mm_scatter_add_``); ``swiglu`` compute both halves of a stacked gate/up
-projection per tile and store ``silu(h1) * h3`` (``gathered_grouped_swiglu``): the ``(S, 2F)`` projections are
-never written, nor read again by a pointwise kernel.
+Four epilogues (``Epilogue``): ``store`` the product rows; ``scatter`` add them, scaled, into an fp32 sum at the
+pairs' tokens (``gathered_grouped_mm_scatter_add_``); ``swiglu`` and ``swiglu_backward`` compute a tile of both
+halves of a stacked gate/up projection and apply SwiGLU's forward or backward to it (``kernels.swiglu_gemm``):
+the ``(S, 2F)`` projections are never written, nor read again by a pointwise kernel.
 
 Elsewhere (CPU tests, CI) ``reference`` computes it with ``index_select`` and one product per expert; the
 kernel's logic is tested on the CPU under Triton's interpreter. Legend: T source rows, S sorted rows, E experts,
@@ -45,7 +45,7 @@ def reference(a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tens
     return out_SN
 
 
-Epilogue = Literal["store", "scatter", "swiglu"]
+Epilogue = Literal["store", "scatter", "swiglu", "swiglu_backward"]
 
 
 def applies(a_TK: Tensor, b_EKN: Tensor, epilogue: Epilogue = "store") -> bool:
@@ -64,8 +64,8 @@ def _pipeline_fits(device: torch.device, epilogue: Epilogue) -> bool:
     """Whether ``stages`` buffers of a 16-bit A and B tile (two B tiles for ``swiglu``'s halves) fit one block's
     shared memory on ``device``: Hopper's 227 KiB hold the tiles chosen there (144 and 192 KiB), an A100's 163 KiB
     or an sm_89 card's 99 KiB do not, where the launch would fail with ``OutOfResources`` instead of falling back."""
-    block_m, block_n, block_k, _, _, stages = _config(epilogue)
-    block_n *= 2 if epilogue == "swiglu" else 1
+    block_m, block_n, block_k, _, _, stages = tile_config(epilogue)
+    block_n *= 2 if epilogue.startswith("swiglu") else 1
     props = torch.cuda.get_device_properties(device)
     optin = getattr(props, "shared_memory_per_block_optin", None)
     if optin is None:  # an older torch: Hopper and later have the room
@@ -81,25 +81,14 @@ def gathered_grouped_mm(
     prefix sums ``offsets_E``; ``b_EKN`` any strides (a transposed view of ``(E, N, K)`` weights too). One launch
     where ``applies``, else ``reference``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)``."""
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
-    experts, width_k, width_n = b_EKN.shape
-    _check(offsets_E, experts)
-    idx_S = _vector(idx_S)
+    experts, _, width_n = b_EKN.shape
+    check_offsets(offsets_E, experts)
+    idx_S = as_vector(idx_S)
     if out_SN is None:
         out_SN = a_TK.new_empty((rows, width_n))
     if not (applies(a_TK, b_EKN) and out_SN.stride(-1) == 1):
         return reference(a_TK, idx_S, b_EKN, offsets_E, out_SN)
-    block_m, block_n, block_k, group_m, warps, stages = config or _config()
-    # Every expert adds at most one partial row tile: programs past the real tiles return at once.
-    tiles_m = _cdiv(rows, block_m) + experts
-    grid = (tiles_m * _cdiv(width_n, block_n),)
-    _triton_kernel()[grid](
-        a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, out_SN, experts, width_n, width_k,
-        a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), out_SN.stride(0),
-        out_SN, out_SN, 0, 0, 0,  # no scatter, no second half: their arguments unused
-        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, SCATTER=False,
-        SWIGLU=False, HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps,
-        num_stages=stages,
-    )
+    launch(a_TK, idx_S, b_EKN, offsets_E, out_SN, width_n, "store", config)
     return out_SN
 
 
@@ -112,7 +101,7 @@ def gathered_grouped_mm_scatter_add_(
     added into the ring's sum by the GEMM's epilogue (fp32 atomics), never written as an ``(S, N)`` buffer.
     ``tail_TN``: the sum's rows from ``len(sum_TN)`` on (``RowSum``'s two blocks). Where the kernel does not run:
     the product of the rows the offsets cover (a host read of their end), then ``scatter_add_rows``."""
-    idx_S, tok_S, scale_S = _vector(idx_S), _vector(tok_S), _vector(scale_S)
+    idx_S, tok_S, scale_S = as_vector(idx_S), as_vector(tok_S), as_vector(scale_S)
     if not (applies(a_TK, b_EKN, "scatter") and sum_TN.dtype == torch.float32 and sum_TN.stride(-1) == 1
             and (tail_TN is None or tail_TN.stride() == sum_TN.stride())):
         from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
@@ -124,72 +113,48 @@ def gathered_grouped_mm_scatter_add_(
         scatter_add_rows_(sum_TN, tok_S[:rows], rows_SN, None if scale_S is None else scale_S[:rows, None],
                           tail_TH=tail_TN)
         return
-    rows = tok_S.shape[0]
-    experts, width_k, width_n = b_EKN.shape
-    _check(offsets_E, experts)
-    block_m, block_n, block_k, group_m, warps, stages = config or _config("scatter")
-    tiles_m = _cdiv(rows, block_m) + experts
-    grid = (tiles_m * _cdiv(width_n, block_n),)
+    check_offsets(offsets_E, b_EKN.shape[0])
     # The tail addressed from the sum's pointer (``scatter_add_rows``' convention): one pointer, no select.
     tail_offset = 0 if tail_TN is None else (tail_TN.data_ptr() - sum_TN.data_ptr()) // sum_TN.element_size()
-    _triton_kernel()[grid](
-        a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, sum_TN, experts, width_n, width_k,
-        a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), sum_TN.stride(0),
-        tok_S, sum_TN if scale_S is None else scale_S, sum_TN.shape[0], tail_offset, 0,
-        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, SCATTER=True,
-        SWIGLU=False, HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=warps, num_stages=stages,
-    )
+    launch(a_TK, idx_S, b_EKN, offsets_E, sum_TN, b_EKN.shape[-1], "scatter", config, tok_S=tok_S, scale_S=scale_S,
+           split=sum_TN.shape[0], tail_offset=tail_offset)
 
 
-def swiglu_reference(a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor) -> Tensor:
-    """Eager: the stacked projections ``h13`` (``reference``), then ``silu(h1) * h3`` as the forward's pointwise
-    kernel rounds it (``kernels.swiglu_forward``); the definition the fused epilogue is tested against."""
-    from relay_compile.kernels.swiglu_forward import reference as swiglu
-
+def launch(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tensor, out: Tensor, width_n: int,
+    epilogue: Epilogue, config: tuple[int, int, int, int, int, int] | None, *, tok_S: Tensor | None = None,
+    scale_S: Tensor | None = None, split: int = 0, tail_offset: int = 0, g_SF: Tensor | None = None,
+    score_S: Tensor | None = None, dpart_NS: Tensor | None = None,
+) -> None:
+    """One launch of the kernel over ``width_n`` output columns (each half's, for SwiGLU's epilogues) with
+    ``epilogue``'s arguments: ``tok_S``, ``scale_S``, ``split``, ``tail_offset`` (``scatter``); ``g_SF``,
+    ``score_S``, ``dpart_NS`` (``swiglu_backward``, ``kernels.swiglu_gemm``). The caller checked ``applies``."""
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
-    h13_SU = reference(a_TK, idx_S, b_EKU, offsets_E, a_TK.new_zeros((rows, b_EKU.shape[-1])))
-    return swiglu(h13_SU)
-
-
-def gathered_grouped_swiglu(
-    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor,
-    config: tuple[int, int, int, int, int, int] | None = None,
-) -> Tensor:
-    """``act[s] = silu(h1[s]) * h3[s]`` ``(S, F)``, ``h13[s] = a[idx[s]] @ b[e(s)]`` the stacked gate and up
-    projections (``b_EKU``: ``(E, K, 2F)``, e.g. a transposed view of ``w13 (E, 2F, K)``): each program computes a
-    tile of both halves and stores its activations, rounded as the two-kernel form rounds them (each projection to
-    the rows' dtype, then ``silu``, then the product). Rows past ``offsets_E[-1]`` are zero, not computed."""
-    rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
-    experts, width_k, width_u = b_EKU.shape
-    assert width_u % 2 == 0, f"gathered_grouped_swiglu: the projections' width {width_u} is not two halves"
-    _check(offsets_E, experts)
-    idx_S = _vector(idx_S)
-    ffn = width_u // 2
-    if not applies(a_TK, b_EKU, "swiglu"):
-        return swiglu_reference(a_TK, idx_S, b_EKU, offsets_E)
-    out_SF = a_TK.new_zeros((rows, ffn))  # rows past the offsets: zero, as the eager form leaves them
-    block_m, block_n, block_k, group_m, warps, stages = config or _config("swiglu")
+    experts, width_k = b_EKN.shape[:2]
+    block_m, block_n, block_k, group_m, warps, stages = config or tile_config(epilogue)
+    # Every expert adds at most one partial row tile: programs past the real tiles return at once.
     tiles_m = _cdiv(rows, block_m) + experts
-    grid = (tiles_m * _cdiv(ffn, block_n),)
+    grid = (tiles_m * _cdiv(width_n, block_n),)
     _triton_kernel()[grid](
-        a_TK, a_TK if idx_S is None else idx_S, b_EKU, offsets_E, out_SF, experts, ffn, width_k,
-        a_TK.stride(0), b_EKU.stride(0), b_EKU.stride(1), b_EKU.stride(2), out_SF.stride(0),
-        out_SF, out_SF, 0, 0, ffn * b_EKU.stride(2),  # the up half: ``ffn`` columns on
-        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=ffn % block_n == 0, SCATTER=False,
-        SWIGLU=True, HAS_SCALE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        a_TK, a_TK if idx_S is None else idx_S, b_EKN, offsets_E, out, experts, width_n, width_k,
+        a_TK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), out.stride(0),
+        out if tok_S is None else tok_S, out if scale_S is None else scale_S, split, tail_offset,
+        width_n * b_EKN.stride(2),  # SwiGLU's up half: ``width_n`` columns on
+        out if g_SF is None else g_SF, 0 if g_SF is None else g_SF.stride(0), out if score_S is None else score_S,
+        out if dpart_NS is None else dpart_NS, 0 if dpart_NS is None else dpart_NS.stride(0),
+        GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, EPILOGUE=epilogue,
+        SWIGLU=epilogue.startswith("swiglu"), HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=warps, num_stages=stages,
     )
-    return out_SF
 
 
-def _check(offsets_E: Tensor, experts: int) -> None:
+def check_offsets(offsets_E: Tensor, experts: int) -> None:
     """What the kernel's loads assume of the offsets: int32, one per weight matrix."""
     assert offsets_E.dtype == torch.int32 and offsets_E.shape == (experts,), (
         f"gathered_grouped_mm: offsets must be int32 ({experts},), got {offsets_E.dtype} {tuple(offsets_E.shape)}")
 
 
-def _vector(t: Tensor | None) -> Tensor | None:
+def as_vector(t: Tensor | None) -> Tensor | None:
     """An index or scale vector as the kernel loads it: contiguous (a column of ``(T, K)`` scores is not)."""
     assert t is None or t.dim() == 1, f"gathered_grouped_mm: indices and scales are vectors, got {tuple(t.shape)}"
     return t if t is None else t.contiguous()
@@ -203,15 +168,16 @@ def _cdiv(a: int, b: int) -> int:
 # (docs/bench/gathered-gemm/raw-1-h100/gathered-gemm-8configs.txt, EP=8 65536 tokens): 128 x 256 x 64 with 8 warps,
 # 3 stages for the products (h13 = x[tok] @ w13^T: 676 us against 777 for a gather and ``_grouped_mm``), 4 for the
 # scatter epilogue, whose atomics a deeper pipeline hides better (y += s * act @ w2^T: 641 against 740 us at 3).
-# SwiGLU's tile holds both halves: 128 x (2 x 128), the products' accumulator and shared memory (not measured).
+# SwiGLU's tiles hold both halves: 128 x (2 x 128), the products' accumulator and shared memory (not measured).
 _CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
     "store": (128, 256, 64, 8, 8, 3),
     "scatter": (128, 256, 64, 8, 8, 4),
     "swiglu": (128, 128, 64, 8, 8, 3),
+    "swiglu_backward": (128, 128, 64, 8, 8, 3),
 }
 
 
-def _config(epilogue: Epilogue = "store") -> tuple[int, int, int, int, int, int]:
+def tile_config(epilogue: Epilogue = "store") -> tuple[int, int, int, int, int, int]:
     if _interpreted():  # the interpreter runs each program in numpy: small tiles keep the CPU tests quick
         return (16, 16, 16, 2, 1, 1)
     return _CONFIGS[epilogue]
@@ -223,9 +189,9 @@ def _build(triton: Any, tl: Any) -> Callable:
     @triton.jit
     def gathered_grouped_mm_kernel(a_ptr, idx_ptr, b_ptr, offs_ptr, out_ptr, experts, width_n, width_k,
                                    stride_a, stride_be, stride_bk, stride_bn, stride_o, tok_ptr, scale_ptr,
-                                   split, tail_offset, up_offset, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
-                                   EVEN_N: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
-                                   HAS_SCALE: tl.constexpr,
+                                   split, tail_offset, up_offset, g_ptr, stride_g, score_ptr, dpart_ptr,
+                                   stride_dpart, GATHER: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                                   EPILOGUE: tl.constexpr, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                    GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -294,13 +260,31 @@ def _build(triton: Any, tl: Any) -> Callable:
                 b_ptrs += BLOCK_K * stride_bk
             mask = mask_m[:, None] & mask_n[None, :]
             if SWIGLU:
-                # Rounded as the unfused form rounds: each projection to the rows' dtype (the GEMM's output),
-                # silu to it too (the pointwise kernel's), the product in fp32.
-                h1 = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-                h3 = acc_up.to(out_ptr.dtype.element_ty)
-                silu = (h1 / (1.0 + tl.exp(-h1))).to(h3.dtype)
-                acc = silu.to(tl.float32) * h3.to(tl.float32)
-            if SCATTER:
+                # Rounded as the unfused forms round: each projection to the rows' dtype (the GEMM's output).
+                h1 = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
+                h3 = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
+            if EPILOGUE == "swiglu":
+                silu = (h1 / (1.0 + tl.exp(-h1))).to(a_ptr.dtype.element_ty)  # rounded: the pointwise kernel's
+                act = silu.to(tl.float32) * h3
+                out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols_n[None, :]
+                tl.store(out, act.to(out_ptr.dtype.element_ty), mask=mask)
+            elif EPILOGUE == "swiglu_backward":
+                # ``kernels.swiglu_backward``'s arithmetic on this tile: g becomes score * act in place, dh13 is
+                # stored, and <g, act> over the tile's columns goes to its row of the score-gradient partials.
+                g_ptrs = g_ptr + rows[:, None].to(tl.int64) * stride_g + cols_n[None, :]
+                g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+                score = tl.load(score_ptr + rows_in).to(tl.float32)[:, None]
+                sig = tl.sigmoid(h1)
+                silu = h1 * sig
+                act = silu * h3
+                tl.store(dpart_ptr + tile_n.to(tl.int64) * stride_dpart + rows, tl.sum(g * act, axis=1),
+                         mask=mask_m)
+                g = g * score
+                tl.store(g_ptrs, (act * score).to(g_ptr.dtype.element_ty), mask=mask)
+                out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols_n[None, :]
+                tl.store(out, (g * h3 * (sig * (1 + h1 * (1 - sig)))).to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(out + width_n, (g * silu).to(out_ptr.dtype.element_ty), mask=mask)
+            elif EPILOGUE == "scatter":
                 # Added into the sum's rows of the pairs' tokens: rows from ``split`` on live in the tail,
                 # ``tail_offset`` elements from the sum's start.
                 if HAS_SCALE:

@@ -317,8 +317,9 @@ class RingOptions:
       per rank; a call saves where every rank's op does and the expert ring runs (``agreement``).
     - ``gather_in_gemm``: a forward hop's first projection reads its rows at the tokens' indices
       (``kernels.gathered_grouped_mm``) instead of gathering them into an ``(S, H)`` buffer first (CUDA, 16-bit
-      rows, grouped FFN experts without biases). The backward gathers first either way: its weight gradients,
-      which reduce over the rows, ran 1.6x slower reading them at their indices. A per-rank knob.
+      rows, grouped FFN experts without biases), and SwiGLU experts run SwiGLU's forward and backward in that
+      GEMM's epilogue (``kernels.swiglu_gemm``). The backward gathers its rows first either way: its weight
+      gradients, which reduce over the rows, ran 1.6x slower reading them at their indices. A per-rank knob.
     - ``add_in_gemm``: a hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows
       into the ring's fp32 ``(T, H)`` sums in their epilogue instead of writing them for a scatter-add (the same
       experts, sums held on this rank: not token routing's arriving ones). A per-rank knob.

@@ -324,7 +324,10 @@ def segment_backward(
     # The backward gathers its rows first even under ``gather_in_gemm``: its weight gradients reduce over the rows,
     # and read at their indices they ran 1.6x slower than a gather and the kernel on the gathered rows (dw13 at
     # EP=8 65536 tokens, one H100: 1417 against 866 us), which outweighs what ``g = dy @ w2`` and the first
-    # projection gain (docs/bench/gathered-gemm/raw-1-h100: the ring's backward 33.3 -> 45.8 ms).
+    # projection gain (docs/bench/gathered-gemm/raw-1-h100: the ring's backward 33.3 -> 45.8 ms). What the option
+    # keeps in the backward is the first projection's kernel: recomputed with the activation's backward in its
+    # epilogue (``activation_in_gemm``), its ``(S, 2F)`` projections never written.
+    in_gemm = {"activation_in_gemm": True} if not no_fused and _reads_at_indices(cfg, x_TH, weights) else {}
     for chunk in rows.chunks:
         if no_fused:
             chunk_vjp(cfg, rows, [recompute_chunk(cfg, rows, chunk, x_TH, weights)], x_TH, dy_TH, dx, ds_S, dw)
@@ -361,7 +364,7 @@ def segment_backward(
                 # A padded chunk's projections are its own gather: overwritten by their gradients, no second buffer.
                 **({} if chunk_saved is None else {"projections": chunk_saved,
                                                    "projections_writable": equal is not None}),
-                **({"dx_into": SumTarget(dx.blocks, tok_S)} if adds else {}),
+                **({"dx_into": SumTarget(dx.blocks, tok_S)} if adds else {}), **in_gemm,
             )
         else:
             dx_SH, ds_out, dws = fused(

@@ -1,0 +1,100 @@
+"""The first projection of SwiGLU experts with SwiGLU itself in its epilogue, forward and backward.
+
+The ring's SwiGLU experts compute ``h13 = x @ w13^T`` ``(S, 2F)`` (gate and up stacked) in one grouped GEMM, then a
+pointwise kernel: the forward's ``act = silu(h1) * h3`` (``kernels.swiglu_forward``), the backward's
+``[dh1, dh3]``, ``score * act`` and ``d_score`` from the recomputed ``h13`` and ``g = dy @ w2``
+(``kernels.swiglu_backward``). ``h13`` is written by the GEMM and read back once by that kernel: at EP=8, 65536
+tokens per rank, 1.6 GB each way per pass. Here one launch of ``kernels.gathered_grouped_mm``'s kernel computes a
+tile of both halves (``h1``'s columns ``f`` and ``h3``'s ``F + f``) and applies the pointwise step to it in
+registers: ``h13`` is never written. Its rows may be read at their indices (``idx_S``), as the gathered GEMM's.
+
+Both round as the two-kernel forms do (each projection to the rows' dtype, as the GEMM's output is), so they
+differ from them only by the GEMMs' summation order and ``exp``'s last bits. Elsewhere (CPU tests, CI, tracing)
+the references run the two-kernel forms; the kernels' logic is tested on the CPU under Triton's interpreter.
+Legend: T source rows, S sorted rows, E experts, K the reduced width, F the FFN width, U = 2F, N tiles of F.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from relay_compile.kernels import gathered_grouped_mm as gemm
+from relay_compile.kernels import swiglu_backward, swiglu_forward
+
+
+def forward_reference(a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor) -> Tensor:
+    """Eager: ``h13`` (the gathered GEMM's reference; rows past the offsets zero), then ``silu(h1) * h3``."""
+    return swiglu_forward.reference(_projections(a_TK, idx_S, b_EKU, offsets_E))
+
+
+def grouped_swiglu(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> Tensor:
+    """``act[s] = silu(h1[s]) * h3[s]`` ``(S, F)`` of ``h13[s] = a[idx[s]] @ b[e(s)]`` (``idx_S=None``: ``a``'s own
+    rows; ``b_EKU``: ``(E, K, 2F)``, e.g. a transposed view of ``w13 (E, 2F, K)``) for the row groups that end at
+    the int32 prefix sums ``offsets_E``. Rows past ``offsets_E[-1]`` are zero."""
+    ffn = _ffn(b_EKU)
+    idx_S = gemm.as_vector(idx_S)
+    gemm.check_offsets(offsets_E, b_EKU.shape[0])
+    if not gemm.applies(a_TK, b_EKU, "swiglu"):
+        return forward_reference(a_TK, idx_S, b_EKU, offsets_E)
+    act_SF = a_TK.new_zeros((_rows(a_TK, idx_S), ffn))
+    gemm.launch(a_TK, idx_S, b_EKU, offsets_E, act_SF, ffn, "swiglu", config)
+    return act_SF
+
+
+def grouped_swiglu_backward_(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, g_SF: Tensor, score_S: Tensor,
+    d_score_out: Tensor | None = None, config: tuple[int, int, int, int, int, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """SwiGLU's backward from the recomputed projections, in the GEMM's epilogue: ``h13 = a[idx] @ b[e]`` as
+    ``grouped_swiglu`` computes it, then ``kernels.swiglu_backward_``'s step (``g`` ``(S, F)`` becomes
+    ``score * act`` in place). Returns ``([dh1, dh3] (S, 2F), d_score (S,) fp32)`` (``d_score`` written into
+    ``d_score_out`` where given). Rows past ``offsets_E[-1]``: ``dh13`` and ``d_score`` zero, ``g`` untouched."""
+    ffn = _ffn(b_EKU)
+    idx_S = gemm.as_vector(idx_S)
+    rows = _rows(a_TK, idx_S)
+    gemm.check_offsets(offsets_E, b_EKU.shape[0])
+    assert g_SF.shape == (rows, ffn) and score_S.shape == (rows,), (
+        f"grouped_swiglu_backward_: g {tuple(g_SF.shape)} and scores {tuple(score_S.shape)} must be ({rows}, {ffn})"
+        f" and ({rows},)")
+    if not (gemm.applies(a_TK, b_EKU, "swiglu_backward") and g_SF.stride(-1) == 1 and g_SF.dtype == a_TK.dtype):
+        return backward_reference_(a_TK, idx_S, b_EKU, offsets_E, g_SF, score_S, d_score_out)
+    dh13_SU = a_TK.new_zeros((rows, 2 * ffn))
+    block_n = (config or gemm.tile_config("swiglu_backward"))[1]
+    # <g, act> per row and column tile, summed after: no atomics, the same sum on every call.
+    dpart_NS = torch.zeros(-(-ffn // block_n), rows, dtype=torch.float32, device=a_TK.device)
+    gemm.launch(a_TK, idx_S, b_EKU, offsets_E, dh13_SU, ffn, "swiglu_backward", config, g_SF=g_SF,
+                score_S=score_S.contiguous(), dpart_NS=dpart_NS)
+    if d_score_out is None:
+        return dh13_SU, dpart_NS.sum(0)
+    return dh13_SU, torch.sum(dpart_NS, 0, out=d_score_out)
+
+
+def backward_reference_(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, g_SF: Tensor, score_S: Tensor,
+    d_score_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Eager: ``h13``, then ``swiglu_backward_`` over it in place, on the rows the offsets cover (a host read of
+    their end; the rest as the kernel leaves them)."""
+    h13_SU = _projections(a_TK, idx_S, b_EKU, offsets_E)
+    end = int(offsets_E[-1]) if offsets_E.numel() else 0
+    d_score_S = torch.zeros(h13_SU.shape[0], dtype=torch.float32, device=h13_SU.device) if d_score_out is None \
+        else d_score_out.zero_()
+    swiglu_backward.swiglu_backward_(h13_SU[:end], g_SF[:end], score_S[:end], d_score_S[:end])
+    return h13_SU, d_score_S
+
+
+def _projections(a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor) -> Tensor:
+    return gemm.reference(a_TK, idx_S, b_EKU, offsets_E, a_TK.new_zeros((_rows(a_TK, idx_S), b_EKU.shape[-1])))
+
+
+def _rows(a_TK: Tensor, idx_S: Tensor | None) -> int:
+    return a_TK.shape[0] if idx_S is None else idx_S.shape[0]
+
+
+def _ffn(b_EKU: Tensor) -> int:
+    assert b_EKU.shape[-1] % 2 == 0, f"swiglu_gemm: the projections' width {b_EKU.shape[-1]} is not two halves"
+    return b_EKU.shape[-1] // 2
