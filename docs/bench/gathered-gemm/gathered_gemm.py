@@ -28,6 +28,8 @@ from relay_compile.bench.measure import gpu_us_per_call
 from relay_compile.kernels import gathered_grouped_mm as ggmm
 from relay_compile.kernels import grouped_weight_grad as gwg
 from relay_compile.kernels import scatter_add_rows as sar
+from relay_compile.kernels import swiglu_gemm
+from relay_compile.kernels.swiglu_backward import swiglu_backward_
 from relay_compile.kernels.swiglu_forward import swiglu_forward
 
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
@@ -125,7 +127,7 @@ def main() -> None:
               f"{tflops(S, H, 2 * F, us):.0f} | |", flush=True)
         for cfg in SWIGLU_CONFIGS[: max(1, args.configs)]:
             try:
-                fn = lambda cfg=cfg: ggmm.gathered_grouped_swiglu(x_TH, tok_S, b13, offs, config=cfg)  # noqa: E731
+                fn = lambda cfg=cfg: swiglu_gemm.grouped_swiglu(x_TH, tok_S, b13, offs, config=cfg)  # noqa: E731
                 us = gpu_us_per_call(fn, calls=args.calls)
                 err = (fn().float() - want_act).abs().max().item() / act_scale
                 print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu epilogue {cfg} | {us:.1f} | "
@@ -134,6 +136,41 @@ def main() -> None:
                 print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu epilogue {cfg} | failed: "
                       f"{type(e).__name__} | | |")
         del want_act
+        # The backward's recomputed first projection with SwiGLU's backward in its epilogue, on gathered rows (the
+        # backward gathers x for dw13 anyway) against _grouped_mm and the in-place pointwise kernel the ring runs.
+        name = "dh13, g <- swiglu_bwd(x_rows @ w13^T, g)"
+        x_rows = torch.index_select(x_TH, 0, tok_S)
+        g0 = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)
+        sc = torch.rand(S, device="cuda", generator=gen)
+        g1 = g0.clone()
+
+        def unfused_bwd():
+            g1.copy_(g0)
+            swiglu_backward_(torch._grouped_mm(x_rows, b13, offs=offs), g1, sc)
+
+        copy_us = gpu_us_per_call(lambda: g1.copy_(g0), calls=args.calls)
+        us = gpu_us_per_call(unfused_bwd, calls=args.calls) - copy_us
+        print(f"| {chunks} | {S} | {G} | {name} | _grouped_mm + swiglu_backward_ | {us:.1f} | "
+              f"{tflops(S, H, 2 * F, us):.0f} | |", flush=True)
+        h13 = torch._grouped_mm(x_rows, b13, offs=offs)
+        g1.copy_(g0)
+        want_ds = swiglu_backward_(h13, g1, sc)
+        for cfg in SWIGLU_CONFIGS[: max(1, args.configs)]:
+            try:
+                def fused_bwd(cfg=cfg):
+                    g1.copy_(g0)
+                    return swiglu_gemm.grouped_swiglu_backward_(x_rows, None, b13, offs, g1, sc, config=cfg)
+
+                us = gpu_us_per_call(fused_bwd, calls=args.calls) - copy_us
+                dh13, ds = fused_bwd()
+                err = max((dh13.float() - h13.float()).abs().max().item() / h13.float().abs().max().item(),
+                          (ds - want_ds).abs().max().item() / want_ds.abs().max().item())
+                print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu_backward epilogue {cfg} | {us:.1f} | "
+                      f"{tflops(S, H, 2 * F, us):.0f} | {err:.1e} |", flush=True)
+            except Exception as e:  # a config the GPU cannot hold (shared memory, registers)
+                print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu_backward epilogue {cfg} | failed: "
+                      f"{type(e).__name__} | | |")
+        del x_rows, g0, g1, h13
         # The products that the ring adds into its fp32 (T, H) sums: y += score * (act @ w2^T), dx += dh13 @ w13.
         sum_TH = torch.zeros(T, H, device="cuda")
         act = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)
