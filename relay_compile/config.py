@@ -81,11 +81,12 @@ dynamic_keep: bool = Config(default=True, env_name_default="RELAYMOE_DYNAMIC_KEE
 # the cost model's kept all-to-all time, ``Calibration.kept_a2a_ratio``, assumes the pass ran).
 split_reads: bool = Config(default=True, env_name_default="RELAYMOE_SPLIT_READS")
 
-# A forward hop's first projection reads its rows at the tokens' indices (``kernels.gathered_grouped_mm``) instead
-# of gathering them into an ``(S, H)`` buffer first, and SwiGLU experts apply SwiGLU in its epilogue, forward and
-# backward (``kernels.swiglu_gemm``: the ``(S, 2F)`` projections never written): CUDA, 16-bit rows, grouped experts
-# without biases (the backward gathers its rows first: its weight gradients ran slower reading rows at their
-# indices). Per call too (``options={"gather_in_gemm": True}``, ``ring_moe(..., gather_in_gemm=True)``).
+# A hop's first GEMMs read their rows at the tokens' indices (``kernels.gathered_grouped_mm``) instead of gathering
+# them into an ``(S, H)`` buffer first: the forward's first projection, with SwiGLU in its epilogue for SwiGLU
+# experts (``kernels.swiglu_gemm``: the ``(S, 2F)`` projections never written); for SwiGLU experts also the
+# backward's ``dy @ w2`` and recomputed first projection (SwiGLU's backward in its epilogue), which store the rows
+# they read for the weight gradients (those ran slower reading rows at their indices). CUDA, 16-bit rows, grouped
+# experts without biases. Per call too (``options={"gather_in_gemm": True}``, ``ring_moe(..., gather_in_gemm=True)``).
 gather_in_gemm: bool = Config(default=False, env_name_default="RELAYMOE_GATHER_IN_GEMM")
 
 # A hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows into the ring's fp32

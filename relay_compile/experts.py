@@ -48,12 +48,14 @@ from relay_compile.grouped_gemm import (
     grouped_linear,
     grouped_matmul,
     grouped_matmul_into,
+    grouped_matmul_keeping_rows,
     grouped_mm_supported,
     grouped_swiglu,
     grouped_swiglu_backward_,
     grouped_weight_grad,
     offsets_or_counts,
     reads_at_indices,
+    rows_at,
 )
 from relay_compile.kernels.swiglu_backward import swiglu_backward_
 from relay_compile.kernels.swiglu_forward import swiglu_forward
@@ -255,10 +257,10 @@ def _swiglu_vjp(
     wgrad_rows = counts_host if counts_host is not None else rows_host
     b = biases or _Biases()
     if activation_in_gemm and projections_SU is None and b.first is None:
-        dy_SH, x_SH = _rows(dy_TH, tok_S), _rows(x_TH, tok_S)
-        g_SF = grouped_matmul(dy_SH, w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
-        h13_SU, d_score_S = grouped_swiglu_backward_(x_SH, w13_LUH, offsets_L, counts_host, g_SF, score_S,
-                                                     d_score_out)  # h13 holds [dh1, dh3]
+        # Rows read at their indices by the first GEMMs, which store them for the weight gradients.
+        g_SF, dy_SH = grouped_matmul_keeping_rows(rows_at(dy_TH, tok_S), w2_LHF, offsets_L, counts_host)  # dy @ w2[e]
+        h13_SU, d_score_S, x_SH = grouped_swiglu_backward_(rows_at(x_TH, tok_S), w13_LUH, offsets_L, counts_host, g_SF,
+                                                           score_S, d_score_out)  # h13 holds [dh1, dh3]
         dh13_out = None
     else:
         dy_SH, g_SF, x_SH, h13_SU = _recompute(x_TH, dy_TH, tok_S, w13_LUH, w2_LHF, offsets_L, counts_host, b,

@@ -67,6 +67,11 @@ class SumTarget:
                           tail_TH=tail)
 
 
+def rows_at(x_TD: Tensor, index_S: Tensor | None) -> Rows:
+    """The rows ``x[index]`` not gathered yet (``x`` itself without ``index_S``)."""
+    return x_TD if index_S is None else GatheredRows(x_TD, index_S)
+
+
 def gathered(x: Rows) -> Tensor:
     """``x``'s rows as a tensor (gathered where they are ``GatheredRows``)."""
     return x.rows() if isinstance(x, GatheredRows) else x
@@ -160,19 +165,38 @@ def swiglu_in_gemm(x_SD: Tensor, w13_EUD: Tensor) -> bool:
     return gathered_kernel.applies(x_SD, w13_EUD.transpose(-2, -1), "swiglu_backward")
 
 
-def grouped_swiglu_backward_(
-    x_SD: Tensor, w13_EUD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None, g_SF: Tensor,
-    score_S: Tensor, d_score_out: Tensor | None = None,
+def grouped_matmul_keeping_rows(
+    x_SD: Rows, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
 ) -> tuple[Tensor, Tensor]:
-    """SwiGLU's backward from its recomputed first projection ``h13 = x @ w13[e].T``: ``([dh1, dh3], d_score)``,
-    ``g = dy @ w2[e]`` turned into ``score * act`` in place (``kernels.swiglu_backward``'s contract). One launch
-    over device offsets where the kernel runs (``kernels.swiglu_gemm``: ``h13`` never written), else the GEMM,
-    then ``swiglu_backward_`` in place over its output."""
-    if offsets_E is not None and swiglu_in_gemm(x_SD, w13_EUD):
-        return swiglu_gemm.grouped_swiglu_backward_(x_SD, None, w13_EUD.transpose(-2, -1), offsets_E, g_SF, score_S,
-                                                    d_score_out)
-    h13_SU = grouped_linear(x_SD, w13_EUD, offsets_E, counts_E)
-    return h13_SU, swiglu_backward_(h13_SU, g_SF, score_S, d_score_out)
+    """``(grouped_matmul(x, w), x's rows)``: ``GatheredRows`` over device offsets where the kernel runs are read at
+    their indices by the GEMM, which also stores them for a later GEMM that reduces over them (a weight gradient),
+    so that they are read once instead of gathered (read and written) and read again; else gathered first."""
+    if isinstance(x_SD, GatheredRows) and offsets_E is not None and gathered_kernel.applies(x_SD.source_TD, w_EDO):
+        rows_SD = x_SD.source_TD.new_empty(x_SD.shape)
+        return gathered_kernel.gathered_grouped_mm(x_SD.source_TD, x_SD.index_S, w_EDO, offsets_E,
+                                                   rows_out=rows_SD), rows_SD
+    rows_SD = gathered(x_SD)
+    return grouped_matmul(rows_SD, w_EDO, offsets_E, counts_E), rows_SD
+
+
+def grouped_swiglu_backward_(
+    x_SD: Rows, w13_EUD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None, g_SF: Tensor,
+    score_S: Tensor, d_score_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SwiGLU's backward from its recomputed first projection ``h13 = x @ w13[e].T``: ``([dh1, dh3], d_score, x's
+    rows)``, ``g = dy @ w2[e]`` turned into ``score * act`` in place (``kernels.swiglu_backward``'s contract). One
+    launch over device offsets where the kernel runs (``kernels.swiglu_gemm``: ``h13`` never written;
+    ``GatheredRows`` read at their indices and stored for the weight gradient, as
+    ``grouped_matmul_keeping_rows``), else the gathered rows' GEMM, then ``swiglu_backward_`` in place over it."""
+    source, idx = (x_SD.source_TD, x_SD.index_S) if isinstance(x_SD, GatheredRows) else (x_SD, None)
+    if offsets_E is not None and swiglu_in_gemm(source, w13_EUD):
+        rows_SD = None if idx is None else source.new_empty(x_SD.shape)
+        dh13_SU, d_score_S = swiglu_gemm.grouped_swiglu_backward_(
+            source, idx, w13_EUD.transpose(-2, -1), offsets_E, g_SF, score_S, d_score_out, rows_out=rows_SD)
+        return dh13_SU, d_score_S, source if rows_SD is None else rows_SD
+    rows_SD = gathered(x_SD)
+    h13_SU = grouped_linear(rows_SD, w13_EUD, offsets_E, counts_E)
+    return h13_SU, swiglu_backward_(h13_SU, g_SF, score_S, d_score_out), rows_SD
 
 
 def grouped_matmul_into(

@@ -266,10 +266,11 @@ def ring_moe(
             the all-to-all's (CUDA, eager calls); True: wherever the ring
             runs in expert routing (scores after the experts, no chunk graphs or FP8 hops); False: never. A
             per-rank knob: a call saves where every rank's call can.
-        gather_in_gemm: a forward hop's first projection reads its rows at the tokens' indices
-            (``kernels.gathered_grouped_mm``) instead of gathering them into a buffer first, and SwiGLU experts run
-            SwiGLU's forward and backward in that GEMM's epilogue (CUDA, 16-bit rows; FFN experts without biases;
-            the backward gathers its rows first). A per-rank knob.
+        gather_in_gemm: a hop's first GEMMs read their rows at the tokens' indices
+            (``kernels.gathered_grouped_mm``) instead of gathering them into a buffer first, SwiGLU's forward and
+            backward in the first projection's epilogue (CUDA, 16-bit rows; FFN experts without biases; the
+            backward's only for SwiGLU experts, whose first GEMMs store the rows for the weight gradients). A
+            per-rank knob.
         add_in_gemm: a hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows into
             the ring's fp32 sums in their epilogue instead of writing them for a scatter-add (the same experts;
             sums held on the rank). A per-rank knob.

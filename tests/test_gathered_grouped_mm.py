@@ -87,9 +87,11 @@ class GatheredGroupedMM(unittest.TestCase):
                                            width_k=32 if width_n == 32 else 40, width_n=width_n)
                 assert k.applies(a, b), "the kernel must run under the interpreter"
                 out = torch.full((sum(counts) + 3, width_n), 7.0, dtype=torch.float16)
-                got = k.gathered_grouped_mm(a, idx, b, offsets, out[: sum(counts)])
+                rows_out = torch.full((sum(counts), a.shape[1]), 7.0, dtype=torch.float16)
+                got = k.gathered_grouped_mm(a, idx, b, offsets, out[: sum(counts)], rows_out=rows_out)
                 torch.testing.assert_close(got.double(), _exact(a, idx, b, counts), rtol=2e-3, atol=2e-2)
                 assert bool((out[sum(counts):] == 7).all()), "rows past the offsets were written"
+                assert torch.equal(rows_out, a if idx is None else a[idx]), "the rows read were not stored"
             print("ok")
         """
         run_interpreted(self, script)
@@ -150,8 +152,10 @@ class GatheredGroupedMM(unittest.TestCase):
                 act, dh13, d_score = _exact_swiglu_backward(h13.half().double(), g, score)
                 d_score_out = torch.full((rows,), float("nan"))
                 g_inout = g.clone()
+                rows_out = torch.full((rows, width_k), 7.0, dtype=torch.float16)
                 got_dh13, got_ds = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, offsets, g_inout, score,
-                                                                        d_score_out)
+                                                                        d_score_out, rows_out=rows_out)
+                assert torch.equal(rows_out, a if idx is None else a[idx]), "the rows read were not stored"
                 assert got_ds is d_score_out and got_dh13.shape == (rows, 2 * ffn)
                 torch.testing.assert_close(got_dh13.double(), dh13, **close)
                 torch.testing.assert_close(got_ds.double(), d_score, **close)
@@ -316,10 +320,12 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}, both):
                 launches.clear()
                 got = call(**patch)
-                # 4 hops: the forward's first projection with SwiGLU in its epilogue, its rows read at their
-                # indices, and the backward's recomputed one with SwiGLU's backward (its rows gathered first);
-                # and/or the forward's down projection and the backward's dx (added into the sums).
-                want_launches = {**({"gather swiglu": 4, "swiglu_backward": 4} if "gather_in_gemm" in patch else {}),
+                # 4 hops: the forward's first projection with SwiGLU in its epilogue, and the backward's first
+                # GEMMs (g = dy @ w2; the recomputed first projection with SwiGLU's backward), all reading their
+                # rows at the tokens' indices; and/or the forward's down projection and the backward's dx (added
+                # into the sums).
+                in_gemm = {"gather swiglu": 4, "gather store": 4, "gather swiglu_backward": 4}
+                want_launches = {**(in_gemm if "gather_in_gemm" in patch else {}),
                                  **({"scatter": 8} if "add_in_gemm" in patch else {})}
                 assert launches == want_launches, (patch, launches)
                 for a, b in zip(want, got, strict=True):

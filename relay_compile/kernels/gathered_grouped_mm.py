@@ -4,8 +4,9 @@ A hop's grouped GEMMs read their rows gathered by token (the forward's ``x[tok]`
 backward's ``x[tok]`` and ``dy[tok]``). Gathered first, each is an ``(S, H)`` buffer written once and read once more
 by the GEMM: on one H100 at EP=8, 65536 tokens per rank, the step's row gathers move 12.9 GB in 4.7 ms of its 51
 (docs/BENCHMARKS.md, "Where the ring's last 5% goes"). This kernel reads each row straight from ``a`` at its index
-instead (the ring's forward, option ``gather_in_gemm``: 676 against 777 us for a gather and ``_grouped_mm`` at that
-hop's first projection; the backward gathers first, as its weight gradients need the rows anyway): a program per
+instead (option ``gather_in_gemm``: 676 against 777 us for a gather and ``_grouped_mm`` at that hop's first
+projection; in the backward it also stores the rows it read, ``rows_out``, for the weight gradients, which ran 1.6x
+slower reading rows at their indices): a program per
 (expert's row tile, output tile), the tiles of every expert laid end to end (each expert's rows from the int32
 prefix sums ``offsets_E`` on the device: no host counts, no sync), swizzled by ``GROUP_M`` row tiles so that a row
 tile is read from HBM about once for all output tiles. Rows past ``offsets_E[-1]`` are not written
@@ -75,11 +76,14 @@ def _pipeline_fits(device: torch.device, epilogue: Epilogue) -> bool:
 
 def gathered_grouped_mm(
     a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tensor, out_SN: Tensor | None = None,
-    config: tuple[int, int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None, rows_out: Tensor | None = None,
 ) -> Tensor:
     """``out[s] = a[idx[s]] @ b[e(s)]`` (``idx_S=None``: ``a``'s own rows) for the row groups that end at the int32
     prefix sums ``offsets_E``; ``b_EKN`` any strides (a transposed view of ``(E, N, K)`` weights too). One launch
-    where ``applies``, else ``reference``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)``."""
+    where ``applies``, else ``reference``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)``.
+    ``rows_out`` ``(S, K)``: the rows ``a[idx]`` are stored there too (the rows the offsets cover), for a later
+    GEMM that reduces over them: read once, where a gather would read and write them before the GEMM reads them
+    again."""
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
     experts, _, width_n = b_EKN.shape
     check_offsets(offsets_E, experts)
@@ -87,8 +91,10 @@ def gathered_grouped_mm(
     if out_SN is None:
         out_SN = a_TK.new_empty((rows, width_n))
     if not (applies(a_TK, b_EKN) and out_SN.stride(-1) == 1):
+        if rows_out is not None:
+            rows_out.copy_(a_TK if idx_S is None else torch.index_select(a_TK, 0, idx_S))
         return reference(a_TK, idx_S, b_EKN, offsets_E, out_SN)
-    launch(a_TK, idx_S, b_EKN, offsets_E, out_SN, width_n, "store", config)
+    launch(a_TK, idx_S, b_EKN, offsets_E, out_SN, width_n, "store", config, rows_out=rows_out)
     return out_SN
 
 
@@ -124,11 +130,14 @@ def launch(
     a_TK: Tensor, idx_S: Tensor | None, b_EKN: Tensor, offsets_E: Tensor, out: Tensor, width_n: int,
     epilogue: Epilogue, config: tuple[int, int, int, int, int, int] | None, *, tok_S: Tensor | None = None,
     scale_S: Tensor | None = None, split: int = 0, tail_offset: int = 0, g_SF: Tensor | None = None,
-    score_S: Tensor | None = None, dpart_NS: Tensor | None = None,
+    score_S: Tensor | None = None, dpart_NS: Tensor | None = None, rows_out: Tensor | None = None,
 ) -> None:
     """One launch of the kernel over ``width_n`` output columns (each half's, for SwiGLU's epilogues) with
     ``epilogue``'s arguments: ``tok_S``, ``scale_S``, ``split``, ``tail_offset`` (``scatter``); ``g_SF``,
-    ``score_S``, ``dpart_NS`` (``swiglu_backward``, ``kernels.swiglu_gemm``). The caller checked ``applies``."""
+    ``score_S``, ``dpart_NS`` (``swiglu_backward``, ``kernels.swiglu_gemm``). ``rows_out`` ``(S, K)``: the rows
+    read (``a[idx]``) are stored there too, by each row tile's first output tile. The caller checked ``applies``."""
+    assert rows_out is None or (rows_out.stride(-1) == 1 and rows_out.dtype == a_TK.dtype), (
+        "gathered_grouped_mm: rows_out has the rows' dtype and unit column stride")
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
     experts, width_k = b_EKN.shape[:2]
     block_m, block_n, block_k, group_m, warps, stages = config or tile_config(epilogue)
@@ -142,8 +151,9 @@ def launch(
         width_n * b_EKN.stride(2),  # SwiGLU's up half: ``width_n`` columns on
         out if g_SF is None else g_SF, 0 if g_SF is None else g_SF.stride(0), out if score_S is None else score_S,
         out if dpart_NS is None else dpart_NS, 0 if dpart_NS is None else dpart_NS.stride(0),
+        a_TK if rows_out is None else rows_out, 0 if rows_out is None else rows_out.stride(0),
         GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, EPILOGUE=epilogue,
-        SWIGLU=epilogue.startswith("swiglu"), HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        SWIGLU=epilogue.startswith("swiglu"), STORE_ROWS=rows_out is not None, HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=warps, num_stages=stages,
     )
 
@@ -190,8 +200,9 @@ def _build(triton: Any, tl: Any) -> Callable:
     def gathered_grouped_mm_kernel(a_ptr, idx_ptr, b_ptr, offs_ptr, out_ptr, experts, width_n, width_k,
                                    stride_a, stride_be, stride_bk, stride_bn, stride_o, tok_ptr, scale_ptr,
                                    split, tail_offset, up_offset, g_ptr, stride_g, score_ptr, dpart_ptr,
-                                   stride_dpart, GATHER: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                                   EPILOGUE: tl.constexpr, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                   stride_dpart, rows_out_ptr, stride_ro, GATHER: tl.constexpr,
+                                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EPILOGUE: tl.constexpr,
+                                   SWIGLU: tl.constexpr, STORE_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                    GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -237,14 +248,23 @@ def _build(triton: Any, tl: Any) -> Callable:
                       + cols_n[None, :].to(tl.int64) * stride_bn)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's up half (unused otherwise)
+            # STORE_ROWS: the row tile's first output tile also writes the rows it read (a masked store, not a
+            # branch, so that every program's loop pipelines alike).
+            ro_ptrs = rows_out_ptr + rows[:, None].to(tl.int64) * stride_ro + ks[None, :]
+            ro_mask = (rows < tl.where(tile_n == 0, row_end, 0))[:, None]
             for k0 in range(0, width_k, BLOCK_K):
                 if EVEN_K:
                     mask_kn = mask_n[None, :]
                     a = tl.load(a_ptrs)
+                    if STORE_ROWS:
+                        tl.store(ro_ptrs, a, mask=ro_mask)
                 else:
                     mask_k = k0 + ks < width_k
                     mask_kn = mask_k[:, None] & mask_n[None, :]
                     a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
+                    if STORE_ROWS:
+                        tl.store(ro_ptrs, a, mask=ro_mask & mask_k[None, :])
+                ro_ptrs += BLOCK_K
                 if EVEN_K and EVEN_N:
                     b = tl.load(b_ptrs)
                 else:

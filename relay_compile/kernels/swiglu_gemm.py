@@ -48,11 +48,13 @@ def grouped_swiglu(
 def grouped_swiglu_backward_(
     a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, g_SF: Tensor, score_S: Tensor,
     d_score_out: Tensor | None = None, config: tuple[int, int, int, int, int, int] | None = None,
+    rows_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SwiGLU's backward from the recomputed projections, in the GEMM's epilogue: ``h13 = a[idx] @ b[e]`` as
     ``grouped_swiglu`` computes it, then ``kernels.swiglu_backward_``'s step (``g`` ``(S, F)`` becomes
     ``score * act`` in place). Returns ``([dh1, dh3] (S, 2F), d_score (S,) fp32)`` (``d_score`` written into
-    ``d_score_out`` where given). Rows past ``offsets_E[-1]``: ``dh13`` and ``d_score`` zero, ``g`` untouched."""
+    ``d_score_out`` where given). Rows past ``offsets_E[-1]``: ``dh13`` and ``d_score`` zero, ``g`` untouched.
+    ``rows_out`` ``(S, K)``: the rows ``a[idx]`` stored there too (``gathered_grouped_mm``'s)."""
     ffn = _ffn(b_EKU)
     idx_S = gemm.as_vector(idx_S)
     rows = _rows(a_TK, idx_S)
@@ -61,13 +63,15 @@ def grouped_swiglu_backward_(
         f"grouped_swiglu_backward_: g {tuple(g_SF.shape)} and scores {tuple(score_S.shape)} must be ({rows}, {ffn})"
         f" and ({rows},)")
     if not (gemm.applies(a_TK, b_EKU, "swiglu_backward") and g_SF.stride(-1) == 1 and g_SF.dtype == a_TK.dtype):
+        if rows_out is not None:
+            rows_out.copy_(a_TK if idx_S is None else torch.index_select(a_TK, 0, idx_S))
         return backward_reference_(a_TK, idx_S, b_EKU, offsets_E, g_SF, score_S, d_score_out)
     dh13_SU = a_TK.new_zeros((rows, 2 * ffn))
     block_n = (config or gemm.tile_config("swiglu_backward"))[1]
     # <g, act> per row and column tile, summed after: no atomics, the same sum on every call.
     dpart_NS = torch.zeros(-(-ffn // block_n), rows, dtype=torch.float32, device=a_TK.device)
     gemm.launch(a_TK, idx_S, b_EKU, offsets_E, dh13_SU, ffn, "swiglu_backward", config, g_SF=g_SF,
-                score_S=score_S.contiguous(), dpart_NS=dpart_NS)
+                score_S=score_S.contiguous(), dpart_NS=dpart_NS, rows_out=rows_out)
     if d_score_out is None:
         return dh13_SU, dpart_NS.sum(0)
     return dh13_SU, torch.sum(dpart_NS, 0, out=d_score_out)

@@ -315,11 +315,12 @@ class RingOptions:
       than the all-to-all, or faster by less than its error (``cost_model.SAVE_MARGIN``), and its peak with
       them still no higher than the all-to-all's (CUDA; never elsewhere); False: never. Decided before the op,
       per rank; a call saves where every rank's op does and the expert ring runs (``agreement``).
-    - ``gather_in_gemm``: a forward hop's first projection reads its rows at the tokens' indices
+    - ``gather_in_gemm``: a hop's first GEMMs read their rows at the tokens' indices
       (``kernels.gathered_grouped_mm``) instead of gathering them into an ``(S, H)`` buffer first (CUDA, 16-bit
-      rows, grouped FFN experts without biases), and SwiGLU experts run SwiGLU's forward and backward in that
-      GEMM's epilogue (``kernels.swiglu_gemm``). The backward gathers its rows first either way: its weight
-      gradients, which reduce over the rows, ran 1.6x slower reading them at their indices. A per-rank knob.
+      rows, grouped FFN experts without biases): the forward's first projection, with SwiGLU in its epilogue
+      (``kernels.swiglu_gemm``); for SwiGLU experts the backward's ``dy @ w2`` and recomputed first projection
+      (SwiGLU's backward in its epilogue) too, storing the rows they read for the weight gradients (which ran
+      1.6x slower reading them at their indices). A per-rank knob.
     - ``add_in_gemm``: a hop's last GEMMs (the forward's down projection, the backward's ``dx``) add their rows
       into the ring's fp32 ``(T, H)`` sums in their epilogue instead of writing them for a scatter-add (the same
       experts, sums held on this rank: not token routing's arriving ones). A per-rank knob.

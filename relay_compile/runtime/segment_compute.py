@@ -321,12 +321,11 @@ def segment_backward(
     fused = getattr(cfg.expert_fn, "vjp", None)
     no_fused = (grouped is None and fused is None) or (grouped is not None and not grouped.has_fused_backward)
     adds = not no_fused and _adds_in_gemm(cfg, x_TH, weights, dx)
-    # The backward gathers its rows first even under ``gather_in_gemm``: its weight gradients reduce over the rows,
-    # and read at their indices they ran 1.6x slower than a gather and the kernel on the gathered rows (dw13 at
-    # EP=8 65536 tokens, one H100: 1417 against 866 us), which outweighs what ``g = dy @ w2`` and the first
-    # projection gain (docs/bench/gathered-gemm/raw-1-h100: the ring's backward 33.3 -> 45.8 ms). What the option
-    # keeps in the backward is the first projection's kernel: recomputed with the activation's backward in its
-    # epilogue (``activation_in_gemm``), its ``(S, 2F)`` projections never written.
+    # Under ``gather_in_gemm`` the backward's first GEMMs (``g = dy @ w2``, the recomputed first projection with the
+    # activation's backward in its epilogue: ``activation_in_gemm``) read the rows at their indices and store them
+    # for the weight gradients, which reduce over them from that buffer: read at their indices the weight
+    # gradients ran 1.6x slower than on gathered rows (dw13 at EP=8 65536 tokens, one H100: 1417 against 866 us;
+    # docs/bench/gathered-gemm/raw-1-h100: the ring's backward 33.3 -> 45.8 ms with them).
     in_gemm = {"activation_in_gemm": True} if not no_fused and _reads_at_indices(cfg, x_TH, weights) else {}
     for chunk in rows.chunks:
         if no_fused:

@@ -112,6 +112,13 @@ def main() -> None:
                     print(f"| {chunks} | {S} | {G} | {name} | triton {cfg} | failed: {type(e).__name__} | | |")
             if gathered:
                 row("triton, rows (default config)", lambda: ggmm.gathered_grouped_mm(rows, None, b, offs, out))
+                # The backward's form: read at the indices, the rows stored for the weight gradient (rows_out).
+                kept = torch.empty_like(rows)
+                row("triton, gathered, rows stored (default config)",
+                    lambda: ggmm.gathered_grouped_mm(src, idx, b, offs, out, rows_out=kept))
+                print(f"| {chunks} | {S} | {G} | {name} | rows stored equal the gathered rows: "
+                      f"{torch.equal(kept, rows)} | | | |", flush=True)
+                del kept
             del rows, want, out
         # SwiGLU in the first projection's epilogue: act = silu(h1) * h3 of x[tok] @ w13^T, never writing h13.
         b13 = w13.transpose(-2, -1)
@@ -136,8 +143,8 @@ def main() -> None:
                 print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu epilogue {cfg} | failed: "
                       f"{type(e).__name__} | | |")
         del want_act
-        # The backward's recomputed first projection with SwiGLU's backward in its epilogue, on gathered rows (the
-        # backward gathers x for dw13 anyway) against _grouped_mm and the in-place pointwise kernel the ring runs.
+        # The backward's recomputed first projection with SwiGLU's backward in its epilogue, x read at the tokens'
+        # indices and its rows stored for dw13, against the gather, _grouped_mm and the in-place pointwise kernel.
         name = "dh13, g <- swiglu_bwd(x_rows @ w13^T, g)"
         x_rows = torch.index_select(x_TH, 0, tok_S)
         g0 = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)
@@ -146,20 +153,22 @@ def main() -> None:
 
         def unfused_bwd():
             g1.copy_(g0)
-            swiglu_backward_(torch._grouped_mm(x_rows, b13, offs=offs), g1, sc)
+            swiglu_backward_(torch._grouped_mm(torch.index_select(x_TH, 0, tok_S), b13, offs=offs), g1, sc)
 
         copy_us = gpu_us_per_call(lambda: g1.copy_(g0), calls=args.calls)
         us = gpu_us_per_call(unfused_bwd, calls=args.calls) - copy_us
-        print(f"| {chunks} | {S} | {G} | {name} | _grouped_mm + swiglu_backward_ | {us:.1f} | "
+        print(f"| {chunks} | {S} | {G} | {name} | gather + _grouped_mm + swiglu_backward_ | {us:.1f} | "
               f"{tflops(S, H, 2 * F, us):.0f} | |", flush=True)
         h13 = torch._grouped_mm(x_rows, b13, offs=offs)
+        x_kept = torch.empty_like(x_rows)
         g1.copy_(g0)
         want_ds = swiglu_backward_(h13, g1, sc)
         for cfg in SWIGLU_CONFIGS[: max(1, args.configs)]:
             try:
-                def fused_bwd(cfg=cfg):
+                def fused_bwd(cfg=cfg):  # x read at tok, its rows stored (the ring's backward under the option)
                     g1.copy_(g0)
-                    return swiglu_gemm.grouped_swiglu_backward_(x_rows, None, b13, offs, g1, sc, config=cfg)
+                    return swiglu_gemm.grouped_swiglu_backward_(x_TH, tok_S, b13, offs, g1, sc, config=cfg,
+                                                                rows_out=x_kept)
 
                 us = gpu_us_per_call(fused_bwd, calls=args.calls) - copy_us
                 dh13, ds = fused_bwd()
@@ -170,7 +179,7 @@ def main() -> None:
             except Exception as e:  # a config the GPU cannot hold (shared memory, registers)
                 print(f"| {chunks} | {S} | {G} | {name} | triton, swiglu_backward epilogue {cfg} | failed: "
                       f"{type(e).__name__} | | |")
-        del x_rows, g0, g1, h13
+        del x_rows, x_kept, g0, g1, h13
         # The products that the ring adds into its fp32 (T, H) sums: y += score * (act @ w2^T), dx += dh13 @ w13.
         sum_TH = torch.zeros(T, H, device="cuda")
         act = torch.randn(S, F, device="cuda", dtype=bf, generator=gen)
