@@ -191,9 +191,11 @@ class GatheredGroupedMM(unittest.TestCase):
         for transposed in (False, True):
             a, idx, b, offsets = _case(torch.bfloat16, counts, sources=6000, width_k=2048 + 64, width_n=768,
                                        transposed=transposed, device="cuda")
-            got = gathered_grouped_mm(a, idx, b, offsets)
+            rows_out = torch.empty(idx.shape[0], a.shape[1], device="cuda", dtype=a.dtype)
+            got = gathered_grouped_mm(a, idx, b, offsets, rows_out=rows_out)
             want = torch._grouped_mm(a[idx], b, offs=offsets)
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-1)
+            self.assertTrue(torch.equal(rows_out, a[idx]))
             tok = torch.randint(0, 3000, (idx.shape[0],), device="cuda")
             scale = torch.rand(idx.shape[0], device="cuda")
             head, tail = torch.zeros(1500, 768, device="cuda"), torch.zeros(1500, 768, device="cuda")
@@ -211,7 +213,9 @@ class GatheredGroupedMM(unittest.TestCase):
                 g = torch.randn(idx.shape[0], 384, device="cuda", dtype=torch.bfloat16)
                 score = torch.rand(idx.shape[0], device="cuda")
                 g_want = g.clone()
-                dh13, ds = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, offsets, g, score)
+                x_rows = torch.empty(idx.shape[0], a.shape[1], device="cuda", dtype=a.dtype)
+                dh13, ds = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, offsets, g, score, rows_out=x_rows)
+                self.assertTrue(torch.equal(x_rows, a[idx]))
                 want_ds = swiglu_backward_(h13, g_want, score)  # h13 becomes [dh1, dh3]
                 for got_t, want_t in ((dh13, h13), (ds, want_ds), (g, g_want)):
                     torch.testing.assert_close(got_t.float(), want_t.float(), rtol=2e-2, atol=2e-1)
