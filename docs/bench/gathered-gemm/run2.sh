@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # After raw-1-h100 (the epilogue at 4 stages; under gather_in_gemm SwiGLU's forward and backward in the first
 # projection's epilogue, and the backward's first GEMMs reading rows at their indices and storing them for the
-# weight gradients): what decides the two options' defaults, most telling first, each part skipped once the call's budget (BUDGET seconds, default 540) would not
-# hold it: the kernels' CUDA tests; the forced ring at EP=8 65536 with and without each option (twice, apart, for
+# weight gradients): what decides the two options' defaults, most telling first, each part skipped once the
+# call's budget (BUDGET seconds, default 540) would not hold it: the kernels' CUDA tests; the forced ring at EP=8 65536 with and without each option (twice, apart, for
 # the spread); the per-kernel census of the ring with and without both; EP=64 16384 (host-bound: do the Triton
 # launches cost the host more than the gathers they replace?); EP=64 65536; the kernel table again (its y add's
 # baseline now scales in the scatter-add, as the ring does). Usage: bash docs/bench/gathered-gemm/run2.sh OUT
