@@ -170,7 +170,8 @@ def grouped_matmul_keeping_rows(
 ) -> tuple[Tensor, Tensor]:
     """``(grouped_matmul(x, w), x's rows)``: ``GatheredRows`` over device offsets where the kernel runs are read at
     their indices by the GEMM, which also stores them for a later GEMM that reduces over them (a weight gradient),
-    so that they are read once instead of gathered (read and written) and read again; else gathered first."""
+    so that they are read once instead of gathered (read and written) and read again; else gathered first. Rows
+    past ``offsets_E[-1]`` are not written there (the ring's chunks end at their offsets)."""
     if isinstance(x_SD, GatheredRows) and offsets_E is not None and gathered_kernel.applies(x_SD.source_TD, w_EDO):
         rows_SD = x_SD.source_TD.new_empty(x_SD.shape)
         return gathered_kernel.gathered_grouped_mm(x_SD.source_TD, x_SD.index_S, w_EDO, offsets_E,

@@ -81,9 +81,9 @@ def gathered_grouped_mm(
     """``out[s] = a[idx[s]] @ b[e(s)]`` (``idx_S=None``: ``a``'s own rows) for the row groups that end at the int32
     prefix sums ``offsets_E``; ``b_EKN`` any strides (a transposed view of ``(E, N, K)`` weights too). One launch
     where ``applies``, else ``reference``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)``.
-    ``rows_out`` ``(S, K)``: the rows ``a[idx]`` are stored there too (the rows the offsets cover), for a later
-    GEMM that reduces over them: read once, where a gather would read and write them before the GEMM reads them
-    again."""
+    ``rows_out`` ``(S, K)``: the rows ``a[idx]`` are stored there too (the rows the offsets cover; past them not
+    written), for a later GEMM that reduces over them: read once, where a gather would read and write them before
+    the GEMM reads them again."""
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
     experts, _, width_n = b_EKN.shape
     check_offsets(offsets_E, experts)
@@ -92,7 +92,7 @@ def gathered_grouped_mm(
         out_SN = a_TK.new_empty((rows, width_n))
     if not (applies(a_TK, b_EKN) and out_SN.stride(-1) == 1):
         if rows_out is not None:
-            rows_out.copy_(a_TK if idx_S is None else torch.index_select(a_TK, 0, idx_S))
+            store_rows(a_TK, idx_S, offsets_E, rows_out)
         return reference(a_TK, idx_S, b_EKN, offsets_E, out_SN)
     launch(a_TK, idx_S, b_EKN, offsets_E, out_SN, width_n, "store", config, rows_out=rows_out)
     return out_SN
@@ -124,6 +124,12 @@ def gathered_grouped_mm_scatter_add_(
     tail_offset = 0 if tail_TN is None else (tail_TN.data_ptr() - sum_TN.data_ptr()) // sum_TN.element_size()
     launch(a_TK, idx_S, b_EKN, offsets_E, sum_TN, b_EKN.shape[-1], "scatter", config, tok_S=tok_S, scale_S=scale_S,
            split=sum_TN.shape[0], tail_offset=tail_offset)
+
+
+def store_rows(a_TK: Tensor, idx_S: Tensor | None, offsets_E: Tensor, rows_out: Tensor) -> None:
+    """Eager ``rows_out``: the rows the offsets cover (a host read of their end), as the kernel stores them."""
+    end = int(offsets_E[-1]) if offsets_E.numel() else 0
+    rows_out[:end].copy_(a_TK[:end] if idx_S is None else torch.index_select(a_TK, 0, idx_S[:end]))
 
 
 def launch(

@@ -54,17 +54,20 @@ def grouped_swiglu_backward_(
     ``grouped_swiglu`` computes it, then ``kernels.swiglu_backward_``'s step (``g`` ``(S, F)`` becomes
     ``score * act`` in place). Returns ``([dh1, dh3] (S, 2F), d_score (S,) fp32)`` (``d_score`` written into
     ``d_score_out`` where given). Rows past ``offsets_E[-1]``: ``dh13`` and ``d_score`` zero, ``g`` untouched.
-    ``rows_out`` ``(S, K)``: the rows ``a[idx]`` stored there too (``gathered_grouped_mm``'s)."""
+    ``rows_out`` ``(S, K)``: the rows ``a[idx]`` stored there too (``gathered_grouped_mm``'s; past the offsets not
+    written)."""
     ffn = _ffn(b_EKU)
     idx_S = gemm.as_vector(idx_S)
     rows = _rows(a_TK, idx_S)
     gemm.check_offsets(offsets_E, b_EKU.shape[0])
+    assert d_score_out is None or (d_score_out.shape == (rows,) and d_score_out.dtype == torch.float32
+                                   and d_score_out.is_contiguous()), "grouped_swiglu_backward_: d_score_out is (S,) fp32"
     assert g_SF.shape == (rows, ffn) and score_S.shape == (rows,), (
         f"grouped_swiglu_backward_: g {tuple(g_SF.shape)} and scores {tuple(score_S.shape)} must be ({rows}, {ffn})"
         f" and ({rows},)")
     if not (gemm.applies(a_TK, b_EKU, "swiglu_backward") and g_SF.stride(-1) == 1 and g_SF.dtype == a_TK.dtype):
         if rows_out is not None:
-            rows_out.copy_(a_TK if idx_S is None else torch.index_select(a_TK, 0, idx_S))
+            gemm.store_rows(a_TK, idx_S, offsets_E, rows_out)
         return backward_reference_(a_TK, idx_S, b_EKU, offsets_E, g_SF, score_S, d_score_out)
     dh13_SU = a_TK.new_zeros((rows, 2 * ffn))
     block_n = (config or gemm.tile_config("swiglu_backward"))[1]

@@ -222,21 +222,23 @@ class LoweredFFN:
         self, x_TH: Tensor, tok_S: Tensor | None, offsets_G: Tensor, rows_G: Sequence[int],
         weights: Sequence[Tensor], dy_TH: Tensor, score_S: Tensor, grad_dtype: torch.dtype | None = None,
         grad_into: GradSink | None = None, d_score_out: Tensor | None = None, projections: Tensor | None = None,
-        projections_writable: bool = False, dx_into: SumTarget | None = None,
+        projections_writable: bool = False, dx_into: SumTarget | None = None, activation_in_gemm: bool = False,
     ) -> tuple[Tensor | None, Tensor, list[Tensor]]:
         """The fused backward; where F computes in another dtype than the rows' (torchtitan: bf16 GEMMs on fp32
         parameters and rows), on this chunk's rows cast to it and the packed weights (cast once per step, by
         ``pack``), as autograd through F's casts would: ``dy`` rounded to the GEMMs' dtype, ``dx`` cast back to
         the rows' dtype. Weight gradients stay in the GEMMs' dtype (or ``grad_dtype``) while they sum over chunks
         and hops, and ``unpack_grads`` casts them to the parameters' dtype once per step. ``projections``,
-        ``projections_writable``: as ``GroupedFFN.vjp_rows``.
+        ``projections_writable``, ``activation_in_gemm``: as ``GroupedFFN.vjp_rows`` (the last only where F computes
+        in the rows' dtype: ``reads_at_indices``).
         """
         assert self.has_fused_backward, f"{self.__qualname__}: no fused backward"
         dtype = self.plan.compute_dtype
         if dtype is None or dtype == x_TH.dtype == dy_TH.dtype:
             return self.inner.vjp_rows(x_TH, tok_S, offsets_G, rows_G, weights, dy_TH, score_S, grad_dtype, grad_into,
                                        d_score_out, projections=projections,
-                                       projections_writable=projections_writable, dx_into=dx_into)
+                                       projections_writable=projections_writable, dx_into=dx_into,
+                                       activation_in_gemm=activation_in_gemm)
         # Gathered, then cast: the chunk's rows only, never a cast copy of all T rows per chunk.
         x_SH = (x_TH if tok_S is None else torch.index_select(x_TH, 0, tok_S)).to(dtype)
         dy_SH = (dy_TH if tok_S is None else torch.index_select(dy_TH, 0, tok_S)).to(dtype)

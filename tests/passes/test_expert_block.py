@@ -262,6 +262,19 @@ class RecognizedIdiomsEqualF(unittest.TestCase):
             "down weights[1] stacked (out_in)",
         )
         self.assertTrue(lowered.has_fused_backward)
+        # The ring's chunk backward with ``activation_in_gemm`` (``gather_in_gemm``; the kernels' eager forms here)
+        # equals it without, rows read at the chunk's tokens.
+        gen = torch.Generator().manual_seed(5)
+        weights = lowered.pack([torch.randn(s, generator=gen) for s in SWIGLU_EFH])
+        counts = [3, 0, 5]
+        tok = torch.randint(0, 6, (sum(counts),), generator=gen)
+        x, dy, score = torch.randn(6, H, generator=gen), torch.randn(6, H, generator=gen), torch.rand(8, generator=gen)
+        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+        want = lowered.vjp_rows(x, tok, offsets, counts, weights, dy, score, grad_dtype=torch.float32)
+        got = lowered.vjp_rows(x, tok, offsets, counts, weights, dy, score, grad_dtype=torch.float32,
+                               activation_in_gemm=True)
+        for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+            self.assert_close_to_scale(g, w)
 
     def test_casts_to_the_dtype_weights_and_rows_already_have_are_no_casts(self) -> None:
         # torchtitan's experts on bf16 parameters: recognized as computing in the weights' own dtype (no
