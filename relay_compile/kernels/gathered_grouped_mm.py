@@ -199,6 +199,31 @@ def tile_config(epilogue: Epilogue = "store") -> tuple[int, int, int, int, int, 
     return _CONFIGS[epilogue]
 
 
+def compile_offline(
+    epilogue: Epilogue, *, gather: bool = True, store_rows: bool = False, even: bool = True,
+    config: tuple[int, int, int, int, int, int] | None = None, arch: int = 90,
+) -> Any:
+    """One specialization of the kernel compiled for CUDA ``sm_{arch}`` without a GPU (``kernels.offline_compile``):
+    bf16 rows, int64 indices, ``epilogue``'s tile (or ``config``), K and N whole tiles where ``even``. Returns its
+    ``ResourceUsage``; raises where it does not compile."""
+    from relay_compile.kernels import offline_compile
+
+    block_m, block_n, block_k, group_m, warps, stages = config or _CONFIGS[epilogue]
+    pointers = {"a_ptr": "*bf16", "idx_ptr": "*i64", "b_ptr": "*bf16", "offs_ptr": "*i32",
+                "out_ptr": "*fp32" if epilogue == "scatter" else "*bf16", "tok_ptr": "*i64", "scale_ptr": "*fp32",
+                "g_ptr": "*bf16", "score_ptr": "*fp32", "dpart_ptr": "*fp32", "rows_out_ptr": "*bf16"}
+    kernel = _triton_kernel()
+    types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+    constexprs = dict(GATHER=gather, EVEN_K=even, EVEN_N=even, EPILOGUE=epilogue, SWIGLU=epilogue.startswith("swiglu"),
+                      STORE_ROWS=store_rows, HAS_SCALE=epilogue == "scatter", BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_K=block_k, GROUP_M=group_m)
+    # The widths and strides a hop's shapes give (multiples of 16), as Triton's launcher specializes them.
+    aligned = [name for name in types if name.startswith(("width_", "stride_"))
+               or name in ("up_offset", "split", "tail_offset")]
+    return offline_compile.compile_for(kernel, types, constexprs, num_warps=warps, num_stages=stages, aligned=aligned,
+                                       arch=arch)
+
+
 def _build(triton: Any, tl: Any) -> Callable:
     """The Triton kernel (``kernels.triton_kernel`` compiles it on first use)."""
 
