@@ -23,24 +23,33 @@ from relay_compile.kernels import gathered_grouped_mm as gemm
 from relay_compile.kernels import swiglu_backward, swiglu_forward
 
 
-def forward_reference(a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor) -> Tensor:
-    """Eager: ``h13`` (the gathered GEMM's reference; rows past the offsets zero), then ``silu(h1) * h3``."""
-    return swiglu_forward.reference(_projections(a_TK, idx_S, b_EKU, offsets_E))
+def forward_reference(
+    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, out_SF: Tensor | None = None
+) -> Tensor:
+    """Eager: ``h13`` (the gathered GEMM's reference), then ``silu(h1) * h3``, into the rows of ``out_SF`` the
+    offsets cover (a host read of their end; a fresh tensor where not given, zero past them)."""
+    act_SF = swiglu_forward.reference(_projections(a_TK, idx_S, b_EKU, offsets_E))
+    if out_SF is None:
+        return act_SF
+    end = _end(offsets_E)
+    out_SF[:end].copy_(act_SF[:end])
+    return out_SF
 
 
 def grouped_swiglu(
-    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor,
+    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, out_SF: Tensor | None = None,
     config: tuple[int, int, int, int, int, int] | None = None,
 ) -> Tensor:
     """``act[s] = silu(h1[s]) * h3[s]`` ``(S, F)`` of ``h13[s] = a[idx[s]] @ b[e(s)]`` (``idx_S=None``: ``a``'s own
     rows; ``b_EKU``: ``(E, K, 2F)``, e.g. a transposed view of ``w13 (E, 2F, K)``) for the row groups that end at
-    the int32 prefix sums ``offsets_E``. Rows past ``offsets_E[-1]`` are zero."""
+    the int32 prefix sums ``offsets_E``, into ``out_SF`` (or a fresh tensor). Rows past ``offsets_E[-1]`` are not
+    written (``torch._grouped_mm``'s contract: no fill for rows the ring never has)."""
     ffn = _ffn(b_EKU)
     idx_S = gemm.as_vector(idx_S)
     gemm.check_offsets(offsets_E, b_EKU.shape[0])
-    if not gemm.applies(a_TK, b_EKU, "swiglu"):
-        return forward_reference(a_TK, idx_S, b_EKU, offsets_E)
-    act_SF = a_TK.new_zeros((_rows(a_TK, idx_S), ffn))
+    if not (gemm.applies(a_TK, b_EKU, "swiglu") and (out_SF is None or out_SF.stride(-1) == 1)):
+        return forward_reference(a_TK, idx_S, b_EKU, offsets_E, out_SF)
+    act_SF = a_TK.new_empty((_rows(a_TK, idx_S), ffn)) if out_SF is None else out_SF
     gemm.launch(a_TK, idx_S, b_EKU, offsets_E, act_SF, ffn, "swiglu", config)
     return act_SF
 
@@ -48,12 +57,12 @@ def grouped_swiglu(
 def grouped_swiglu_backward_(
     a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, g_SF: Tensor, score_S: Tensor,
     d_score_out: Tensor | None = None, config: tuple[int, int, int, int, int, int] | None = None,
-    rows_out: Tensor | None = None,
+    rows_out: Tensor | None = None, dh13_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SwiGLU's backward from the recomputed projections, in the GEMM's epilogue: ``h13 = a[idx] @ b[e]`` as
     ``grouped_swiglu`` computes it, then ``kernels.swiglu_backward_``'s step (``g`` ``(S, F)`` becomes
-    ``score * act`` in place). Returns ``([dh1, dh3] (S, 2F), d_score (S,) fp32)`` (``d_score`` written into
-    ``d_score_out`` where given). Rows past ``offsets_E[-1]``: ``dh13`` and ``d_score`` zero, ``g`` untouched.
+    ``score * act`` in place). Returns ``([dh1, dh3] (S, 2F), d_score (S,) fp32)``, written into ``dh13_out`` and
+    ``d_score_out`` where given. Rows past ``offsets_E[-1]``: ``dh13`` and ``g`` not written, ``d_score`` zero.
     ``rows_out`` ``(S, K)``: the rows ``a[idx]`` stored there too (``gathered_grouped_mm``'s; past the offsets not
     written)."""
     ffn = _ffn(b_EKU)
@@ -65,13 +74,15 @@ def grouped_swiglu_backward_(
     assert g_SF.shape == (rows, ffn) and score_S.shape == (rows,), (
         f"grouped_swiglu_backward_: g {tuple(g_SF.shape)} and scores {tuple(score_S.shape)} must be ({rows}, {ffn})"
         f" and ({rows},)")
-    if not (gemm.applies(a_TK, b_EKU, "swiglu_backward") and g_SF.stride(-1) == 1 and g_SF.dtype == a_TK.dtype):
+    if not (gemm.applies(a_TK, b_EKU, "swiglu_backward") and g_SF.stride(-1) == 1 and g_SF.dtype == a_TK.dtype
+            and (dh13_out is None or dh13_out.stride(-1) == 1)):
         if rows_out is not None:
             gemm.store_rows(a_TK, idx_S, offsets_E, rows_out)
-        return backward_reference_(a_TK, idx_S, b_EKU, offsets_E, g_SF, score_S, d_score_out)
-    dh13_SU = a_TK.new_zeros((rows, 2 * ffn))
+        return backward_reference_(a_TK, idx_S, b_EKU, offsets_E, g_SF, score_S, d_score_out, dh13_out)
+    dh13_SU = a_TK.new_empty((rows, 2 * ffn)) if dh13_out is None else dh13_out
     block_n = (config or gemm.tile_config("swiglu_backward"))[1]
-    # <g, act> per row and column tile, summed after: no atomics, the same sum on every call.
+    # <g, act> per row and column tile, summed after: no atomics, the same sum on every call (zeroed: a row past
+    # the offsets sums to zero, as the eager form's).
     dpart_NS = torch.zeros(-(-ffn // block_n), rows, dtype=torch.float32, device=a_TK.device)
     gemm.launch(a_TK, idx_S, b_EKU, offsets_E, dh13_SU, ffn, "swiglu_backward", config, g_SF=g_SF,
                 score_S=score_S.contiguous(), dpart_NS=dpart_NS, rows_out=rows_out)
@@ -82,20 +93,27 @@ def grouped_swiglu_backward_(
 
 def backward_reference_(
     a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, g_SF: Tensor, score_S: Tensor,
-    d_score_out: Tensor | None = None,
+    d_score_out: Tensor | None = None, dh13_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eager: ``h13``, then ``swiglu_backward_`` over it in place, on the rows the offsets cover (a host read of
-    their end; the rest as the kernel leaves them)."""
+    their end; the rest as the kernel leaves them, ``h13``'s zero where no ``dh13_out`` is given)."""
     h13_SU = _projections(a_TK, idx_S, b_EKU, offsets_E)
-    end = int(offsets_E[-1]) if offsets_E.numel() else 0
+    end = _end(offsets_E)
     d_score_S = torch.zeros(h13_SU.shape[0], dtype=torch.float32, device=h13_SU.device) if d_score_out is None \
         else d_score_out.zero_()
     swiglu_backward.swiglu_backward_(h13_SU[:end], g_SF[:end], score_S[:end], d_score_S[:end])
-    return h13_SU, d_score_S
+    if dh13_out is None:
+        return h13_SU, d_score_S
+    dh13_out[:end].copy_(h13_SU[:end])
+    return dh13_out, d_score_S
 
 
 def _projections(a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor) -> Tensor:
     return gemm.reference(a_TK, idx_S, b_EKU, offsets_E, a_TK.new_zeros((_rows(a_TK, idx_S), b_EKU.shape[-1])))
+
+
+def _end(offsets_E: Tensor) -> int:
+    return int(offsets_E[-1]) if offsets_E.numel() else 0
 
 
 def _rows(a_TK: Tensor, idx_S: Tensor | None) -> int:

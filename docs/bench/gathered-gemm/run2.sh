@@ -20,5 +20,5 @@ fits 50 ab-ep64-16384 && sweep ab-ep64-16384 50 --ep 64 --tokens 16384 --rows "r
   "ring auto, gather and add in GEMM"
 fits 60 ab-ep8-2 && sweep ab-ep8-2 60 --ep 8 --tokens 65536 --rows "${ROWS[@]}"
 fits 90 ab-ep64-65536 && sweep ab-ep64-65536 90 --ep 64 --tokens 65536 --rows "${ROWS[@]}"
-fits 120 gemm && { timeout 120 python docs/bench/gathered-gemm/gathered_gemm.py --chunks 4 1 --configs 2 2>&1 | quiet \
+fits 120 gemm && { timeout 120 python docs/bench/gathered-gemm/gathered_gemm.py --chunks 1 --configs 2 2>&1 | quiet \
   > $OUT/gathered-gemm.txt; grep "scatter\|+\|swiglu" $OUT/gathered-gemm.txt | head -30; }
