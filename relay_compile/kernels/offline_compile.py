@@ -11,6 +11,7 @@ integer arguments named ``aligned`` are marked divisible by 16, as Triton's laun
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -64,11 +65,17 @@ def _cubin_usage(cubin: bytes, triton_dir: str) -> dict[str, int]:
 
 
 def available() -> bool:
-    """Whether Triton with its NVIDIA backend's bundled tools is installed (not whether a GPU is)."""
+    """Whether Triton with its NVIDIA backend's bundled tools is installed (not whether a GPU is), with the compile
+    entry points ``compile_for`` calls as Triton 3.6-3.9 have them (a later Triton that changes them is reported as
+    unavailable, not as a kernel that fails to compile)."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
+        from triton.compiler import ASTSource
     except ImportError:
         return False
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    params = inspect.signature(ASTSource.__init__).parameters
+    compile_params = inspect.signature(triton.compile).parameters
+    return (all(name in params for name in ("fn", "signature", "constexprs", "attrs"))
+            and all(name in compile_params for name in ("target", "options"))
+            and os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")))
