@@ -94,9 +94,10 @@ class GroupedExperts(Protocol):
 
     Optional, found by ``getattr`` (``GroupedFFN`` has them): ``reads_at_indices(x_TH, weights)`` (then
     ``forward_rows`` takes ``grouped_gemm.GatheredRows`` and ``vjp_rows`` ``activation_in_gemm=True``: the
-    recomputed first projection's kernel applies the activation's backward in its epilogue) and ``adds_in_gemm(x_TH, weights)`` (then ``forward_rows``
-    takes ``add_into=`` and ``vjp_rows`` ``dx_into=``, a ``grouped_gemm.SumTarget``, and return None for the rows
-    they added): the options ``gather_in_gemm`` / ``add_in_gemm`` use them where a function has them.
+    recomputed first projection's kernel applies the activation's backward in its epilogue) and
+    ``adds_in_gemm(x_TH, weights)`` (then ``forward_rows`` takes ``add_into=`` and ``vjp_rows`` ``dx_into=``, a
+    ``grouped_gemm.SumTarget``, and return None for the rows they added): the options ``gather_in_gemm`` /
+    ``add_in_gemm`` use them where a function has them.
     """
 
     has_fused_backward: bool
@@ -417,10 +418,9 @@ def _gated_packed(
     ``b13 (E_l, 2F)``, and ``b2``, added where ``biases`` has them); ``save_into``: ``h13`` is copied there;
     ``add_into``: the output rows are added there by the down projection's GEMM, and None is returned."""
     b = biases or _Biases()
-    if activation == "swiglu" and b.first is None and save_into is None:
-        # No projections kept or biased: SwiGLU in the first GEMM's epilogue where its kernel runs.
-        return _down(grouped_swiglu(x_SH, w13_LUH, offsets_L, counts_host), w2_LHF, offsets_L, counts_host, b,
-                     add_into)
+    if activation == "swiglu" and b.first is None:  # SwiGLU in the first GEMM's epilogue where its kernel runs
+        act_SF = grouped_swiglu(x_SH, w13_LUH, offsets_L, counts_host, save_into)
+        return _down(act_SF, w2_LHF, offsets_L, counts_host, b, add_into)
     ffn = w2_LHF.shape[-1]
     h13_SU = add_bias(grouped_linear(x_SH, w13_LUH, offsets_L, counts_host), b.first, b.expert_S)
     if save_into is not None:

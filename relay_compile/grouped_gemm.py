@@ -146,17 +146,21 @@ def grouped_matmul(
 
 
 def grouped_swiglu(
-    x_SD: Rows, w13_EUD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
+    x_SD: Rows, w13_EUD: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None,
+    save_into: Tensor | None = None,
 ) -> Tensor:
-    """``silu(x @ w1[e].T) * (x @ w3[e].T)`` ``(S, F)`` on stacked weights ``w13 (E, 2F, D)``. ``GatheredRows`` over
-    device offsets where the kernel runs: one launch that reads the rows at their indices and applies SwiGLU in its
-    epilogue (``kernels.swiglu_gemm``: the ``(S, 2F)`` projections never written); else ``grouped_linear``, then
-    ``swiglu_forward``."""
+    """``silu(x @ w1[e].T) * (x @ w3[e].T)`` ``(S, F)`` on stacked weights ``w13 (E, 2F, D)``; ``save_into``: the
+    projections ``h13`` copied there too. ``GatheredRows`` over device offsets where the kernel runs: one launch that
+    reads the rows at their indices and applies SwiGLU in its epilogue (``kernels.swiglu_gemm``: the ``(S, 2F)``
+    projections written only into ``save_into``); else ``grouped_linear``, then ``swiglu_forward``."""
     if isinstance(x_SD, GatheredRows) and offsets_E is not None:
         w_EDU = w13_EUD.transpose(-2, -1)
         if gathered_kernel.applies(x_SD.source_TD, w_EDU, "swiglu"):
-            return swiglu_gemm.grouped_swiglu(x_SD.source_TD, x_SD.index_S, w_EDU, offsets_E)
-    return swiglu_forward(grouped_linear(x_SD, w13_EUD, offsets_E, counts_E))
+            return swiglu_gemm.grouped_swiglu(x_SD.source_TD, x_SD.index_S, w_EDU, offsets_E, save_SU=save_into)
+    h13_SU = grouped_linear(x_SD, w13_EUD, offsets_E, counts_E)
+    if save_into is not None:
+        save_into.copy_(h13_SU)
+    return swiglu_forward(h13_SU)
 
 
 def swiglu_in_gemm(x_SD: Tensor, w13_EUD: Tensor) -> bool:

@@ -159,9 +159,12 @@ class GatheredGroupedMM(unittest.TestCase):
                 rows = sum(counts)
                 assert k.applies(a, b, "swiglu") and k.applies(a, b, "swiglu_backward"), "must run interpreted"
                 h13 = _exact(a, idx, b, counts)
-                got = swiglu_gemm.grouped_swiglu(a, idx, b, offsets)
+                saved = torch.full((rows, 2 * ffn), 7.0, dtype=torch.float16)
+                got = swiglu_gemm.grouped_swiglu(a, idx, b, offsets, save_SU=saved)
                 assert got.shape == (rows, ffn) and got.dtype == torch.float16
                 torch.testing.assert_close(got.double(), _exact_swiglu(h13), **close)
+                torch.testing.assert_close(saved.double(), h13, **close)  # the projections saved too
+                assert torch.equal(swiglu_gemm.grouped_swiglu(a, idx, b, offsets), got)
                 g = torch.randn(rows, ffn, generator=gen).half()
                 score = torch.rand(rows, generator=gen)
                 # Against the projections rounded to the rows' dtype, as the GEMM's output is in both forms.
@@ -292,6 +295,11 @@ class ExpertsReadRowsAtIndicesAndAddTheirRows(unittest.TestCase):
                 y = ffn.forward_rows(x[tok], offs, counts, w)
                 torch.testing.assert_close(ffn.forward_rows(GatheredRows(x, tok), offs, counts, w).float(),
                                            y.float(), **close)
+                # The projections saved for the backward, read at indices (SwiGLU: by its epilogue) or not.
+                saved_a, saved_b = torch.zeros(S, first).half(), torch.zeros(S, first).half()
+                ffn.forward_rows(x[tok], offs, counts, w, save_into=saved_a)
+                ffn.forward_rows(GatheredRows(x, tok), offs, counts, w, save_into=saved_b)
+                torch.testing.assert_close(saved_b.float(), saved_a.float(), **close)
                 # Two blocks, as RowSum holds them: rows from 25 on in the tail.
                 head, tail = torch.zeros(25, H), torch.zeros(T - 25, H)
                 out = ffn.forward_rows(GatheredRows(x, tok), offs, counts, w,
@@ -331,7 +339,7 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             from relay_compile.kernels import gathered_grouped_mm as k
             from relay_compile.reference import moe_weights
             T, H, F, K, WORLD, E_L = 48, 32, 16, 2, 4, 2
-            launches = collections.Counter()
+            launches, saves = collections.Counter(), collections.Counter()
             compiled = k._triton_kernel
 
             def counted():
@@ -341,6 +349,7 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
                     def __getitem__(self, grid):
                         def run(*args, **kwargs):
                             launches[("gather " if kwargs["GATHER"] else "") + kwargs["EPILOGUE"]] += 1
+                            saves["save"] += kwargs["SAVE"]
                             return kernel[grid](*args, **kwargs)
                         return run
                 return Launch()
@@ -363,17 +372,22 @@ class RingWithRowsReadAndSumsAddedByTheGEMMs(unittest.TestCase):
             want = call()
             assert not launches, launches
             both = {"gather_in_gemm": True, "add_in_gemm": True}
-            for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}, both):
+            for patch in ({"gather_in_gemm": True}, {"add_in_gemm": True}, both,
+                          {"gather_in_gemm": True, "save_projections": True}):
                 launches.clear()
                 got = call(**patch)
                 # 4 hops: the forward's first projection with SwiGLU in its epilogue, and the backward's first
                 # GEMMs (g = dy @ w2; the recomputed first projection with SwiGLU's backward), all reading their
                 # rows at the tokens' indices; and/or the forward's down projection and the backward's dx (added
                 # into the sums).
-                in_gemm = {"gather swiglu": 4, "gather store": 4, "gather swiglu_backward": 4}
+                # (With saved projections the forward's kernel also stores them and the backward reads them.)
+                in_gemm = ({"gather swiglu": 4} if "save_projections" in patch
+                           else {"gather swiglu": 4, "gather store": 4, "gather swiglu_backward": 4})
                 want_launches = {**(in_gemm if "gather_in_gemm" in patch else {}),
                                  **({"scatter": 8} if "add_in_gemm" in patch else {})}
                 assert launches == want_launches, (patch, launches)
+                assert saves["save"] == (4 if "save_projections" in patch else 0), (patch, saves)
+                saves.clear()
                 for a, b in zip(want, got, strict=True):
                     torch.testing.assert_close(b.float(), a.float(), rtol=5e-3, atol=5e-3 * a.abs().max().item())
             destroy_standin_groups()

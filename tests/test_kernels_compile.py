@@ -18,6 +18,7 @@ VARIANTS = [
     dict(epilogue="scatter", gather=True, even=False),
     dict(epilogue="swiglu", gather=True),
     dict(epilogue="swiglu", gather=False, even=False),
+    dict(epilogue="swiglu", gather=True, save=True),
     dict(epilogue="swiglu_backward", gather=True, store_rows=True),
     dict(epilogue="swiglu_backward", gather=False, even=False),
 ]

@@ -137,11 +137,13 @@ def launch(
     epilogue: Epilogue, config: tuple[int, int, int, int, int, int] | None, *, tok_S: Tensor | None = None,
     scale_S: Tensor | None = None, split: int = 0, tail_offset: int = 0, g_SF: Tensor | None = None,
     score_S: Tensor | None = None, dpart_NS: Tensor | None = None, rows_out: Tensor | None = None,
+    save_SU: Tensor | None = None,
 ) -> None:
     """One launch of the kernel over ``width_n`` output columns (each half's, for SwiGLU's epilogues) with
     ``epilogue``'s arguments: ``tok_S``, ``scale_S``, ``split``, ``tail_offset`` (``scatter``); ``g_SF``,
-    ``score_S``, ``dpart_NS`` (``swiglu_backward``, ``kernels.swiglu_gemm``). ``rows_out`` ``(S, K)``: the rows
-    read (``a[idx]``) are stored there too, by each row tile's first output tile. The caller checked ``applies``."""
+    ``score_S``, ``dpart_NS`` (``swiglu_backward``, ``kernels.swiglu_gemm``); ``save_SU`` (``swiglu``: the
+    projections ``[h1, h3]`` stored there too). ``rows_out`` ``(S, K)``: the rows read (``a[idx]``) are stored there
+    too, by each row tile's first output tile. The caller checked ``applies``."""
     assert rows_out is None or (rows_out.stride(-1) == 1 and rows_out.dtype == a_TK.dtype), (
         "gathered_grouped_mm: rows_out has the rows' dtype and unit column stride")
     rows = a_TK.shape[0] if idx_S is None else idx_S.shape[0]
@@ -158,8 +160,10 @@ def launch(
         out if g_SF is None else g_SF, 0 if g_SF is None else g_SF.stride(0), out if score_S is None else score_S,
         out if dpart_NS is None else dpart_NS, 0 if dpart_NS is None else dpart_NS.stride(0),
         a_TK if rows_out is None else rows_out, 0 if rows_out is None else rows_out.stride(0),
+        a_TK if save_SU is None else save_SU, 0 if save_SU is None else save_SU.stride(0),
         GATHER=idx_S is not None, EVEN_K=width_k % block_k == 0, EVEN_N=width_n % block_n == 0, EPILOGUE=epilogue,
-        SWIGLU=epilogue.startswith("swiglu"), STORE_ROWS=rows_out is not None, HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        SWIGLU=epilogue.startswith("swiglu"), STORE_ROWS=rows_out is not None, SAVE=save_SU is not None,
+        HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=warps, num_stages=stages,
     )
 
@@ -200,7 +204,7 @@ def tile_config(epilogue: Epilogue = "store") -> tuple[int, int, int, int, int, 
 
 
 def compile_offline(
-    epilogue: Epilogue, *, gather: bool = True, store_rows: bool = False, even: bool = True,
+    epilogue: Epilogue, *, gather: bool = True, store_rows: bool = False, save: bool = False, even: bool = True,
     config: tuple[int, int, int, int, int, int] | None = None, arch: int = 90,
 ) -> Any:
     """One specialization of the kernel compiled for CUDA ``sm_{arch}`` without a GPU (``kernels.offline_compile``):
@@ -211,12 +215,13 @@ def compile_offline(
     block_m, block_n, block_k, group_m, warps, stages = config or _CONFIGS[epilogue]
     pointers = {"a_ptr": "*bf16", "idx_ptr": "*i64", "b_ptr": "*bf16", "offs_ptr": "*i32",
                 "out_ptr": "*fp32" if epilogue == "scatter" else "*bf16", "tok_ptr": "*i64", "scale_ptr": "*fp32",
-                "g_ptr": "*bf16", "score_ptr": "*fp32", "dpart_ptr": "*fp32", "rows_out_ptr": "*bf16"}
+                "g_ptr": "*bf16", "score_ptr": "*fp32", "dpart_ptr": "*fp32", "rows_out_ptr": "*bf16",
+                "save_ptr": "*bf16"}
     kernel = _triton_kernel()
     types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
     constexprs = dict(GATHER=gather, EVEN_K=even, EVEN_N=even, EPILOGUE=epilogue, SWIGLU=epilogue.startswith("swiglu"),
-                      STORE_ROWS=store_rows, HAS_SCALE=epilogue == "scatter", BLOCK_M=block_m, BLOCK_N=block_n,
-                      BLOCK_K=block_k, GROUP_M=group_m)
+                      STORE_ROWS=store_rows, SAVE=save, HAS_SCALE=epilogue == "scatter", BLOCK_M=block_m,
+                      BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m)
     # The widths and strides a hop's shapes give (multiples of 16), as Triton's launcher specializes them.
     aligned = [name for name in types if name.startswith(("width_", "stride_"))
                or name in ("up_offset", "split", "tail_offset")]
@@ -231,9 +236,10 @@ def _build(triton: Any, tl: Any) -> Callable:
     def gathered_grouped_mm_kernel(a_ptr, idx_ptr, b_ptr, offs_ptr, out_ptr, experts, width_n, width_k,
                                    stride_a, stride_be, stride_bk, stride_bn, stride_o, tok_ptr, scale_ptr,
                                    split, tail_offset, up_offset, g_ptr, stride_g, score_ptr, dpart_ptr,
-                                   stride_dpart, rows_out_ptr, stride_ro, GATHER: tl.constexpr,
+                                   stride_dpart, rows_out_ptr, stride_ro, save_ptr, stride_save, GATHER: tl.constexpr,
                                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EPILOGUE: tl.constexpr,
-                                   SWIGLU: tl.constexpr, STORE_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                   SWIGLU: tl.constexpr, STORE_ROWS: tl.constexpr, SAVE: tl.constexpr,
+                                   HAS_SCALE: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                    GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -315,6 +321,10 @@ def _build(triton: Any, tl: Any) -> Callable:
                 h1 = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
                 h3 = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
             if EPILOGUE == "swiglu":
+                if SAVE:  # the projections, for a backward that does not recompute them
+                    saved = save_ptr + rows[:, None].to(tl.int64) * stride_save + cols_n[None, :]
+                    tl.store(saved, h1.to(save_ptr.dtype.element_ty), mask=mask)
+                    tl.store(saved + width_n, h3.to(save_ptr.dtype.element_ty), mask=mask)
                 silu = (h1 / (1.0 + tl.exp(-h1))).to(a_ptr.dtype.element_ty)  # rounded: the pointwise kernel's
                 act = silu.to(tl.float32) * h3
                 out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols_n[None, :]

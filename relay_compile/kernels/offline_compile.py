@@ -76,6 +76,7 @@ def available() -> bool:
         return False
     params = inspect.signature(ASTSource.__init__).parameters
     compile_params = inspect.signature(triton.compile).parameters
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     return (all(name in params for name in ("fn", "signature", "constexprs", "attrs"))
             and all(name in compile_params for name in ("target", "options"))
-            and os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")))
+            and os.path.exists(os.path.join(tools, "cuobjdump")))

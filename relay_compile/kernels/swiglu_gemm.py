@@ -24,33 +24,40 @@ from relay_compile.kernels import swiglu_backward, swiglu_forward
 
 
 def forward_reference(
-    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, out_SF: Tensor | None = None
+    a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, out_SF: Tensor | None = None,
+    save_SU: Tensor | None = None,
 ) -> Tensor:
-    """Eager: ``h13`` (the gathered GEMM's reference), then ``silu(h1) * h3``, into the rows of ``out_SF`` the
-    offsets cover (a host read of their end; a fresh tensor where not given, zero past them)."""
-    act_SF = swiglu_forward.reference(_projections(a_TK, idx_S, b_EKU, offsets_E))
+    """Eager: ``h13`` (the gathered GEMM's reference; copied into ``save_SU``'s covered rows where given), then
+    ``silu(h1) * h3``, into the rows of ``out_SF`` the offsets cover (a host read of their end; a fresh tensor where
+    not given, zero past them)."""
+    h13_SU = _projections(a_TK, idx_S, b_EKU, offsets_E)
+    end = _end(offsets_E)
+    if save_SU is not None:
+        save_SU[:end].copy_(h13_SU[:end])
+    act_SF = swiglu_forward.reference(h13_SU)
     if out_SF is None:
         return act_SF
-    end = _end(offsets_E)
     out_SF[:end].copy_(act_SF[:end])
     return out_SF
 
 
 def grouped_swiglu(
     a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor, out_SF: Tensor | None = None,
-    config: tuple[int, int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None, save_SU: Tensor | None = None,
 ) -> Tensor:
     """``act[s] = silu(h1[s]) * h3[s]`` ``(S, F)`` of ``h13[s] = a[idx[s]] @ b[e(s)]`` (``idx_S=None``: ``a``'s own
     rows; ``b_EKU``: ``(E, K, 2F)``, e.g. a transposed view of ``w13 (E, 2F, K)``) for the row groups that end at
     the int32 prefix sums ``offsets_E``, into ``out_SF`` (or a fresh tensor). Rows past ``offsets_E[-1]`` are not
-    written (``torch._grouped_mm``'s contract: no fill for rows the ring never has)."""
+    written (``torch._grouped_mm``'s contract: no fill for rows the ring never has). ``save_SU`` ``(S, 2F)``: the
+    projections ``[h1, h3]`` stored there too (in its dtype), for a backward that reads them instead of recomputing
+    them (the ring's saved projections)."""
     ffn = _ffn(b_EKU)
     idx_S = gemm.as_vector(idx_S)
     gemm.check_offsets(offsets_E, b_EKU.shape[0])
-    if not (gemm.applies(a_TK, b_EKU, "swiglu") and (out_SF is None or out_SF.stride(-1) == 1)):
-        return forward_reference(a_TK, idx_S, b_EKU, offsets_E, out_SF)
+    if not (gemm.applies(a_TK, b_EKU, "swiglu") and all(t is None or t.stride(-1) == 1 for t in (out_SF, save_SU))):
+        return forward_reference(a_TK, idx_S, b_EKU, offsets_E, out_SF, save_SU)
     act_SF = a_TK.new_empty((_rows(a_TK, idx_S), ffn)) if out_SF is None else out_SF
-    gemm.launch(a_TK, idx_S, b_EKU, offsets_E, act_SF, ffn, "swiglu", config)
+    gemm.launch(a_TK, idx_S, b_EKU, offsets_E, act_SF, ffn, "swiglu", config, save_SU=save_SU)
     return act_SF
 
 
@@ -70,7 +77,8 @@ def grouped_swiglu_backward_(
     rows = _rows(a_TK, idx_S)
     gemm.check_offsets(offsets_E, b_EKU.shape[0])
     assert d_score_out is None or (d_score_out.shape == (rows,) and d_score_out.dtype == torch.float32
-                                   and d_score_out.is_contiguous()), "grouped_swiglu_backward_: d_score_out is (S,) fp32"
+                                   and d_score_out.is_contiguous()), (
+        "grouped_swiglu_backward_: d_score_out is (S,) fp32")
     assert g_SF.shape == (rows, ffn) and score_S.shape == (rows,), (
         f"grouped_swiglu_backward_: g {tuple(g_SF.shape)} and scores {tuple(score_S.shape)} must be ({rows}, {ffn})"
         f" and ({rows},)")

@@ -9,21 +9,23 @@ import triton
 
 from relay_compile.kernels import gathered_grouped_mm as gemm
 
-ROWS = [  # (epilogue, gather, rows stored, configs)
+ROWS = [  # (epilogue, gather, rows stored or projections saved, configs)
     ("store", True, False, [None, (128, 256, 32, 8, 8, 5)]),
     ("store", True, True, [None]),
     ("scatter", False, False, [None]),
     ("swiglu", True, False, [None, (128, 128, 32, 8, 8, 4), (128, 64, 64, 8, 8, 4), (64, 128, 64, 8, 8, 3)]),
+    ("swiglu", True, True, [None]),
     ("swiglu_backward", True, True, [None, (128, 128, 32, 8, 8, 4), (128, 64, 64, 8, 8, 4), (64, 128, 64, 8, 8, 3),
                                      (128, 64, 64, 8, 8, 3)]),
 ]
 
 print(f"triton {triton.__version__}, sm_90, bf16, K and N whole tiles")
-print("| epilogue | gather | rows stored | config | registers | stack bytes | shared KiB | cp.async stages |")
+print("| epilogue | gather | rows stored / saved | config | registers | stack bytes | shared KiB | cp.async stages |")
 print("|---|---|---|---|---:|---:|---:|---:|")
 for epilogue, gather, store_rows, configs in ROWS:
     for config in configs:
-        usage = gemm.compile_offline(epilogue, gather=gather, store_rows=store_rows, config=config)
+        usage = gemm.compile_offline(epilogue, gather=gather, store_rows=store_rows and epilogue != "swiglu",
+                                     save=store_rows and epilogue == "swiglu", config=config)
         name = f"{config or gemm._CONFIGS[epilogue]}{'' if config else ' (default)'}"
         print(f"| {epilogue} | {gather} | {store_rows} | {name} | {usage.registers} | {usage.stack_bytes} | "
               f"{usage.shared_bytes / 1024:.0f} | {usage.async_copies} |", flush=True)
