@@ -185,8 +185,10 @@ class GatheredGroupedMM(unittest.TestCase):
                 short[-1] -= min(2, counts[-1])
                 end = int(short[-1])
                 act_out = torch.full((rows, ffn), 7.0, dtype=torch.float16)
-                assert swiglu_gemm.grouped_swiglu(a, idx, b, short, act_out) is act_out
+                saved_short = torch.full((rows, 2 * ffn), 7.0, dtype=torch.float16)
+                assert swiglu_gemm.grouped_swiglu(a, idx, b, short, act_out, save_SU=saved_short) is act_out
                 assert bool((act_out[end:] == 7).all()) and torch.equal(act_out[:end], got[:end])
+                assert bool((saved_short[end:] == 7).all()) and torch.equal(saved_short[:end], saved[:end])
                 g_inout, dh13_out = g.clone(), torch.full((rows, 2 * ffn), 7.0, dtype=torch.float16)
                 dh13_short, ds_short = swiglu_gemm.grouped_swiglu_backward_(a, idx, b, short, g_inout, score,
                                                                             dh13_out=dh13_out)
@@ -230,10 +232,12 @@ class GatheredGroupedMM(unittest.TestCase):
             expect = torch.zeros(3000, 768, device="cuda").index_add_(0, tok, want32 * scale[:, None])
             torch.testing.assert_close(torch.cat([head, tail]), expect, rtol=2e-2, atol=2e-1)
             if transposed:  # the stacked w13 as the experts hold it: (E, 2F, K) viewed (E, K, 2F)
-                act = swiglu_gemm.grouped_swiglu(a, idx, b, offsets)
+                saved = torch.empty(idx.shape[0], 768, device="cuda", dtype=a.dtype)
+                act = swiglu_gemm.grouped_swiglu(a, idx, b, offsets, save_SU=saved)
                 h13 = torch._grouped_mm(a[idx], b, offs=offsets)
                 want = torch.nn.functional.silu(h13[:, :384]) * h13[:, 384:]
                 _close_to_scale(act, want)
+                _close_to_scale(saved, h13)
                 g = torch.randn(idx.shape[0], 384, device="cuda", dtype=torch.bfloat16)
                 score = torch.rand(idx.shape[0], device="cuda")
                 g_want = g.clone()

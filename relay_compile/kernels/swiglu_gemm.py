@@ -54,9 +54,12 @@ def grouped_swiglu(
     ffn = _ffn(b_EKU)
     idx_S = gemm.as_vector(idx_S)
     gemm.check_offsets(offsets_E, b_EKU.shape[0])
+    rows = _rows(a_TK, idx_S)
+    _check_shape("out_SF", out_SF, (rows, ffn))
+    _check_shape("save_SU", save_SU, (rows, 2 * ffn))
     if not (gemm.applies(a_TK, b_EKU, "swiglu") and all(t is None or t.stride(-1) == 1 for t in (out_SF, save_SU))):
         return forward_reference(a_TK, idx_S, b_EKU, offsets_E, out_SF, save_SU)
-    act_SF = a_TK.new_empty((_rows(a_TK, idx_S), ffn)) if out_SF is None else out_SF
+    act_SF = a_TK.new_empty((rows, ffn)) if out_SF is None else out_SF
     gemm.launch(a_TK, idx_S, b_EKU, offsets_E, act_SF, ffn, "swiglu", config, save_SU=save_SU)
     return act_SF
 
@@ -79,6 +82,7 @@ def grouped_swiglu_backward_(
     assert d_score_out is None or (d_score_out.shape == (rows,) and d_score_out.dtype == torch.float32
                                    and d_score_out.is_contiguous()), (
         "grouped_swiglu_backward_: d_score_out is (S,) fp32")
+    _check_shape("dh13_out", dh13_out, (rows, 2 * ffn))
     assert g_SF.shape == (rows, ffn) and score_S.shape == (rows,), (
         f"grouped_swiglu_backward_: g {tuple(g_SF.shape)} and scores {tuple(score_S.shape)} must be ({rows}, {ffn})"
         f" and ({rows},)")
@@ -118,6 +122,11 @@ def backward_reference_(
 
 def _projections(a_TK: Tensor, idx_S: Tensor | None, b_EKU: Tensor, offsets_E: Tensor) -> Tensor:
     return gemm.reference(a_TK, idx_S, b_EKU, offsets_E, a_TK.new_zeros((_rows(a_TK, idx_S), b_EKU.shape[-1])))
+
+
+def _check_shape(name: str, t: Tensor | None, shape: tuple[int, int]) -> None:
+    """An output buffer the kernel writes through raw pointers: its shape is checked here, not by an index error."""
+    assert t is None or tuple(t.shape) == shape, f"swiglu_gemm: {name} must be {shape}, got {tuple(t.shape)}"
 
 
 def _end(offsets_E: Tensor) -> int:

@@ -20,7 +20,7 @@ ROWS = [  # (epilogue, gather, rows stored or projections saved, configs)
 ]
 
 print(f"triton {triton.__version__}, sm_90, bf16, K and N whole tiles")
-print("| epilogue | gather | rows stored / saved | config | registers | stack bytes | shared KiB | cp.async stages |")
+print("| epilogue | gather | rows stored / saved | config | registers | stack bytes | shared KiB | async copy ops |")
 print("|---|---|---|---|---:|---:|---:|---:|")
 for epilogue, gather, store_rows, configs in ROWS:
     for config in configs:

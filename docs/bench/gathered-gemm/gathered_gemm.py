@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 2, 1])
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N tile configs only")
+    ap.add_argument("--configs", type=int, default=len(CONFIGS),
+                    help="the first N tile configs only (the products' and the adds'; SwiGLU's all run)")
     args = ap.parse_args()
     T, H, F = args.tokens, args.hidden, args.ffn
     configs = CONFIGS[: args.configs]
