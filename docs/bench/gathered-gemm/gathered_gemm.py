@@ -160,8 +160,16 @@ def main() -> None:
         us = gpu_us_per_call(unfused_bwd, calls=args.calls) - copy_us
         print(f"| {chunks} | {S} | {G} | {name} | gather + _grouped_mm + swiglu_backward_ | {us:.1f} | "
               f"{tflops(S, H, 2 * F, us):.0f} | |", flush=True)
-        h13 = torch._grouped_mm(x_rows, b13, offs=offs)
         x_kept = torch.empty_like(x_rows)
+
+        def rows_then_pointwise():  # the reads at indices without the fusion: the product tile, then the kernel
+            g1.copy_(g0)
+            swiglu_backward_(ggmm.gathered_grouped_mm(x_TH, tok_S, b13, offs, rows_out=x_kept), g1, sc)
+
+        us = gpu_us_per_call(rows_then_pointwise, calls=args.calls) - copy_us
+        print(f"| {chunks} | {S} | {G} | {name} | triton gathered, rows stored + swiglu_backward_ | {us:.1f} | "
+              f"{tflops(S, H, 2 * F, us):.0f} | |", flush=True)
+        h13 = torch._grouped_mm(x_rows, b13, offs=offs)
         g1.copy_(g0)
         want_ds = swiglu_backward_(h13, g1, sc)
         for cfg in SWIGLU_CONFIGS:
