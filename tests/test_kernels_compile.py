@@ -13,8 +13,9 @@ from relay_compile.kernels import offline_compile
 VARIANTS = [
     dict(epilogue="store", gather=True),
     dict(epilogue="store", gather=False, even=False),
-    dict(epilogue="store", gather=True, store_rows=True),
+    dict(epilogue="store", gather=True, store_rows=True, k_contiguous=False),
     dict(epilogue="scatter", gather=False),
+    dict(epilogue="scatter", gather=False, k_contiguous=False),
     dict(epilogue="scatter", gather=True, even=False),
     dict(epilogue="swiglu", gather=True),
     dict(epilogue="swiglu", gather=False, even=False),
@@ -33,6 +34,8 @@ class GatheredGroupedMMCompilesForHopper(unittest.TestCase):
                 self.assertGreater(usage.async_copies, 0, f"{variant}: the loads did not pipeline ({usage})")
                 self.assertLessEqual(usage.shared_bytes, 227 * 1024, f"{variant}: {usage}")
                 self.assertLessEqual(usage.registers, 255)
+                # Spills depend on the Triton release (the scatter epilogue spills on 3.9, not on the device's 3.6):
+                # not asserted; docs/bench/gathered-gemm/compile_check.py tabulates them.
 
 
 if __name__ == "__main__":

@@ -205,11 +205,14 @@ def tile_config(epilogue: Epilogue = "store") -> tuple[int, int, int, int, int, 
 
 def compile_offline(
     epilogue: Epilogue, *, gather: bool = True, store_rows: bool = False, save: bool = False, even: bool = True,
-    config: tuple[int, int, int, int, int, int] | None = None, arch: int = 90,
+    config: tuple[int, int, int, int, int, int] | None = None, k_contiguous: bool = True, arch: int = 90,
 ) -> Any:
     """One specialization of the kernel compiled for CUDA ``sm_{arch}`` without a GPU (``kernels.offline_compile``):
-    bf16 rows, int64 indices, ``epilogue``'s tile (or ``config``), K and N whole tiles where ``even``. Returns its
-    ``ResourceUsage``; raises where it does not compile."""
+    bf16 rows, int64 indices, ``epilogue``'s tile (or ``config``), K and N whole tiles where ``even``; weights
+    contiguous along K (``k_contiguous``: a transposed view of ``(E, N, K)`` weights, as ``w13`` for the first
+    projection and ``w2`` for the down projection) or along N (``w2`` for ``dy @ w2``, ``w13`` for ``dx``), the unit
+    stride a constant as Triton's launcher specializes an argument equal to 1 (without it the weights load an
+    element at a time). Returns its ``ResourceUsage``; raises where it does not compile."""
     from relay_compile.kernels import offline_compile
 
     block_m, block_n, block_k, group_m, warps, stages = config or _CONFIGS[epilogue]
@@ -221,7 +224,8 @@ def compile_offline(
     types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
     constexprs = dict(GATHER=gather, EVEN_K=even, EVEN_N=even, EPILOGUE=epilogue, SWIGLU=epilogue.startswith("swiglu"),
                       STORE_ROWS=store_rows, SAVE=save, HAS_SCALE=epilogue == "scatter", BLOCK_M=block_m,
-                      BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m)
+                      BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                      **{"stride_bk" if k_contiguous else "stride_bn": 1})
     # The widths and strides a hop's shapes give (multiples of 16), as Triton's launcher specializes them.
     aligned = [name for name in types if name.startswith(("width_", "stride_"))
                or name in ("up_offset", "split", "tail_offset")]

@@ -35,8 +35,9 @@ def compile_for(
     aligned: Collection[str] = (), arch: int = 90,
 ) -> ResourceUsage:
     """Compile ``kernel`` (a ``triton.jit`` function) for CUDA ``sm_{arch}``: ``types`` the runtime arguments'
-    Triton types (``"*bf16"``, ``"i32"``), ``constexprs`` the ``tl.constexpr`` ones' values. Raises what Triton's
-    compiler raises where the kernel does not compile."""
+    Triton types (``"*bf16"``, ``"i32"``), ``constexprs`` the ``tl.constexpr`` ones' values and the integer arguments
+    that Triton's launcher specializes as constants (those equal to 1: a unit stride). Raises what Triton's compiler
+    raises where the kernel does not compile."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

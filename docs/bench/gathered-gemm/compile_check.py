@@ -9,7 +9,7 @@ import triton
 
 from relay_compile.kernels import gathered_grouped_mm as gemm
 
-ROWS = [  # (epilogue, gather, rows stored or projections saved, configs)
+ROWS = [  # (epilogue, gather, rows stored or projections saved, configs); weights contiguous along K but for g = dy @ w2
     ("store", True, False, [None, (128, 256, 32, 8, 8, 5)]),
     ("store", True, True, [None]),
     ("scatter", False, False, [None]),
@@ -25,7 +25,8 @@ print("|---|---|---|---|---:|---:|---:|---:|")
 for epilogue, gather, store_rows, configs in ROWS:
     for config in configs:
         usage = gemm.compile_offline(epilogue, gather=gather, store_rows=store_rows and epilogue != "swiglu",
-                                     save=store_rows and epilogue == "swiglu", config=config)
+                                     save=store_rows and epilogue == "swiglu", config=config,
+                                     k_contiguous=not (epilogue == "store" and store_rows))
         name = f"{config or gemm._CONFIGS[epilogue]}{'' if config else ' (default)'}"
         print(f"| {epilogue} | {gather} | {store_rows} | {name} | {usage.registers} | {usage.stack_bytes} | "
               f"{usage.shared_bytes / 1024:.0f} | {usage.async_copies} |", flush=True)
