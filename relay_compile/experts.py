@@ -576,7 +576,8 @@ class GroupedFFN:
         (a padded chunk's gather), which the SwiGLU backward overwrites with their gradients instead of writing
         those to a buffer of their own. ``dx_into`` (where ``adds_in_gemm``): ``dx`` is added there by its GEMM
         and None is returned in its place. ``activation_in_gemm`` (where ``reads_at_indices``): SwiGLU's backward
-        runs in the recomputed first projection's epilogue. The rows are gathered (``_rows``)."""
+        runs in the recomputed first projection's epilogue, and that GEMM and ``dy @ w2`` read the rows at ``tok_S``
+        and store them for the weight gradients; else the rows are gathered first (``_rows``)."""
         assert self.has_fused_backward, f"expert_ffn[{self.activation}]: no fused backward"
         # dx is added by its GEMM's epilogue where the rows are grouped by the device offsets (batched equal groups
         # keep their batched GEMMs, and dx is added after).

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from relay_compile.kernels import gathered_grouped_mm as gathered_kernel
 from relay_compile.kernels import grouped_weight_grad as grouped_weight_grad_kernel
-from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.kernels import swiglu_gemm
+from relay_compile.kernels.scatter_add_rows import scatter_add_rows_
 from relay_compile.kernels.swiglu_backward import swiglu_backward_
 from relay_compile.kernels.swiglu_forward import swiglu_forward
 
@@ -163,12 +163,6 @@ def grouped_swiglu(
     return swiglu_forward(h13_SU)
 
 
-def swiglu_in_gemm(x_SD: Tensor, w13_EUD: Tensor) -> bool:
-    """Whether the backward's recomputed first projection of rows like ``x_SD`` can run SwiGLU's backward in its
-    epilogue (``grouped_swiglu_backward_``): the kernel runs (CUDA, 16-bit, Triton)."""
-    return gathered_kernel.applies(x_SD, w13_EUD.transpose(-2, -1), "swiglu_backward")
-
-
 def grouped_matmul_keeping_rows(
     x_SD: Rows, w_EDO: Tensor, offsets_E: Tensor | None, counts_E: Sequence[int] | None
 ) -> tuple[Tensor, Tensor]:
@@ -194,10 +188,11 @@ def grouped_swiglu_backward_(
     ``GatheredRows`` read at their indices and stored for the weight gradient, as
     ``grouped_matmul_keeping_rows``), else the gathered rows' GEMM, then ``swiglu_backward_`` in place over it."""
     source, idx = (x_SD.source_TD, x_SD.index_S) if isinstance(x_SD, GatheredRows) else (x_SD, None)
-    if offsets_E is not None and swiglu_in_gemm(source, w13_EUD):
+    w_EDU = w13_EUD.transpose(-2, -1)
+    if offsets_E is not None and gathered_kernel.applies(source, w_EDU, "swiglu_backward"):
         rows_SD = None if idx is None else source.new_empty(x_SD.shape)
         dh13_SU, d_score_S = swiglu_gemm.grouped_swiglu_backward_(
-            source, idx, w13_EUD.transpose(-2, -1), offsets_E, g_SF, score_S, d_score_out, rows_out=rows_SD)
+            source, idx, w_EDU, offsets_E, g_SF, score_S, d_score_out, rows_out=rows_SD)
         return dh13_SU, d_score_S, source if rows_SD is None else rows_SD
     rows_SD = gathered(x_SD)
     h13_SU = grouped_linear(rows_SD, w13_EUD, offsets_E, counts_E)

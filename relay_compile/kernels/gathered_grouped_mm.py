@@ -6,10 +6,9 @@ by the GEMM: on one H100 at EP=8, 65536 tokens per rank, the step's row gathers 
 (docs/BENCHMARKS.md, "Where the ring's last 5% goes"). This kernel reads each row straight from ``a`` at its index
 instead (option ``gather_in_gemm``: 676 against 777 us for a gather and ``_grouped_mm`` at that hop's first
 projection; in the backward it also stores the rows it read, ``rows_out``, for the weight gradients, which ran 1.6x
-slower reading rows at their indices): a program per
-(expert's row tile, output tile), the tiles of every expert laid end to end (each expert's rows from the int32
-prefix sums ``offsets_E`` on the device: no host counts, no sync), swizzled by ``GROUP_M`` row tiles so that a row
-tile is read from HBM about once for all output tiles. Rows past ``offsets_E[-1]`` are not written
+slower reading rows at their indices): a program per (expert's row tile, output tile), the tiles of every expert
+laid end to end (each expert's rows from the int32 prefix sums ``offsets_E`` on the device: no host counts, no
+sync), swizzled by ``GROUP_M`` row tiles so that a row tile is read from HBM about once for all output tiles. Rows past ``offsets_E[-1]`` are not written
 (``torch._grouped_mm``'s contract).
 
 Four epilogues (``Epilogue``): ``store`` the product rows; ``scatter`` add them, scaled, into an fp32 sum at the

@@ -60,10 +60,9 @@ def grouped_weight_grad_(
 ) -> None:
     """``out[e] += dy_e^T x_e`` (``accumulate``) or ``out[e] = dy_e^T x_e`` for the row groups that end at the int32
     prefix sums ``offsets_E``; one launch (``applies``), else ``reference``. ``dy_idx_S`` / ``x_idx_S``: the sorted
-    rows are ``dy[dy_idx]`` / ``x[x_idx]``, read at their indices (no gathered buffer). The ring does not: read
-    inside the loop over rows, each index is a load the next load waits on, and ``x`` read so ran 1.6x slower than
-    a gather and this kernel on the gathered rows (one H100; docs/bench/gathered-gemm/gathered_gemm.py measures
-    it)."""
+    rows are ``dy[dy_idx]`` / ``x[x_idx]``, read at their indices (no gathered buffer). The ring does not: ``x``
+    read so ran 1.6x slower than a gather and this kernel on the gathered rows (one H100;
+    docs/bench/gathered-gemm/gathered_gemm.py measures it; why is not profiled)."""
     if not applies(dy_SO, x_SI, out_EOI.dtype, out_EOI):
         reference(dy_SO, x_SI, offsets_E, out_EOI, accumulate=accumulate, dy_idx_S=dy_idx_S, x_idx_S=x_idx_S)
         return

@@ -97,7 +97,7 @@ def grouped_swiglu_backward_(
     # the offsets sums to zero, as the eager form's).
     dpart_NS = torch.zeros(-(-ffn // block_n), rows, dtype=torch.float32, device=a_TK.device)
     gemm.launch(a_TK, idx_S, b_EKU, offsets_E, dh13_SU, ffn, "swiglu_backward", config, g_SF=g_SF,
-                score_S=score_S.contiguous(), dpart_NS=dpart_NS, rows_out=rows_out)
+                score_S=gemm.as_vector(score_S), dpart_NS=dpart_NS, rows_out=rows_out)
     if d_score_out is None:
         return dh13_SU, dpart_NS.sum(0)
     return dh13_SU, torch.sum(dpart_NS, 0, out=d_score_out)
